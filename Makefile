@@ -1,0 +1,29 @@
+# Every target does its own set-up: a fresh clone needs nothing but python3 (>= 3.10).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install test demo lint clean
+
+install: $(STAMP)
+
+# --system-site-packages keeps a torch the machine already has (a CUDA build on a GPU box);
+# only where none is importable do we install the CPU build, torch==2.13.0.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m acco.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check acco tests main.py
+
+clean:
+	rm -rf $(VENV) outputs build *.egg-info
