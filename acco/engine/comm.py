@@ -1,0 +1,148 @@
+"""The comm round (spec: "One communication round") and the background worker that overlaps it.
+
+A round takes a flat gradient payload and its statistics (summed loss weight, summed loss,
+micro-batch count, data-exhausted flag) and, on every worker:
+  1. all-gathers the statistics (the spec's count all-reduce, keeping per-worker counts),
+  2. reduce-scatters the payload (sum): this worker receives its shard,
+  3. divides by the global weight N (an average over every micro-batch of every worker),
+  4. runs AdamW on its fp32 master shard, committed or as a trial,
+  5. all-gathers the new shard into the output vector.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from acco.engine import collectives
+from acco.engine.config import EngineConfig
+from acco.engine.flat import FlatParams
+from acco.engine.optim import ShardedAdamW, learning_rate
+
+# Layout of the per-worker statistics vector that travels with each payload.
+WEIGHT, LOSS, MICRO_BATCHES, EXHAUSTED = range(4)
+N_STATS = 4
+
+
+def new_stats(device: torch.device) -> torch.Tensor:
+    return torch.zeros(N_STATS, dtype=torch.float64, device=device)
+
+
+@dataclass
+class RoundResult:
+    committed: bool
+    lr: float
+    loss: float  # weighted mean loss of the payload's micro-batches, all workers
+    micro_batches: list[int]  # per worker
+    samples: int  # committed micro-batches over all workers so far (after this round)
+    step: int  # committed updates so far (after this round)
+    exhausted: bool  # some worker ran out of data
+    busy_s: float  # wall time of the round, collectives and optimizer
+
+
+class CommRound:
+    """Collectives + sharded optimizer for one worker. Runs in whichever thread calls it."""
+
+    def __init__(self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None):
+        self.cfg = cfg
+        self.group = group
+        self.layout = flat.layout
+        self.world_size = flat.layout.world_size
+        shard = flat.params[flat.shard]
+        device = flat.params.device
+        self.master = shard.detach().to(torch.float32, copy=True)
+        self.optimizer = ShardedAdamW(self.master, cfg)
+        # Preallocated shard-sized buffers: nothing model-sized is allocated per round.
+        self.grad_shard = torch.empty_like(self.master)  # fp32 gradient the optimizer reads
+        lowp = flat.dtype != torch.float32
+        self.recv_shard = torch.empty_like(shard) if lowp else self.grad_shard
+        self.send_shard = torch.empty_like(shard)  # new parameters, model dtype
+        self.stats_all = torch.zeros(self.world_size * N_STATS, dtype=torch.float64, device=device)
+        self.samples = 0
+        self.step = 0
+        # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
+        self.delay_hook: Callable[[], None] | None = None
+
+    def run(self, payload: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, commit: bool) -> RoundResult:
+        start = time.perf_counter()
+        if self.world_size > 1:
+            dist.all_gather_into_tensor(self.stats_all, stats, group=self.group)
+            collectives.reduce_scatter(self.recv_shard, payload, group=self.group)
+        else:
+            self.stats_all.copy_(stats)
+            self.recv_shard.copy_(payload[: self.layout.shard_numel])
+        # The only host read of a round: the comm side waits here, the compute side never does.
+        per_worker = self.stats_all.view(self.world_size, N_STATS).tolist()
+        weight = sum(row[WEIGHT] for row in per_worker)
+        micro_batches = [int(row[MICRO_BATCHES]) for row in per_worker]
+        batch = sum(micro_batches)
+        lr = learning_rate(self.cfg, self.samples, batch)
+        if self.recv_shard is not self.grad_shard:
+            self.grad_shard.copy_(self.recv_shard)
+        if weight > 0:
+            self.grad_shard.div_(weight)
+            if commit:
+                self.optimizer.commit(self.grad_shard, lr)
+                self.send_shard.copy_(self.master)
+            else:
+                self.optimizer.trial(self.grad_shard, lr, out=self.send_shard)
+        else:  # nobody had data: nothing to apply
+            self.send_shard.copy_(self.master)
+        if commit and weight > 0:
+            self.samples += batch
+            self.step += 1
+        if self.delay_hook is not None:
+            self.delay_hook()
+        if self.world_size > 1:
+            collectives.all_gather(out, self.send_shard, group=self.group)
+        else:
+            out[: self.layout.shard_numel].copy_(self.send_shard)
+        return RoundResult(
+            committed=commit,
+            lr=lr,
+            loss=sum(row[LOSS] for row in per_worker) / weight if weight > 0 else float("nan"),
+            micro_batches=micro_batches,
+            samples=self.samples,
+            step=self.step,
+            exhausted=any(row[EXHAUSTED] > 0 for row in per_worker),
+            busy_s=time.perf_counter() - start,
+        )
+
+
+class BackgroundComm:
+    """Runs comm rounds on one background thread; on CUDA also on a side stream.
+
+    The compute stream only records an event for the comm stream to wait on: no host sync on the
+    compute side. The comm thread synchronises its own stream before reporting a round done, so
+    `Future.done()` means the new parameters are really there.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        init = (lambda: torch.cuda.set_device(device)) if self.cuda else None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-comm", initializer=init)
+
+    def submit(self, round_fn: Callable[[], RoundResult]) -> Future:
+        if not self.cuda:
+            return self.executor.submit(round_fn)
+        payload_ready = torch.cuda.Event()
+        payload_ready.record(torch.cuda.current_stream(self.device))
+
+        def on_side_stream() -> RoundResult:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(payload_ready)
+                result = round_fn()
+                self.stream.synchronize()
+            return result
+
+        return self.executor.submit(on_side_stream)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,89 @@
+"""What the engine is told (EngineConfig) and what it reports after each optimizer update (UpdateRecord)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp")
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
+class ConfigError(ValueError):
+    """A configuration value the engine cannot run with."""
+
+
+@dataclass
+class EngineConfig:
+    method: str = "acco"
+    # Minimum micro-batches a worker computes per comm round. ddp/torch-ddp/dpu/wp: per update;
+    # acco: per round, and one update takes two rounds (so acco k matches ddp 2k).
+    n_grad_accumulation: int = 1
+    # Budget: total micro-batch gradients over all workers that enter committed updates.
+    nb_steps_tot: int = 100
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    scheduler_name: str = "cosine"
+    # Warm-up length in the same unit as nb_steps_tot (micro-batches over all workers), so the
+    # schedule is the same function of data seen for every method and every worker speed.
+    warmup: int = 0
+    use_mixed_precision: bool = False
+    # Keep computing micro-batches until the comm round has finished (the paper's default).
+    # False: exactly n_grad_accumulation per round (fixed batch, for exact comparisons).
+    accumulate_while_waiting: bool = True
+    # That many first updates of an overlapped method run as sequential ddp.
+    n_warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.scheduler_name not in SCHEDULERS:
+            raise ConfigError(
+                f"unknown scheduler_name {self.scheduler_name!r}; choose one of {', '.join(SCHEDULERS)}"
+            )
+        for name in ("n_grad_accumulation", "nb_steps_tot"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate!r}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.warmup < 0 or self.n_warmup_steps < 0:
+            raise ConfigError("warmup and n_warmup_steps must be >= 0")
+
+    @classmethod
+    def from_mapping(cls, values) -> EngineConfig:
+        """Build from any mapping that has (a superset of) the fields; `method_name` is accepted too."""
+        values = dict(values)
+        if "method" not in values and "method_name" in values:
+            values["method"] = values["method_name"]
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+@dataclass
+class UpdateRecord:
+    """One committed optimizer update, as every worker sees it (identical on all ranks but the timers)."""
+
+    step: int  # committed updates so far, this one included
+    samples: int  # micro-batches over all workers in committed updates so far
+    loss: float  # weighted mean training loss over this update's micro-batches, all workers
+    lr: float
+    micro_batches: list[int] = field(default_factory=list)  # this update's micro-batches, per worker
+    compute_s: float = 0.0  # this worker's time computing gradients for this update
+    wait_s: float = 0.0  # this worker's time waiting for the comm round (idle)
+    comm_s: float = 0.0  # comm rounds' busy time for this update (collectives + optimizer step)
+    wall_time: float = 0.0  # seconds since the engine's run started
+
+    @property
+    def batch_micro_batches(self) -> int:
+        return sum(self.micro_batches)

@@ -1,0 +1,222 @@
+"""ddp (ZeRO-1), dpu, wp and acco: one loop, four schedules of the same comm round.
+
+Read this file with the spec's tables (shared docs, algorithm.md) beside it:
+
+    method  rounds, in order        at a round's launch the accumulator is   swap-in writes
+    ddp     commit (no overlap)     zeroed                                   theta_{t+1}
+    dpu     commit                  zeroed                                   theta_{t+1}
+    wp      commit                  zeroed                                   2 theta_{t+1} - theta_t
+    acco    trial, commit, ...      kept (trial) / zeroed (commit)           theta~_{t+1} / theta_{t+1}
+
+Overlapped methods first compute one payload with no overlap (acco: g~_0 at theta_0), then loop:
+launch a round on the payload, keep computing micro-batches until it is done (at least
+`n_grad_accumulation`), wait, and swap the round's parameters into the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, WEIGHT, BackgroundComm, CommRound, RoundResult, new_stats
+from acco.engine.config import EngineConfig, UpdateRecord
+from acco.engine.flat import FlatParams
+
+# loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
+# the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
+# over micro-batches; return (sum of token losses, number of target tokens) for a per-token mean).
+LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
+
+_END = object()
+
+
+def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class DecoupledEngine:
+    """Trains `module` in place with ddp, dpu, wp or acco; `run` yields one UpdateRecord per update."""
+
+    def __init__(self, module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None):
+        if cfg.method == "torch-ddp":
+            raise ValueError("torch-ddp runs on TorchDDPEngine; use acco.engine.build_engine")
+        self.cfg = cfg
+        self.module = module
+        self.group = group
+        self.world_size, self.rank = world_of(group)
+        dtype = torch.bfloat16 if cfg.use_mixed_precision else torch.float32
+        self.flat = FlatParams(module, dtype, self.world_size, self.rank)
+        self.device = self.flat.params.device
+        if self.world_size > 1:  # identical initial weights everywhere
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            dist.broadcast(self.flat.params, src=src, group=group)
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=src, group=group)
+        self.comm = CommRound(self.flat, cfg, group)
+        self.overlapped = cfg.method != "ddp"
+        self.stats = new_stats(self.device)  # statistics of what the accumulator holds
+        if self.overlapped:
+            self.comm_buf = torch.zeros_like(self.flat.params)  # payload out, parameters back
+            self.payload_stats = new_stats(self.device)
+            self.background = BackgroundComm(self.device)
+        # wp extrapolates from the last committed parameters, kept in full on every worker.
+        self.committed = self.flat.params.clone() if cfg.method == "wp" else None
+        self._inflight: list[torch.cuda.Event] = []
+
+    # ---- the computation side -------------------------------------------------------------
+
+    def _micro_step(self, batch: Any, loss_fn: LossFn) -> None:
+        out = loss_fn(self.module, batch)
+        loss, weight = out if isinstance(out, tuple) else (out, 1.0)
+        loss.backward()
+        self.stats[WEIGHT] += weight
+        self.stats[LOSS] += loss.detach()
+        self.stats[MICRO_BATCHES] += 1
+        if self.device.type == "cuda":
+            # Bound how far the host runs ahead of the GPU, so that "is the round done yet?"
+            # is asked at the pace of real computation; the GPU always has one queued.
+            event = torch.cuda.Event()
+            event.record()
+            self._inflight.append(event)
+            if len(self._inflight) > 2:
+                self._inflight.pop(0).synchronize()
+
+    def _accumulate(self, batches: Iterator, loss_fn: LossFn, minimum: int, round_in_flight=None) -> float:
+        """Compute micro-batches into the accumulator; returns the seconds spent."""
+        start = time.perf_counter()
+        n = 0
+        keep_going = round_in_flight is not None and self.cfg.accumulate_while_waiting
+        while n < minimum or (keep_going and not round_in_flight.done()):
+            batch = next(batches, _END)
+            if batch is _END:
+                self.stats[EXHAUSTED] = 1
+                break
+            self._micro_step(batch, loss_fn)
+            n += 1
+        return time.perf_counter() - start
+
+    # ---- one update without overlap (ddp, and the warm-up of overlapped methods) --------------
+
+    def _sequential_update(self, batches: Iterator, loss_fn: LossFn, n: int) -> UpdateRecord:
+        compute_s = self._accumulate(batches, loss_fn, n)
+        start = time.perf_counter()
+        result = self.comm.run(self.flat.grads, self.stats, self.flat.params, commit=True)
+        wait_s = time.perf_counter() - start
+        self.flat.grads.zero_()
+        self.stats.zero_()
+        if self.committed is not None:
+            self.committed.copy_(self.flat.params)
+        return self._record(result, compute_s, wait_s, result.busy_s)
+
+    # ---- overlapped rounds -----------------------------------------------------------------
+
+    def _launch(self, commit: bool):
+        """Swap-out: the accumulator becomes the payload; zero it unless this is acco's trial round."""
+        self.comm_buf.copy_(self.flat.grads)
+        self.payload_stats.copy_(self.stats)
+        if commit:
+            self.flat.grads.zero_()
+            self.stats.zero_()
+        return self.background.submit(
+            lambda: self.comm.run(self.comm_buf, self.payload_stats, self.comm_buf, commit)
+        )
+
+    def _swap_in(self, commit: bool) -> None:
+        if self.committed is not None and commit:  # wp: compute at the predicted weights
+            torch.lerp(self.committed, self.comm_buf, 2.0, out=self.flat.params)
+            self.committed.copy_(self.comm_buf)
+        else:
+            self.flat.params.copy_(self.comm_buf)
+
+    def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
+        """Train until `nb_steps_tot` micro-batches over all workers are committed, or data runs out.
+
+        Between two yielded records no comm round is in flight and the model holds the committed
+        parameters (see `committed_params` for wp), so the caller may evaluate or checkpoint.
+        """
+        cfg = self.cfg
+        batches = iter(batches)
+        self._t0 = time.perf_counter()
+        self.flat.check_grad_views()
+        rounds = (False, True) if cfg.method == "acco" else (True,)  # commit flags, in order
+        per_update = cfg.n_grad_accumulation * len(rounds)
+
+        def finished() -> bool:
+            return self.comm.samples >= cfg.nb_steps_tot or self._exhausted
+
+        self._exhausted = False
+        n_sequential = cfg.n_warmup_steps if self.overlapped else float("inf")
+        while self.comm.step < n_sequential:
+            yield self._sequential_update(batches, loss_fn, per_update)
+            if finished():
+                self._finish()
+                return
+
+        # Warm start: the first payload is computed with nothing to overlap.
+        compute_s = self._accumulate(batches, loss_fn, cfg.n_grad_accumulation)
+        wait_s = comm_s = 0.0
+        for i in itertools.count():
+            commit = rounds[i % len(rounds)]
+            handle = self._launch(commit)
+            compute_s += self._accumulate(batches, loss_fn, cfg.n_grad_accumulation, handle)
+            start = time.perf_counter()
+            result: RoundResult = handle.result()
+            wait_s += time.perf_counter() - start
+            comm_s += result.busy_s
+            self._swap_in(commit)
+            if not commit:
+                continue
+            record = self._record(result, compute_s, wait_s, comm_s)
+            compute_s = wait_s = comm_s = 0.0
+            yield record
+            if finished():
+                break
+        self._finish()
+
+    def _record(self, result: RoundResult, compute_s: float, wait_s: float, comm_s: float) -> UpdateRecord:
+        self._exhausted = result.exhausted
+        return UpdateRecord(
+            step=result.step,
+            samples=result.samples,
+            loss=result.loss,
+            lr=result.lr,
+            micro_batches=result.micro_batches,
+            compute_s=compute_s,
+            wait_s=wait_s,
+            comm_s=comm_s,
+            wall_time=time.perf_counter() - self._t0,
+        )
+
+    def _finish(self) -> None:
+        # Work computed during the last round belongs to no committed update: drop it.
+        self.flat.grads.zero_()
+        self.stats.zero_()
+        if self.committed is not None:
+            self.flat.params.copy_(self.committed)
+        self._inflight.clear()
+
+    @contextlib.contextmanager
+    def committed_params(self):
+        """The model holds the last committed parameters inside this block (wp computes elsewhere)."""
+        if self.committed is None:
+            yield self.module
+            return
+        predicted = self.flat.params.clone()
+        self.flat.params.copy_(self.committed)
+        try:
+            yield self.module
+        finally:
+            self.flat.params.copy_(predicted)
+
+    def close(self) -> None:
+        if self.overlapped:
+            self.background.close()

@@ -1,0 +1,75 @@
+"""Flat parameter and gradient buffers, and the ZeRO-1 shard layout.
+
+Every trainable parameter of the module becomes a view of one flat vector, and its `.grad` a view
+of another, so that a whole model is moved, zeroed, reduced or copied with one tensor operation.
+Both vectors are padded to a multiple of the world size: worker i owns the i-th contiguous slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    numel: int  # real number of parameters P
+    world_size: int
+    rank: int
+
+    @property
+    def padded_numel(self) -> int:
+        return -(-self.numel // self.world_size) * self.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def shard_slice(self) -> slice:
+        start = self.rank * self.shard_numel
+        return slice(start, start + self.shard_numel)
+
+
+class FlatParams:
+    """Owns `params` and `grads`, flat padded vectors that the module's parameters and grads view."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, world_size: int, rank: int):
+        self.module = module
+        module.to(dtype=dtype)  # bf16 mode: the model itself runs in bf16, as in the spec
+        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError("the module has no trainable parameters")
+        device = self.trainable[0].device
+        numel = sum(p.numel() for p in self.trainable)
+        self.layout = ShardLayout(numel, world_size, rank)
+        self.dtype = dtype
+        self.params = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        self.grads = torch.zeros_like(self.params)
+        offset = 0
+        for p in self.trainable:
+            n = p.numel()
+            view = self.params[offset : offset + n].view_as(p)
+            view.copy_(p.detach())
+            # Re-point the parameter at the flat storage; autograd then accumulates into the
+            # .grad view below in place, as long as nobody sets .grad to None.
+            p.data = view
+            p.grad = self.grads[offset : offset + n].view_as(p)
+            offset += n
+
+    def check_grad_views(self) -> None:
+        """Fail loudly if something (e.g. zero_grad(set_to_none=True)) detached a .grad from the flat buffer."""
+        lo = self.grads.data_ptr()
+        hi = lo + self.grads.numel() * self.grads.element_size()
+        for p in self.trainable:
+            if p.grad is None or not lo <= p.grad.data_ptr() < hi:
+                raise RuntimeError(
+                    "a parameter's .grad no longer views the engine's flat gradient buffer; "
+                    "do not call zero_grad(set_to_none=True) or assign .grad on an engine-managed module"
+                )
+
+    @property
+    def shard(self) -> slice:
+        return self.layout.shard_slice

@@ -1,0 +1,101 @@
+"""Sharded AdamW on this worker's fp32 master shard (commit and trial steps) and the LR schedule.
+
+The commit step is torch's own AdamW on one flat fp32 tensor. The trial step computes the very
+same update functionally, writing the would-be parameters into an output buffer and leaving the
+master shard, the moments, the step count and the schedule exactly as they were: ACCO's estimate
+round needs no copy of the optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from acco.engine.config import EngineConfig
+
+
+def learning_rate(cfg: EngineConfig, samples_before: int, batch: int) -> float:
+    """LR of an update that consumes `batch` micro-batches after `samples_before` were committed.
+
+    Advanced by samples, not by updates, so every method and every worker speed follows the same
+    schedule as a function of data seen. Warm-up counts this update's batch (the first update
+    already moves); the decay starts from the samples before it.
+    """
+    lr = cfg.learning_rate
+    if cfg.warmup > 0 and samples_before < cfg.warmup:
+        return lr * min(1.0, (samples_before + batch) / cfg.warmup)
+    if cfg.scheduler_name == "constant":
+        return lr
+    span = max(1, cfg.nb_steps_tot - cfg.warmup)
+    progress = min(1.0, max(0.0, (samples_before - cfg.warmup) / span))
+    if cfg.scheduler_name == "linear":
+        return lr * (1.0 - progress)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class ShardedAdamW:
+    """AdamW over one flat fp32 master shard."""
+
+    def __init__(self, master: torch.Tensor, cfg: EngineConfig):
+        self.master = master
+        self.beta1, self.beta2 = cfg.adam_beta1, cfg.adam_beta2
+        self.eps, self.weight_decay = cfg.adam_eps, cfg.weight_decay
+        fused = master.is_cuda  # one kernel for the whole shard on GPU
+        self.opt = torch.optim.AdamW(
+            [master],
+            lr=cfg.learning_rate,
+            betas=(self.beta1, self.beta2),
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            foreach=False,
+            fused=fused or None,
+        )
+        # Moments exist from the start (torch creates them lazily) so trial steps can read them
+        # and checkpoints always have them.
+        state = self.opt.state[master]
+        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device if fused else "cpu")
+        state["exp_avg"] = torch.zeros_like(master)
+        state["exp_avg_sq"] = torch.zeros_like(master)
+        self._work = torch.empty_like(master)  # trial-step workspace, allocated once
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.opt.state[self.master]["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.opt.state[self.master]["exp_avg_sq"]
+
+    @property
+    def step_count(self) -> int:
+        return int(self.opt.state[self.master]["step"].item())
+
+    def commit(self, grad: torch.Tensor, lr: float) -> None:
+        """One real AdamW step: master, moments and step count advance."""
+        self.master.grad = grad
+        self.opt.param_groups[0]["lr"] = lr
+        self.opt.step()
+        self.master.grad = None
+
+    def trial(self, grad: torch.Tensor, lr: float, out: torch.Tensor) -> None:
+        """Write what commit(grad, lr) would make of the master shard into `out`; change no state.
+
+        `grad` is used as scratch space and is clobbered.
+        """
+        step = self.step_count + 1
+        bias_correction1 = 1 - self.beta1**step
+        bias_correction2_sqrt = math.sqrt(1 - self.beta2**step)
+        m = torch.lerp(self.exp_avg, grad, 1 - self.beta1, out=self._work)
+        v = grad.mul_(grad).mul_(1 - self.beta2).add_(self.exp_avg_sq, alpha=self.beta2)
+        denom = v.sqrt_().div_(bias_correction2_sqrt).add_(self.eps)
+        m.div_(denom).mul_(-lr / bias_correction1).add_(self.master, alpha=1 - lr * self.weight_decay)
+        out.copy_(m)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "master": self.master,
+            "exp_avg": self.exp_avg,
+            "exp_avg_sq": self.exp_avg_sq,
+            "step": self.opt.state[self.master]["step"],
+        }

@@ -1,0 +1,140 @@
+"""torch-ddp: what a PyTorch user would run instead of acco.
+
+torch's DistributedDataParallel (bucketed all-reduce overlapped with backward) with
+ZeroRedundancyOptimizer(AdamW), the same hyper-parameters, budget and LR schedule as the other
+methods. Mixed precision is the usual PyTorch recipe: fp32 parameters, bf16 autocast, and
+gradients all-reduced in bf16 (DDP's bf16 compression hook) so the wire carries what acco's does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, new_stats
+from acco.engine.config import EngineConfig, UpdateRecord
+from acco.engine.decoupled import LossFn, world_of
+from acco.engine.optim import learning_rate
+
+_END = object()
+
+
+class TorchDDPEngine:
+    def __init__(self, module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("torch-ddp needs an initialised process group (torch.distributed)")
+        self.cfg = cfg
+        self.module = module
+        self.group = group
+        self.world_size, self.rank = world_of(group)
+        self.device = next(module.parameters()).device
+        module.to(torch.float32)
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        # DDP broadcasts rank 0's parameters and buffers at construction.
+        self.ddp = DistributedDataParallel(
+            module, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True
+        )
+        if cfg.use_mixed_precision:
+            self.ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        self.optimizer = ZeroRedundancyOptimizer(
+            [p for p in module.parameters() if p.requires_grad],
+            optimizer_class=torch.optim.AdamW,
+            process_group=group,
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.stats = new_stats(self.device)
+        self.samples = 0
+        self.step = 0
+
+    def _autocast(self):
+        if not self.cfg.use_mixed_precision:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _take(self, batches: Iterator, n: int) -> list:
+        taken = []
+        for _ in range(n):
+            batch = next(batches, _END)
+            if batch is _END:
+                break
+            taken.append(batch)
+        return taken
+
+    def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
+        cfg = self.cfg
+        batches = iter(batches)
+        t0 = time.perf_counter()
+        n = cfg.n_grad_accumulation
+        # Every rank must know before a backward that every other rank will run it too (DDP's
+        # collectives would hang otherwise): the next update's micro-batches are fetched first,
+        # and whether everyone has them travels with the statistics all-reduce.
+        upcoming = self._take(batches, n)
+        ready = torch.tensor([float(len(upcoming) < n)], device=self.device)
+        dist.all_reduce(ready, group=self.group)
+        exhausted = ready.item() > 0
+        while not exhausted:
+            start = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=False)
+            self.stats.zero_()
+            for k, batch in enumerate(upcoming):
+                sync = k == n - 1
+                with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
+                    out = loss_fn(self.ddp, batch)
+                loss, weight = out if isinstance(out, tuple) else (out, 1.0)
+                loss.backward()
+                self.stats[WEIGHT] += weight
+                self.stats[LOSS] += loss.detach()
+                self.stats[MICRO_BATCHES] += 1
+            compute_s = time.perf_counter() - start
+            start = time.perf_counter()
+            upcoming = self._take(batches, n)
+            self.stats[EXHAUSTED] = float(len(upcoming) < n)
+            table = torch.empty(self.world_size * N_STATS, dtype=self.stats.dtype, device=self.device)
+            dist.all_gather_into_tensor(table, self.stats, group=self.group)
+            table = table.view(self.world_size, N_STATS).tolist()
+            weight = sum(row[WEIGHT] for row in table)
+            micro_batches = [int(row[MICRO_BATCHES]) for row in table]
+            batch = sum(micro_batches)
+            # DDP averaged the summed gradients over workers; make it a mean over the weight. (The
+            # list is rebuilt each time: DDP re-buckets, and re-points .grad, after its first step.)
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, self.world_size / weight)
+            lr = learning_rate(cfg, self.samples, batch)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()  # each rank steps its shard, then broadcasts it
+            self.samples += batch
+            self.step += 1
+            step_s = time.perf_counter() - start
+            exhausted = any(row[EXHAUSTED] > 0 for row in table)
+            yield UpdateRecord(
+                step=self.step,
+                samples=self.samples,
+                loss=sum(row[LOSS] for row in table) / weight,
+                lr=lr,
+                micro_batches=micro_batches,
+                compute_s=compute_s,
+                wait_s=step_s,
+                comm_s=step_s,
+                wall_time=time.perf_counter() - t0,
+            )
+            if self.samples >= cfg.nb_steps_tot:
+                break
+
+    @contextlib.contextmanager
+    def committed_params(self):
+        yield self.module
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,300 @@
+"""Every method, run on real gloo processes, equals a plain single-process reference of the spec.
+
+The references below are written the plain way: one model, torch.optim.AdamW, gradients summed
+micro-batch by micro-batch at the parameters the spec says, trial steps computed on a deep copy.
+The engine runs with fixed micro-batch counts (accumulate_while_waiting off) so that which
+micro-batch lands in which round is known; `test_time_varying_counts` covers the other mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_distributed
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from acco.engine import EngineConfig, build_engine
+from acco.engine.optim import learning_rate
+
+MICRO_BATCH = 4
+
+
+class TinyBlock(nn.Module):
+    """A transformer encoder block and a head: attention, layer norms, MLP.
+
+    No biases in the block: the key bias's gradient is zero in exact arithmetic, and Adam turns
+    its rounding noise into full-size steps that no two summation orders agree on.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(
+            8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True, bias=False
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return TinyBlock()
+
+
+def micro_batch(kind: str, index: int):
+    gen = torch.Generator().manual_seed(10_000 + index)
+    shape = (MICRO_BATCH, 8) if kind == "mlp" else (MICRO_BATCH, 5, 8)
+    x = torch.randn(shape, generator=gen)
+    y = torch.sin(x[..., :4] * 1.5) + 0.1 * torch.randn(x[..., :4].shape, generator=gen)
+    return x, y
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def stream(kind: str, rank: int, world: int):
+    """Worker `rank` reads global micro-batches rank, rank + W, rank + 2W, ..."""
+    for j in itertools.count():
+        yield micro_batch(kind, j * world + rank)
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(
+        learning_rate=2e-2,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        scheduler_name="cosine",
+        warmup=4,
+        accumulate_while_waiting=False,
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def run_engine(rank, world, kind, cfgs, delay_s=0.0):
+    """Runs on every rank: train a fresh model with each config, return final params and records."""
+    out = []
+    for cfg in cfgs:
+        if isinstance(cfg, list):  # per-rank configs
+            cfg = cfg[rank]
+        model = make_model(kind)
+        engine = build_engine(model, cfg)
+        if delay_s:
+            import time
+
+            engine.comm.delay_hook = lambda: time.sleep(delay_s)
+        records = list(engine.run(stream(kind, rank, world), loss_fn))
+        engine.close()
+        out.append((parameters_to_vector(model.parameters()).detach().float(), records))
+    return out
+
+
+class Reference:
+    """Plain single-process AdamW with the spec's operations on flat parameter vectors."""
+
+    def __init__(self, kind: str, cfg: EngineConfig, world: int, counts: list[int]):
+        self.kind, self.cfg, self.world, self.counts = kind, cfg, world, counts
+        self.model = make_model(kind)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.samples = 0
+        self.consumed = [0] * world  # micro-batches read so far by each worker
+        self.losses = []
+
+    def theta(self) -> torch.Tensor:
+        return parameters_to_vector(self.model.parameters()).detach().clone()
+
+    def next_chunk(self, counts=None) -> list[int]:
+        """The global micro-batch indices every worker reads in its next round."""
+        chunk = []
+        for r, n in enumerate(counts or self.counts):
+            chunk += [(self.consumed[r] + j) * self.world + r for j in range(n)]
+            self.consumed[r] += n
+        return chunk
+
+    def grad_sum(self, theta: torch.Tensor, chunk: list[int]) -> tuple[torch.Tensor, float]:
+        """Sum over the chunk's micro-batches of their gradients at theta (and of their losses)."""
+        probe = copy.deepcopy(self.model)
+        vector_to_parameters(theta.clone(), probe.parameters())  # (it makes params views of the vector)
+        total, loss_sum = None, 0.0
+        for i in chunk:
+            probe.zero_grad()
+            loss = loss_fn(probe, micro_batch(self.kind, i))
+            loss.backward()
+            g = parameters_to_vector([p.grad for p in probe.parameters()])
+            total = g if total is None else total + g
+            loss_sum += loss.item()
+        return total, loss_sum
+
+    def _step(self, model, opt, theta, mean_grad, batch):
+        vector_to_parameters(theta.clone(), model.parameters())
+        offset = 0
+        for p in model.parameters():
+            p.grad = mean_grad[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(self.cfg, self.samples, batch)
+        opt.step()
+        return parameters_to_vector(model.parameters()).detach().clone()
+
+    def commit(self, theta, grad_sum, batch):
+        theta = self._step(self.model, self.opt, theta, grad_sum / batch, batch)
+        self.samples += batch
+        return theta
+
+    def trial(self, theta, grad_sum, batch):
+        model, opt = copy.deepcopy((self.model, self.opt))
+        return self._step(model, opt, theta, grad_sum / batch, batch)
+
+    def ddp(self, updates: int, counts=None):
+        theta = self.theta()
+        for _ in range(updates):
+            chunk = self.next_chunk(counts)
+            g, loss = self.grad_sum(theta, chunk)
+            self.losses.append(loss / len(chunk))
+            theta = self.commit(theta, g, len(chunk))
+        return theta
+
+
+def reference_acco(ref: Reference, updates: int) -> torch.Tensor:
+    theta = ref.theta()
+    chunk = ref.next_chunk()
+    g_est, loss_est = ref.grad_sum(theta, chunk)  # warm start: g~_0 at theta_0
+    n_est = len(chunk)
+    for _ in range(updates):
+        # estimate round: theta~_{t+1} = Opt_trial(theta_t, g~_t); meanwhile g_t at theta_t
+        theta_est = ref.trial(theta, g_est, n_est)
+        chunk = ref.next_chunk()
+        g, loss = ref.grad_sum(theta, chunk)
+        # update round: theta_{t+1} = Opt(theta_t, (g~_t + g_t) / N); meanwhile g~_{t+1} at theta~_{t+1}
+        batch = n_est + len(chunk)
+        ref.losses.append((loss_est + loss) / batch)
+        theta = ref.commit(theta, g_est + g, batch)
+        chunk = ref.next_chunk()
+        g_est, loss_est = ref.grad_sum(theta_est, chunk)
+        n_est = len(chunk)
+    return theta
+
+
+def reference_delayed(ref: Reference, updates: int, predict: bool, counts_per_round=None) -> torch.Tensor:
+    """dpu: theta_{k+1} = Opt(theta_k, g(theta_{k-1})); wp: the gradient is taken at the prediction
+    2 theta_{k-1} - theta_{k-2} instead (theta_{-1} = theta_0)."""
+    counts_per_round = counts_per_round or [None] * (updates + 1)
+    thetas = [ref.theta()]
+    chunk = ref.next_chunk(counts_per_round[0])
+    g, loss = ref.grad_sum(thetas[0], chunk)
+    n = len(chunk)
+    computed_at = thetas[0]
+    for k in range(updates):
+        ref.losses.append(loss / n)
+        thetas.append(ref.commit(thetas[-1], g, n))
+        # during round k+1 the model held the parameters swapped in after round k
+        chunk = ref.next_chunk(counts_per_round[k + 1])
+        g, loss = ref.grad_sum(computed_at, chunk)
+        n = len(chunk)
+        if predict:
+            computed_at = 2 * thetas[-1] - thetas[-2]
+        else:
+            computed_at = thetas[-1]
+    return thetas[-1]
+
+
+def assert_close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("kind,world", [("mlp", 2), ("block", 3)])
+def test_methods_equal_their_references(kind, world):
+    n, updates = 2, 6
+    budget_ddp = n * world * updates
+    cfgs = [
+        config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
+        config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
+        config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget_ddp),
+        config(method="dpu", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
+        config(method="wp", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
+    ]
+    results = run_distributed(run_engine, world, kind, cfgs)
+    (ddp, ddp_rec), (tddp, tddp_rec), (acco, acco_rec), (dpu, dpu_rec), (wp, wp_rec) = results[0]
+    for rank_result in results[1:]:  # every worker ends with the same parameters
+        for (theta, _), (theta0, _) in zip(rank_result, results[0]):
+            assert torch.equal(theta, theta0)
+
+    ref = Reference(kind, cfgs[0], world, [n] * world)
+    expected = ref.ddp(updates)
+    assert [r.step for r in ddp_rec] == list(range(1, updates + 1))
+    assert [r.samples for r in ddp_rec] == [n * world * (t + 1) for t in range(updates)]
+    assert_close(ddp, expected, "ddp vs AdamW on the global batches")
+    assert_close(torch.tensor([r.loss for r in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
+    assert_close(tddp, expected, "torch-ddp vs AdamW on the global batches")
+    assert_close(torch.tensor([r.loss for r in tddp_rec]), torch.tensor(ref.losses), "torch-ddp losses")
+
+    ref = Reference(kind, cfgs[2], world, [n // 2] * world)
+    expected = reference_acco(ref, updates)
+    assert len(acco_rec) == updates
+    assert [r.micro_batches for r in acco_rec] == [[n] * world] * updates
+    assert_close(acco, expected, "acco vs the estimate/update reference")
+    assert_close(torch.tensor([r.loss for r in acco_rec]), torch.tensor(ref.losses), "acco losses")
+
+    for name, got, records, predict in (("dpu", dpu, dpu_rec, False), ("wp", wp, wp_rec, True)):
+        ref = Reference(kind, cfgs[0], world, [n] * world)
+        expected = reference_delayed(ref, updates, predict)
+        assert len(records) == updates
+        assert_close(got, expected, f"{name} vs its recurrence")
+        assert_close(torch.tensor([r.loss for r in records]), torch.tensor(ref.losses), f"{name} losses")
+    # The methods differ from each other: the comparisons above are not vacuous.
+    assert not torch.allclose(acco, dpu, atol=1e-4) and not torch.allclose(dpu, wp, atol=1e-4)
+
+
+def test_unequal_counts_give_the_count_weighted_mean():
+    """Worker 0 accumulates 3 micro-batches per round, worker 1 only 1: every gradient counts once."""
+    updates = 5
+    budget = 4 * updates
+    per_rank = [
+        [config(method="ddp", n_grad_accumulation=3, nb_steps_tot=budget), config(method="ddp", n_grad_accumulation=1, nb_steps_tot=budget)],
+        [config(method="dpu", n_grad_accumulation=3, nb_steps_tot=budget), config(method="dpu", n_grad_accumulation=1, nb_steps_tot=budget)],
+    ]
+    (ddp, ddp_rec), (dpu, dpu_rec) = run_distributed(run_engine, 2, "mlp", per_rank)[0]
+    assert [r.micro_batches for r in ddp_rec] == [[3, 1]] * updates
+    expected = Reference("mlp", per_rank[0][0], 2, [3, 1]).ddp(updates)
+    assert_close(ddp, expected, "ddp with counts 3 and 1")
+    expected = reference_delayed(Reference("mlp", per_rank[1][0], 2, [3, 1]), updates, predict=False)
+    assert_close(dpu, expected, "dpu with counts 3 and 1")
+    # Averaging per worker first (the mistake this guards against) would give something else.
+    wrong = Reference("mlp", per_rank[0][0], 2, [3, 1])
+    theta = wrong.theta()
+    chunk = wrong.next_chunk()
+    g0, _ = wrong.grad_sum(theta, chunk[:3])
+    g1, _ = wrong.grad_sum(theta, chunk[3:])
+    per_worker_mean = wrong.commit(theta, (g0 / 3 + g1) / 2 * 4, 4)
+    first = Reference("mlp", per_rank[0][0], 2, [3, 1]).ddp(1)
+    assert not torch.allclose(per_worker_mean, first, atol=1e-5)
+
+
+def test_time_varying_counts_with_accumulate_while_waiting():
+    """With a slow comm round, workers keep accumulating; the update is the mean over all of them."""
+    cfg = config(method="dpu", n_grad_accumulation=1, nb_steps_tot=150, accumulate_while_waiting=True)
+    theta, records = run_distributed(run_engine, 2, "mlp", [cfg], 0.02)[0][0]
+    counts = [r.micro_batches for r in records]
+    assert counts[0] == [1, 1]  # the warm start computes exactly n_grad_accumulation
+    assert any(sum(c) > 2 for c in counts[1:]), f"no worker accumulated while waiting: {counts}"
+    assert records[-1].samples == sum(map(sum, counts)) >= 150
+    # dpu: the micro-batches of update k are those computed during round k-1 (k = 0: warm start).
+    expected = reference_delayed(Reference("mlp", cfg, 2, [1, 1]), len(records), False, counts + [[1, 1]])
+    assert_close(theta, expected, "dpu with time-varying counts")
