@@ -1,0 +1,206 @@
+"""Engine pieces on their own: flat views, sharded AdamW, LR schedule, bf16 buffers, overlap, config."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_distributed
+from torch import nn
+
+from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine.flat import FlatParams, ShardLayout
+from acco.engine.optim import ShardedAdamW, learning_rate
+
+
+def mlp(seed=0, width=16):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 4))
+
+
+def test_shard_layout_pads_to_a_multiple_of_the_world():
+    layout = ShardLayout(numel=10, world_size=3, rank=2)
+    assert layout.padded_numel == 12 and layout.shard_numel == 4
+    assert layout.shard_slice == slice(8, 12)
+
+
+def test_parameters_and_grads_are_views_of_the_flat_buffers():
+    model = mlp()
+    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    flat = FlatParams(model, torch.float32, world_size=3, rank=0)
+    assert flat.params.numel() % 3 == 0 and flat.params.numel() >= before.numel()
+    assert torch.equal(flat.params[: before.numel()], before)
+    F.mse_loss(model(torch.randn(5, 8)), torch.randn(5, 4)).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert grads.abs().sum() > 0
+    assert torch.equal(flat.grads[: grads.numel()], grads)  # backward accumulated in place
+    flat.params.zero_()
+    assert all(p.abs().sum() == 0 for p in model.parameters())
+    flat.check_grad_views()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="flat gradient buffer"):
+        flat.check_grad_views()
+
+
+def _adamw_cfg():
+    return EngineConfig(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95)
+
+
+def test_trial_step_equals_commit_and_leaves_state_bit_identical():
+    torch.manual_seed(0)
+    master = torch.randn(1000)
+    opt = ShardedAdamW(master, _adamw_cfg())
+    for _ in range(3):
+        opt.commit(torch.randn(1000), lr=1e-2)
+    snapshot = {k: v.clone() for k, v in opt.state_tensors().items()}
+    grad = torch.randn(1000)
+    out = torch.empty(1000)
+    opt.trial(grad.clone(), lr=7e-3, out=out)
+    for name, value in opt.state_tensors().items():
+        assert torch.equal(value, snapshot[name]), f"trial step changed {name}"
+    assert opt.step_count == 3
+    opt.commit(grad.clone(), lr=7e-3)
+    torch.testing.assert_close(out, master, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(snapshot["master"], master)
+
+
+def test_commit_matches_torch_adamw():
+    torch.manual_seed(0)
+    p = torch.randn(50)
+    ref = nn.Parameter(p.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = ShardedAdamW(p, _adamw_cfg())
+    for _ in range(4):
+        g = torch.randn(50)
+        ref.grad = g.clone()
+        ref_opt.step()
+        opt.commit(g, lr=1e-2)
+    assert torch.equal(p, ref.detach())
+
+
+@pytest.mark.parametrize(
+    "name,samples,batch,expected",
+    [
+        ("constant", 50, 10, 1.0),
+        ("cosine", 0, 10, 0.5),  # warm-up counts this update's batch: 10 / 20
+        ("cosine", 20, 10, 1.0),  # decay starts after warm-up
+        ("cosine", 60, 10, 0.5),  # half-way through the decay
+        ("cosine", 100, 10, 0.0),
+        ("linear", 60, 10, 0.5),
+    ],
+)
+def test_learning_rate_follows_samples(name, samples, batch, expected):
+    cfg = EngineConfig(learning_rate=1.0, scheduler_name=name, warmup=20 if name != "constant" else 0, nb_steps_tot=100)
+    assert learning_rate(cfg, samples, batch) == pytest.approx(expected, abs=1e-12)
+
+
+def regression_batches(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 4, generator=gen)
+    while True:
+        x = torch.randn(16, 8, generator=gen)
+        yield x, torch.tanh(x @ w)
+
+
+def mse(model, batch):
+    x, y = batch
+    dtype = next(model.parameters()).dtype  # bf16 mode: the model runs in bf16
+    return F.mse_loss(model(x.to(dtype)).float(), y)
+
+
+@pytest.mark.parametrize("method", ["acco", "ddp", "dpu", "wp"])
+def test_bf16_buffers_and_loss_falls(method):
+    model = mlp(width=32)
+    cfg = EngineConfig(
+        method=method, use_mixed_precision=True, learning_rate=1e-2, nb_steps_tot=120, n_grad_accumulation=1,
+        scheduler_name="constant", accumulate_while_waiting=False,
+    )
+    engine = build_engine(model, cfg)
+    assert engine.flat.params.dtype == engine.flat.grads.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    comm = engine.comm
+    assert comm.master.dtype == torch.float32 and comm.master.numel() == engine.flat.layout.shard_numel
+    assert comm.optimizer.exp_avg.dtype == comm.optimizer.exp_avg_sq.dtype == torch.float32
+    if method != "ddp":
+        assert engine.comm_buf.dtype == torch.bfloat16
+    losses = [r.loss for r in engine.run(regression_batches(), mse)]
+    engine.close()
+    assert sum(losses[:5]) / 5 > 2 * sum(losses[-5:]) / 5, losses
+
+
+def test_overlap_is_real():
+    """A comm round as slow as the computation: overlapped methods take max(C, M), ddp C + M."""
+    results = run_distributed(_timed_methods, 2)
+    timings = results[0]
+    for method in ("acco", "dpu"):
+        t = timings[method]
+        assert t["step"] / max(t["compute"], t["comm"]) < 1.25, (method, t)
+    t = timings["ddp"]
+    assert t["step"] / (t["compute"] + t["comm"]) > 0.9, t
+    # Same micro-batches per update, an acco round's compute about equal to a comm round M:
+    # ddp takes C + M = 3M per update, dpu max(C, M) = 2M, acco (two rounds) 2 max(C/2, M) = 2M.
+    assert timings["acco"]["step"] < 0.8 * timings["ddp"]["step"], timings
+    assert timings["dpu"]["step"] < 0.8 * timings["ddp"]["step"], timings
+
+
+def _timed_methods(rank, world):
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+
+    gen = torch.Generator().manual_seed(rank)
+    probe, x = make(), torch.randn(1024, 256, generator=gen)
+    start = time.perf_counter()
+    for _ in range(4):
+        probe(x).square().mean().backward()
+    micro_batch_s = (time.perf_counter() - start) / 4
+    # The network adds 1.5 micro-batches' time to each round's real collectives (about half a
+    # micro-batch more here): a comm round about as long as an acco round's computation (2).
+    delay_s = 1.5 * micro_batch_s
+    out = {}
+    for method, n in (("ddp", 4), ("acco", 2), ("dpu", 4)):
+        model = make()
+        cfg = EngineConfig(method=method, n_grad_accumulation=n, nb_steps_tot=4 * world * 6, accumulate_while_waiting=False)
+        engine = build_engine(model, cfg)
+        engine.comm.delay_hook = lambda: time.sleep(delay_s)  # emulates a slow network
+        data = ((torch.randn(1024, 256, generator=gen),) for _ in range(10**6))
+        records = list(engine.run(data, lambda m, b: m(b[0]).square().mean()))
+        engine.close()
+        steps = [b.wall_time - a.wall_time for a, b in zip(records, records[1:])]
+        out[method] = {
+            "step": statistics.median(steps),
+            "compute": statistics.median(r.compute_s for r in records[1:]),
+            "comm": statistics.median(r.comm_s for r in records[1:]),
+        }
+    return out
+
+
+def test_world_of_one_without_process_group():
+    model = mlp()
+    engine = build_engine(model, EngineConfig(method="acco", nb_steps_tot=6, accumulate_while_waiting=False))
+    records = list(engine.run(regression_batches(), mse))
+    engine.close()
+    assert [r.samples for r in records] == [2, 4, 6] and all(r.micro_batches == [2] for r in records)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(method="sgd"), "unknown method"),
+        (dict(n_grad_accumulation=0), "n_grad_accumulation must be a positive"),
+        (dict(nb_steps_tot=-1), "nb_steps_tot must be a positive"),
+        (dict(learning_rate=0.0), "learning_rate must be positive"),
+        (dict(scheduler_name="step"), "unknown scheduler_name"),
+    ],
+)
+def test_config_errors(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**bad)
+
+
+def test_config_from_mapping_accepts_method_name_and_ignores_other_keys():
+    cfg = EngineConfig.from_mapping({"method_name": "dpu", "batch_size": 8, "learning_rate": 1e-3})
+    assert cfg.method == "dpu" and cfg.learning_rate == 1e-3
