@@ -1,0 +1,326 @@
+"""The model registry: GPT-Neo and Llama causal LMs through transformers.
+
+A model config (``acco/conf/model/*.yaml``) is a flat mapping::
+
+    name, arch, hidden_size, num_layers, num_heads, num_kv_heads (llama),
+    intermediate_size (llama), max_position_embeddings, window_size (gpt_neo),
+    rope_theta (llama), pretrained, tokenizer, vocab_size
+
+``build_model`` turns it into a freshly initialised ``transformers`` model whose vocabulary is the
+tokenizer's, or, when ``pretrained`` is set (a local folder or a hub name), loads that model with
+``AutoModelForCausalLM.from_pretrained`` and checks that it fits the tokenizer and the sequence
+length. Optional keys, not in the shipped files: ``attention_types`` (gpt_neo, EleutherAI's form),
+``tie_word_embeddings`` (default true for both architectures, as in GPT-Neo and Llama-3.2-1B),
+``rope_scaling`` (llama), ``attn_implementation`` and, for gpt_neo, ``intermediate_size``.
+
+``count_parameters`` and ``flops_per_token`` feed the MFU estimate (nanoGPT / PaLM appendix B).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "ARCHS",
+    "ModelError",
+    "build_model",
+    "count_parameters",
+    "flops_per_token",
+    "model_config",
+]
+
+ARCHS = ("gpt_neo", "llama")
+
+# GPT-Neo has no SDPA kernel in transformers (eager or flash-attention-2 only); Llama has SDPA,
+# which is exact and faster than eager on CPU and GPU alike.
+_DEFAULT_ATTN = {"gpt_neo": "eager", "llama": "sdpa"}
+
+
+class ModelError(ValueError):
+    """A model config or a pretrained model that cannot serve the requested run."""
+
+
+def _to_dict(cfg: Any) -> dict:
+    if cfg is None:
+        raise ModelError("model config is missing")
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise ModelError(f"model config must be a mapping, got {type(cfg).__name__}")
+
+
+def _require(cfg: dict, key: str) -> Any:
+    value = cfg.get(key)
+    if value is None:
+        raise ModelError(f"model config {cfg.get('name', '?')!r} (arch {cfg.get('arch')!r}) needs {key!r}")
+    return value
+
+
+def _positive_int(cfg: dict, key: str) -> int:
+    value = _require(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelError(
+            f"model config {cfg.get('name', '?')!r}: {key} must be a positive integer, got {value!r}"
+        )
+    return value
+
+
+def _gpt_neo_attention_types(num_layers: int) -> list:
+    """EleutherAI's alternating pattern: global, local, global, local, ... (one per layer)."""
+    types: list = []
+    if num_layers // 2:
+        types.append([["global", "local"], num_layers // 2])
+    if num_layers % 2:
+        types.append([["global"], 1])
+    return types
+
+
+def model_config(
+    cfg: Any,
+    vocab_size: int | None = None,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> PretrainedConfig:
+    """The ``transformers`` config described by an acco model config (no weights).
+
+    ``vocab_size`` is the tokenizer's; when None, the config's ``vocab_size`` key is used.
+    """
+    c = _to_dict(cfg)
+    arch = c.get("arch")
+    if arch not in ARCHS:
+        raise ModelError(
+            f"unknown model arch {arch!r} in model config {c.get('name', '?')!r}; expected one of {', '.join(ARCHS)}"
+        )
+    if vocab_size is None:
+        vocab_size = c.get("vocab_size")
+        if vocab_size is None:
+            raise ModelError(
+                f"model config {c.get('name', '?')!r}: no vocab_size given and none in the config"
+            )
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ModelError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    for key, tid in (
+        ("bos_token_id", bos_token_id),
+        ("eos_token_id", eos_token_id),
+        ("pad_token_id", pad_token_id),
+    ):
+        if tid is not None and not 0 <= tid < vocab_size:
+            raise ModelError(f"{key} {tid} is outside the vocabulary (size {vocab_size})")
+
+    hidden = _positive_int(c, "hidden_size")
+    layers = _positive_int(c, "num_layers")
+    heads = _positive_int(c, "num_heads")
+    positions = _positive_int(c, "max_position_embeddings")
+    if hidden % heads:
+        raise ModelError(
+            f"model config {c.get('name', '?')!r}: hidden_size {hidden} is not a multiple of num_heads {heads}"
+        )
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        max_position_embeddings=positions,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+        use_cache=False,
+    )
+    if arch == "gpt_neo":
+        attention_types = c.get("attention_types") or _gpt_neo_attention_types(layers)
+        n_types = sum(len(kinds) * n for kinds, n in attention_types)
+        if n_types != layers:
+            raise ModelError(
+                f"model config {c.get('name', '?')!r}: attention_types describe {n_types} layers, num_layers is {layers}"
+            )
+        config = transformers.GPTNeoConfig(
+            num_layers=layers,
+            num_heads=heads,
+            attention_types=attention_types,
+            window_size=_positive_int(c, "window_size") if "window_size" in c else 256,
+            intermediate_size=c.get("intermediate_size"),
+            **common,
+        )
+    else:
+        kv_heads = c.get("num_kv_heads") or heads
+        if heads % kv_heads:
+            raise ModelError(
+                f"model config {c.get('name', '?')!r}: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}"
+            )
+        extra = {}
+        if c.get("rope_scaling"):
+            extra["rope_scaling"] = dict(c["rope_scaling"])
+        config = transformers.LlamaConfig(
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            intermediate_size=_positive_int(c, "intermediate_size"),
+            rope_theta=float(c.get("rope_theta") or 10000.0),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+            **common,
+            **extra,
+        )
+    config._attn_implementation = c.get("attn_implementation") or _DEFAULT_ATTN[arch]
+    return config
+
+
+def _dtype_kwarg() -> str:
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _looks_local(name: str) -> bool:
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.path.exists(name)
+
+
+def _check_max_length(config: PretrainedConfig, max_length: int | None, label: str) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if max_length is not None and limit is not None and max_length > limit:
+        raise ModelError(
+            f"max_length {max_length} exceeds the model's max_position_embeddings ({limit}) for model {label!r}"
+        )
+
+
+def _load_pretrained(
+    name: str, dtype: torch.dtype | None, vocab_size: int | None, max_length: int | None
+) -> PreTrainedModel:
+    """Checks what the checkpoint's config can tell before loading any weights."""
+    name = os.path.expanduser(str(name))
+    if _looks_local(name) and not os.path.isdir(name):
+        raise ModelError(f"pretrained model folder {name!r} not found")
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load pretrained model {name!r}: {first}") from e
+    _check_max_length(config, max_length, name)
+    rows = getattr(config, "vocab_size", None)
+    if vocab_size is not None and rows is not None and vocab_size > rows:
+        raise ModelError(
+            f"tokenizer vocabulary ({vocab_size} tokens) is larger than the embedding of pretrained model "
+            f"{name!r} ({rows} rows)"
+        )
+    kwargs: dict[str, Any] = {_dtype_kwarg(): dtype or torch.float32}
+    attn = _DEFAULT_ATTN.get(config.model_type)
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load pretrained model {name!r}: {first}") from e
+
+
+def build_model(
+    cfg: Any,
+    vocab_size: int | None,
+    max_length: int | None = None,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """A causal LM for the model config ``cfg`` and a tokenizer of ``vocab_size`` tokens.
+
+    - ``cfg.pretrained`` null: a new model from the config, its embedding sized to ``vocab_size``
+      (the config's ``vocab_size`` when None), with the given special-token ids. Initialised by
+      transformers from torch's RNG: seed before calling. Under ``with torch.device("meta")``
+      nothing is allocated.
+    - ``cfg.pretrained`` a folder or hub name: ``AutoModelForCausalLM.from_pretrained`` (fp32 unless
+      ``dtype``); special-token ids given here override the checkpoint's.
+
+    Raises ``ModelError`` for an unknown arch, a tokenizer vocabulary larger than the pretrained
+    embedding, or ``max_length`` beyond ``max_position_embeddings``.
+    """
+    c = _to_dict(cfg)
+    pretrained = c.get("pretrained")
+    if pretrained:
+        model = _load_pretrained(str(pretrained), dtype, vocab_size, max_length)
+        rows = model.get_input_embeddings().num_embeddings
+        if vocab_size is not None and vocab_size > rows:  # the weights disagree with their config
+            raise ModelError(
+                f"tokenizer vocabulary ({vocab_size} tokens) is larger than the embedding of pretrained model "
+                f"{pretrained!r} ({rows} rows)"
+            )
+        for key, tid in (
+            ("bos_token_id", bos_token_id),
+            ("eos_token_id", eos_token_id),
+            ("pad_token_id", pad_token_id),
+        ):
+            if tid is not None:
+                if not 0 <= tid < rows:
+                    raise ModelError(
+                        f"{key} {tid} is outside the embedding of pretrained model {pretrained!r} ({rows} rows)"
+                    )
+                setattr(model.config, key, tid)
+    else:
+        config = model_config(
+            c, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+        )
+        _check_max_length(config, max_length, c.get("name") or "?")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+        if dtype is not None:
+            model = model.to(dtype)
+    return model
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _lookup_only_parameters(model: nn.Module) -> int:
+    """Parameters used as table lookups only (no matmul): position embeddings, and the input
+    embedding when it is not tied to the output projection."""
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = inp is not None and out is not None and inp.weight is out.weight
+    n = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and (module is not inp or not tied):
+            n += module.weight.numel()
+    return n
+
+
+def flops_per_token(model_or_config: Any, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), the PaLM / nanoGPT estimate:
+    ``6 * N + 12 * L * H * Q * T`` with N the parameters that take part in matmuls (lookup-only
+    embeddings excluded; a tied input/output embedding counts once, as the output projection),
+    L layers, H query heads of size Q, and T = ``seq_len``. Every layer is counted with full
+    causal attention over T, the usual convention (GPT-Neo's local layers are computed that way
+    by transformers, too).
+
+    Accepts a model, a ``transformers`` config (counted on the meta device) or an acco model
+    config mapping (with its own ``vocab_size``).
+    """
+    if isinstance(model_or_config, nn.Module):
+        model = model_or_config
+        config = model.config
+    else:
+        config = (
+            model_or_config
+            if isinstance(model_or_config, PretrainedConfig)
+            else model_config(model_or_config)
+        )
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    n = count_parameters(model) - _lookup_only_parameters(model)
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return float(6 * n + 12 * layers * heads * head_dim * seq_len)

@@ -1,0 +1,312 @@
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from acco.launch import DEFAULT_PORT, dist_env, expand_nodelist, free_port, init_distributed, launch_local
+
+REPO = str(Path(__file__).resolve().parents[1])
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+
+
+def clean_env(extra=None):
+    """os.environ without launcher variables, with the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for k in list(os.environ):
+        if k in LAUNCH_VARS or k.startswith("SLURM_"):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def wait_dead(pid: int, timeout: float = 10.0) -> bool:
+    """True once ``pid`` has exited (a zombie counts as exited); waits on a pidfd, no polling."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- node lists
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("gpu-a[1,3],gpu-b2", ["gpu-a1", "gpu-a3", "gpu-b2"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("r[1-2]-n[1,3]", ["r1-n1", "r1-n3", "r2-n1", "r2-n3"]),
+        ("a,b[1-2],c[5]", ["a", "b1", "b2", "c5"]),
+        ("jean-zay-iam[01-02],jean-zay-a[1]", ["jean-zay-iam01", "jean-zay-iam02", "jean-zay-a1"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-04", "node01]", "node[a-b]", "node[4-1]", "n[[1]]"])
+def test_expand_nodelist_rejects(bad):
+    with pytest.raises(ValueError, match="bad SLURM node list"):
+        expand_nodelist(bad)
+
+
+# --------------------------------------------------------------------------- dist_env
+
+
+def test_dist_env_none(no_launcher):
+    assert dist_env() is None
+
+
+def test_dist_env_torchrun(no_launcher):
+    for k, v in dict(
+        RANK="3",
+        WORLD_SIZE="8",
+        LOCAL_RANK="1",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="10.0.0.5",
+        MASTER_PORT="1234",
+        SLURM_PROCID="0",
+        SLURM_NTASKS="2",
+    ).items():
+        no_launcher.setenv(k, v)
+    assert dist_env() == {
+        "source": "torchrun",
+        "rank": 3,
+        "world_size": 8,
+        "local_rank": 1,
+        "local_world_size": 2,
+        "master_addr": "10.0.0.5",
+        "master_port": 1234,
+    }
+
+
+def test_dist_env_slurm(no_launcher):
+    for k, v in dict(
+        SLURM_PROCID="5",
+        SLURM_NTASKS="8",
+        SLURM_LOCALID="1",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="gpu[07-08,10]",
+        SLURM_TASKS_PER_NODE="4(x2)",
+    ).items():
+        no_launcher.setenv(k, v)
+    assert dist_env() == {
+        "source": "slurm",
+        "rank": 5,
+        "world_size": 8,
+        "local_rank": 1,
+        "local_world_size": 4,
+        "master_addr": "gpu07",
+        "master_port": DEFAULT_PORT + 4242 % 3000,
+    }
+    # the step's own node list and task count win over the job's; explicit MASTER_* win over all
+    no_launcher.setenv("SLURM_STEP_NODELIST", "gpu[08,10]")
+    no_launcher.setenv("SLURM_STEP_NUM_TASKS", "4")
+    env = dist_env()
+    assert (env["master_addr"], env["world_size"]) == ("gpu08", 4)
+    no_launcher.setenv("MASTER_ADDR", "10.1.1.1")
+    no_launcher.setenv("MASTER_PORT", "31000")
+    env = dist_env()
+    assert (env["master_addr"], env["master_port"]) == ("10.1.1.1", 31000)
+
+
+# --------------------------------------------------------------------------- init_distributed
+
+
+def test_init_distributed_single_process(no_launcher):
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    try:
+        rank, world, local_rank, device = init_distributed(timeout_s=30)
+        assert (rank, world, local_rank) == (0, 1, 0)
+        assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+        t = torch.tensor([2.0], device=device)
+        dist.all_reduce(t)
+        assert t.item() == 2.0
+        assert init_distributed() == (rank, world, local_rank, device)  # reused
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+ALLREDUCE = """
+    import sys
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from acco.launch import init_distributed
+
+    rank, world, local_rank, device = init_distributed(timeout_s=60)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    Path(sys.argv[1], f"rank{rank}.txt").write_text(f"{world} {local_rank} {t.item()}")
+    dist.destroy_process_group()
+"""
+
+
+def write_script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_launch_local_allreduce(tmp_path):
+    script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
+    code = launch_local(2, [sys.executable, script, str(tmp_path)], env_extra={"PYTHONPATH": REPO})
+    assert code == 0
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == f"2 {rank} 3.0"
+
+
+def test_init_distributed_under_slurm(tmp_path):
+    script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(tmp_path)],
+            env=clean_env(
+                dict(
+                    SLURM_PROCID=str(r),
+                    SLURM_NTASKS="2",
+                    SLURM_LOCALID=str(r),
+                    SLURM_JOB_ID="77",
+                    SLURM_JOB_NODELIST="localhost",
+                    MASTER_PORT=str(port),
+                )
+            ),
+        )
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == f"2 {rank} 3.0"
+
+
+FAILING = """
+    import subprocess, sys, threading
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from acco.launch import init_distributed
+
+    out = Path(sys.argv[1])
+    rank, world, _, _ = init_distributed(timeout_s=600)
+    (out / f"pid{rank}").write_text(str(__import__("os").getpid()))
+    if rank == 0:  # a descendant that must not outlive the run either
+        child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+        (out / "grandchild").write_text(str(child.pid))
+    dist.barrier()
+    if rank == 1:
+        sys.exit(3)
+    try:
+        dist.all_reduce(torch.ones(1))  # rank 1 never comes: would wait 600 s
+    except Exception:
+        pass
+    threading.Event().wait()  # whatever gloo does, stay until killed
+"""
+
+
+def test_launch_local_first_failure_stops_all(tmp_path, capfd):
+    script = write_script(tmp_path, "failing.py", FAILING)
+    start = time.monotonic()
+    code = launch_local(2, [sys.executable, script, str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2)
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert code == 3
+    assert "acco.launch: rank 1" in err and "exited with code 3" in err
+    assert elapsed < 30
+    pids = [int((tmp_path / name).read_text()) for name in ("pid0", "pid1", "grandchild")]
+    for pid in pids:
+        assert wait_dead(pid, timeout=5), f"process {pid} outlived the launcher"
+
+
+BLOCKER = """
+    import os, signal, sys
+    print(f"ready {os.environ['RANK']} {os.getpid()}", flush=True)
+    signal.pause()
+"""
+
+LAUNCHER = """
+    import sys
+    from acco.launch import launch_local
+    sys.exit(launch_local(2, [sys.executable, sys.argv[1]], grace_s=2))
+"""
+
+
+def start_launcher(tmp_path):
+    blocker = write_script(tmp_path, "blocker.py", BLOCKER)
+    launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
+    proc = subprocess.Popen(
+        [sys.executable, launcher, blocker], env=clean_env(), stdout=subprocess.PIPE, text=True
+    )
+    pids = []
+    for _ in range(2):  # both workers up (blocking read of their "ready" lines)
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), line
+        pids.append(int(line.split()[2]))
+    return proc, pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_forwards_signals(tmp_path, sig):
+    proc, pids = start_launcher(tmp_path)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == 128 + sig
+    for pid in pids:
+        assert wait_dead(pid, timeout=5)
+
+
+def test_workers_die_with_killed_launcher(tmp_path):
+    proc, pids = start_launcher(tmp_path)
+    proc.kill()  # no cleanup possible: the parent-death signal must do it
+    proc.wait()
+    for pid in pids:
+        assert wait_dead(pid, timeout=5)
+
+
+def test_launch_local_rejects_bad_nproc():
+    with pytest.raises(ValueError):
+        launch_local(0, [sys.executable, "-c", "pass"])
+
+
+def test_self_command():
+    from acco.launch import self_command
+
+    cmd = self_command()
+    assert cmd[0] == sys.executable and len(cmd) >= 2

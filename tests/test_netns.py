@@ -1,0 +1,152 @@
+"""The emulated cluster: shaping is real, and nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from acco.bench.netns import (
+    EmulatedCluster,
+    cleanup_stale,
+    list_namespaces,
+    netns_unavailable_reason,
+    parse_rate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+REASON = netns_unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+# Where the kernel lacks netem the cluster shapes with tbf and warns that latency is not emulated.
+quiet_latency = pytest.mark.filterwarnings("ignore:EmulatedCluster:RuntimeWarning")
+
+WORKER = textwrap.dedent(
+    """
+    import json, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    rank = dist.get_rank()
+    warm = torch.ones(16)
+    dist.all_reduce(warm)  # connections are set up here, not in the timed call
+    x = torch.full((2_500_000,), float(rank + 1))
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    dt = time.perf_counter() - t0
+    print(json.dumps({"rank": rank, "seconds": dt, "value": float(x[0]), "last": float(x[-1])}), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_reason_is_none_or_sentence():
+    assert REASON is None or (isinstance(REASON, str) and REASON)
+
+
+def test_parse_rate():
+    assert parse_rate("100mbit") == 100e6
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("12.5mbps") == 100e6
+    with pytest.raises(ValueError):
+        parse_rate("fast")
+
+
+@needs_netns
+@quiet_latency
+def test_shaped_gloo_allreduce_and_cleanup():
+    bandwidth, world, numel = "100mbit", 2, 2_500_000
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_PORT": "29500", "WORLD_SIZE": str(world)}
+    with EmulatedCluster(world, bandwidth=bandwidth, latency="1ms") as cluster:
+        prefix = cluster.run_prefix
+        assert sorted(list_namespaces(prefix)) == sorted(cluster.namespaces)
+        env["MASTER_ADDR"] = cluster.addr(0)
+        procs = [
+            cluster.popen(i, [sys.executable, "-c", WORKER], env={**env, "RANK": str(i)},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(world)
+        ]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    # ring all-reduce: every host sends 2 (n-1)/n of the tensor through its shaped link
+    theory = 2 * (world - 1) / world * numel * 4 * 8 / parse_rate(bandwidth)
+    seconds = max(o["seconds"] for o in outs)
+    print(f"10 MB gloo all_reduce over {bandwidth} ({cluster.shaper}): {seconds:.3f} s, theory {theory:.3f} s")
+    assert all(o["value"] == 3.0 and o["last"] == 3.0 for o in outs)
+    assert seconds >= 0.7 * theory, f"{seconds:.3f}s < 70% of {theory:.3f}s: the link is not shaped"
+    assert list_namespaces(prefix) == []
+
+
+@needs_netns
+@quiet_latency
+def test_close_on_error_and_idempotent():
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(3, bandwidth=None, latency=None) as cluster:
+            prefix = cluster.run_prefix
+            assert len(list_namespaces(prefix)) == 4
+            # a process still running in a namespace must not keep it (or its links) alive
+            cluster.popen(1, [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+            raise RuntimeError("boom")
+    assert list_namespaces(prefix) == []
+    cluster.close()
+    assert list_namespaces(prefix) == []
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_removes_namespaces(sig):
+    code = textwrap.dedent(
+        """
+        import sys
+        from acco.bench.netns import EmulatedCluster
+        c = EmulatedCluster(2, bandwidth="50mbit", latency=None)
+        print(c.run_prefix, flush=True)
+        try:
+            sys.stdin.read()   # blocks until a signal arrives
+        except KeyboardInterrupt:   # SIGINT: Python's own handler still runs after the cleanup
+            print("KeyboardInterrupt", flush=True)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    prefix = ""
+    try:
+        prefix = proc.stdout.readline().strip()
+        assert prefix and len(list_namespaces(prefix)) == 3
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=30)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == -signal.SIGTERM  # still dies of the signal
+        else:
+            assert proc.returncode == 0 and "KeyboardInterrupt" in rest
+        assert list_namespaces(prefix) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            cleanup_stale()  # the killed child's namespaces, should the test have failed
+
+
+@needs_netns
+def test_cleanup_stale_removes_dead_runs_only():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"acco-{dead.pid}-0-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with EmulatedCluster(1, bandwidth=None, latency=None) as live:
+            removed = cleanup_stale()
+            assert stale in removed
+            assert not set(removed) & set(live.namespaces)
+            assert sorted(list_namespaces(live.run_prefix)) == sorted(live.namespaces)
+        assert list_namespaces(live.run_prefix) == []
+    finally:
+        subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
