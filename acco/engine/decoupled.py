@@ -25,7 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, WEIGHT, BackgroundComm, CommRound, RoundResult, new_stats
+from acco.engine.comm import (
+    EXHAUSTED,
+    LOSS,
+    MICRO_BATCHES,
+    WEIGHT,
+    BackgroundComm,
+    CommRound,
+    RoundResult,
+    new_stats,
+)
 from acco.engine.config import EngineConfig, UpdateRecord
 from acco.engine.flat import FlatParams
 
