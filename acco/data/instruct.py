@@ -1,0 +1,89 @@
+"""Instruction fine-tuning data in the Stanford Alpaca format, with the prompt masked out.
+
+Each example is the prompt's tokens followed by the response's tokens and eos. The loss is taken
+on the response and eos only: labels hold -100 (PyTorch's ignore_index, which Hugging Face
+models skip) on the prompt and on padding. Prompt and response are tokenized separately and
+concatenated, so the boundary between them is exact whatever the tokenizer merges.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .errors import DataError
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+# The templates of Stanford Alpaca (github.com/tatsu-lab/stanford_alpaca, train.py).
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:"
+)
+
+
+def format_alpaca(record: dict) -> tuple[str, str]:
+    """(prompt, response) of one record; the template with "### Input:" only when input is non-empty."""
+    try:
+        instruction, output = record["instruction"], record["output"]
+    except KeyError as e:
+        raise DataError(f"instruction record lacks {e.args[0]!r} (keys: {', '.join(record)})") from None
+    input_text = record.get("input") or ""
+    if input_text:
+        prompt = ALPACA_PROMPT.format(instruction=instruction, input=input_text)
+    else:
+        prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+    return prompt, output
+
+
+def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> dict[str, torch.Tensor]:
+    """Tensors `input_ids`, `labels`, `attention_mask`, each [n, max_length] (int64).
+
+    Sequences longer than `max_length` are cut at the end. An example whose prompt alone fills
+    `max_length` would have no labelled token at all (a zero-token loss is NaN), so it is dropped
+    with a warning: n is the number of examples kept.
+    """
+    if max_length < 2:
+        raise DataError(f"max_length must be >= 2, got {max_length}")
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if eos is None or pad is None:
+        raise DataError("instruction data needs a tokenizer with eos and pad tokens (use acco.data.load_tokenizer)")
+
+    prompts, responses = zip(*(format_alpaca(r) for r in records)) if records else ((), ())
+    # Batched calls: the fast tokenizer encodes a list in parallel in Rust.
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False, verbose=False)["input_ids"]
+    response_ids = tokenizer(list(responses), add_special_tokens=False, verbose=False)["input_ids"]
+
+    rows_ids, rows_labels, rows_mask = [], [], []
+    n_dropped = 0
+    for p, r in zip(prompt_ids, response_ids):
+        target = list(r) + [eos]
+        ids = (list(p) + target)[:max_length]
+        labels = ([IGNORE_INDEX] * len(p) + target)[:max_length]
+        if all(label == IGNORE_INDEX for label in labels):
+            n_dropped += 1
+            continue
+        n_pad = max_length - len(ids)
+        rows_ids.append(ids + [pad] * n_pad)
+        rows_labels.append(labels + [IGNORE_INDEX] * n_pad)
+        rows_mask.append([1] * len(ids) + [0] * n_pad)
+
+    if n_dropped:
+        log.warning("%d of %d instruction examples dropped: prompt longer than max_length %d",
+                    n_dropped, len(records), max_length)
+    if not rows_ids:
+        raise DataError(f"no instruction example fits in max_length {max_length} ({len(records)} records given)")
+    return {
+        "input_ids": torch.tensor(rows_ids, dtype=torch.long),
+        "labels": torch.tensor(rows_labels, dtype=torch.long),
+        "attention_mask": torch.tensor(rows_mask, dtype=torch.long),
+    }

@@ -1,0 +1,193 @@
+"""Feeding micro-batches to data-parallel workers, and carving out an eval split.
+
+`MicroBatchStream` is what one worker (rank) iterates over during training. For every epoch a
+permutation of all samples is drawn from (seed, epoch), the same on every rank, and cut into
+global batches of `batch_size * world_size` samples; rank r takes the r-th `batch_size` slice of
+each global batch. So:
+
+- ranks never see the same sample within an epoch, and together they cover it (except for the
+  tail of fewer than one global batch, dropped so that every rank has as many micro-batches);
+- the k-th global batch is the same set of samples whatever `world_size` is, for one
+  `batch_size * world_size`: a 2-rank run and a 1-rank run with a doubled batch see the same data,
+  which is what method-against-reference tests need;
+- the stream is infinite (epochs follow each other) and its position is two integers, saved by
+  `state_dict()`, so a resumed run continues with exactly the batches it would have seen.
+
+Ranks may consume micro-batches at different rates (ACCO lets fast workers accumulate more);
+each rank still only reads its own slices, so shards stay disjoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .errors import DataError
+
+_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+def split_train_eval(n: int, eval_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted (train_idx, eval_idx) LongTensors that partition range(n), for datasets without eval.
+
+    The eval set is `round(n * eval_fraction)` samples, at least 1, drawn at random from `seed`,
+    so the same (n, eval_fraction, seed) always gives the same split.
+    """
+    if not 0.0 < eval_fraction < 1.0:
+        raise DataError(f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction}")
+    if seed < 0:
+        raise DataError(f"seed must be >= 0, got {seed}")
+    n_eval = max(1, round(n * eval_fraction))
+    if n - n_eval < 1:
+        raise DataError(f"cannot split {n} samples into train and eval with eval_fraction {eval_fraction}")
+    perm = torch.from_numpy(np.random.default_rng([seed, n]).permutation(n))
+    eval_idx, _ = torch.sort(perm[:n_eval])
+    train_idx, _ = torch.sort(perm[n_eval:])
+    return train_idx, eval_idx
+
+
+def as_columns(data: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model inputs of a dataset as equally long tensors: input_ids, labels[, attention_mask].
+
+    A single tensor is packed blocks: its labels are its input_ids (causal LMs shift labels
+    inside the model). A dict without labels gets labels = input_ids too. Other keys are left
+    out, so a batch can be passed to `model(**batch)` as it is.
+    """
+    if isinstance(data, torch.Tensor):
+        columns = {"input_ids": data, "labels": data}
+    else:
+        if "input_ids" not in data:
+            raise DataError(f"dataset needs an 'input_ids' tensor (keys: {', '.join(data)})")
+        columns = {k: data[k] for k in _KEYS if k in data}
+        columns.setdefault("labels", columns["input_ids"])
+    n = len(columns["input_ids"])
+    for key, value in columns.items():
+        if not isinstance(value, torch.Tensor):
+            raise DataError(f"dataset column {key!r} is a {type(value).__name__}, not a torch.Tensor")
+        if len(value) != n:
+            raise DataError(f"dataset columns differ in length: input_ids has {n} rows, {key} has {len(value)}")
+    return columns
+
+
+class MicroBatchStream:
+    """Infinite, resumable iterator over this rank's micro-batches (dicts of tensors)."""
+
+    def __init__(
+        self,
+        data: torch.Tensor | Mapping[str, torch.Tensor],
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
+        if batch_size < 1 or world_size < 1:
+            raise DataError(f"batch_size and world_size must be >= 1, got {batch_size} and {world_size}")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank must be in [0, {world_size}), got {rank}")
+        if seed < 0:
+            raise DataError(f"seed must be >= 0, got {seed}")
+        self.columns = as_columns(data)
+        self.num_samples = len(self.columns["input_ids"])
+        self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
+        if self.num_samples < self.global_batch_size:
+            raise DataError(
+                f"dataset has {self.num_samples} samples, fewer than one global batch: "
+                f"batch_size {batch_size} x world_size {world_size} = {self.global_batch_size}"
+            )
+        self.epoch = 0
+        self.position = 0  # micro-batches of this epoch already returned (= global batch index)
+        self._perm_epoch: int | None = None
+        self._perm: torch.Tensor | None = None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per epoch for each rank (the same on every rank)."""
+        return self.num_samples // self.global_batch_size
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples all ranks together read per epoch: the dataset minus the dropped tail."""
+        return self.batches_per_epoch * self.global_batch_size
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The order of all samples in `epoch`, identical on every rank."""
+        if self._perm_epoch != epoch:
+            # Seeding with the pair (seed, epoch), not seed + epoch: runs with seeds 0 and 1
+            # must not see the same orders shifted by one epoch.
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = torch.from_numpy(rng.permutation(self.num_samples))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def indices(self, epoch: int, position: int) -> torch.Tensor:
+        """Sample indices of this rank's micro-batch number `position` in `epoch`."""
+        start = position * self.global_batch_size + self.rank * self.batch_size
+        return self.permutation(epoch)[start : start + self.batch_size]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        idx = self.indices(self.epoch, self.position)
+        self.position += 1
+        if self.position == self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        return {key: value[idx] for key, value in self.columns.items()}
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream is, plus what must match for the position to mean the same data."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        # The position counts global batches, so a run may resume on another world_size as
+        # long as the global batch, the dataset and the seed are those it was saved with.
+        for key in ("seed", "num_samples", "global_batch_size"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(
+                    f"cannot resume data stream: saved {key} {state[key]} differs from {getattr(self, key)}"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.batches_per_epoch:
+            raise DataError(
+                f"cannot resume data stream at epoch {epoch}, position {position}: "
+                f"an epoch has {self.batches_per_epoch} micro-batches"
+            )
+        self.epoch, self.position = epoch, position
+
+
+def eval_batches(
+    data: torch.Tensor | Mapping[str, torch.Tensor],
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Every sample once, in dataset order, in batches of `batch_size` (the last may be smaller).
+
+    With `world_size > 1` rank r evaluates samples r, r + world_size, ...; the ranks' losses
+    must then be combined weighted by their token counts.
+    """
+    if batch_size < 1:
+        raise DataError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank must be in [0, {world_size}), got {rank}")
+    columns = as_columns(data)
+    # Checked above, outside the generator, so errors show at the call and not at first use.
+    return _eval_iter(columns, batch_size, torch.arange(rank, len(columns["input_ids"]), world_size))
+
+
+def _eval_iter(columns: dict[str, torch.Tensor], batch_size: int, idx: torch.Tensor):
+    for start in range(0, len(idx), batch_size):
+        chunk = idx[start : start + batch_size]
+        yield {key: value[chunk] for key, value in columns.items()}

@@ -1,0 +1,185 @@
+"""Reading raw data: documents for pretraining, records for instruction fine-tuning.
+
+Local files (.txt, .jsonl, .json, .parquet), folders of them, or a Hugging Face Hub dataset
+name. JSON and Parquet go through `datasets.load_dataset`, as users of the HF stack expect;
+plain text is split here. Every failure a user can cause is a one-line `DataError` that names
+the file (and the line or record where we can tell).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import LOCAL_SUFFIXES, DataError, looks_like_local_path, one_line
+
+EOS_LINE = "<|endoftext|>"
+
+
+def load_documents(
+    path_or_name: str | os.PathLike, text_column: str = "text", cache_dir: str | None = None
+) -> list[str]:
+    """The non-empty documents of a file, a folder of files, or a Hub dataset's train split.
+
+    - .txt: documents are separated by lines that are exactly `<|endoftext|>` (the TinyStories
+      files) when the file has such a line, otherwise by blank lines;
+    - .jsonl / .json / .parquet: the `text_column` of every row;
+    - a folder: every such file under it, in sorted path order;
+    - anything else that is not a local path: `datasets.load_dataset(name, split="train")`.
+    `cache_dir` is passed to `datasets` (where it keeps its Arrow copy of the data).
+    """
+    spec = os.fspath(path_or_name)
+    docs: list[str] = []
+    for source in _sources(spec):
+        if isinstance(source, Path) and source.suffix == ".txt":
+            docs.extend(_read_txt(source))
+            continue
+        rows = _load_table(source, cache_dir)
+        if text_column not in rows.column_names:
+            raise DataError(
+                f"{_where(source)} has no column {text_column!r} (columns: {', '.join(rows.column_names)})"
+            )
+        for i, text in enumerate(rows[text_column]):
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{_where(source)}, row {i}: {text_column!r} is a {type(text).__name__}, not a string")
+            docs.append(text)
+
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise DataError(f"{spec}: no documents (every text is empty)")
+    return docs
+
+
+def load_records(path_or_name: str | os.PathLike, cache_dir: str | None = None) -> list[dict]:
+    """Instruction records (Alpaca form) from .jsonl/.json/.parquet, a folder of them, or the Hub.
+
+    Every record needs string `instruction` and `output` fields; `input` is optional ("" when
+    missing). Records are returned as dicts, in file order.
+    """
+    spec = os.fspath(path_or_name)
+    records: list[dict] = []
+    for source in _sources(spec):
+        if isinstance(source, Path) and source.suffix == ".txt":
+            raise DataError(f"{source}: instruction records must be .jsonl, .json or .parquet, not .txt")
+        records.extend(_load_table(source, cache_dir).to_list())
+    if not records:
+        raise DataError(f"{spec}: no records")
+
+    for i, record in enumerate(records):
+        for key in ("instruction", "output"):
+            if not isinstance(record.get(key), str):
+                problem = "lacks" if record.get(key) is None else "has a non-string"
+                raise DataError(f"{spec}: record {i} {problem} {key!r} (keys: {', '.join(record)})")
+        if record.get("input") is None:
+            record["input"] = ""
+    return records
+
+
+def _sources(spec: str) -> list[Path | str]:
+    """The local files to read, in order, or [spec] itself when it is a Hub dataset name."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and p.suffix in LOCAL_SUFFIXES and not p.name.startswith(".")
+        )
+        if not files:
+            raise DataError(f"{spec}: folder has no {'/'.join(LOCAL_SUFFIXES)} files")
+        return files
+    if path.is_file():
+        if path.suffix not in LOCAL_SUFFIXES:
+            raise DataError(f"{spec}: unsupported file type {path.suffix!r} (expected {', '.join(LOCAL_SUFFIXES)})")
+        return [path]
+    if looks_like_local_path(spec):
+        raise DataError(f"{spec}: no such file or folder")
+    return [spec]  # a Hub name
+
+
+def _read_txt(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    if not text.strip():
+        raise DataError(f"{path}: empty file")
+
+    lines = text.splitlines()
+    if any(line.strip() == EOS_LINE for line in lines):
+        docs, current = [], []
+        for line in lines:
+            if line.strip() == EOS_LINE:
+                docs.append("\n".join(current))
+                current = []
+            else:
+                current.append(line)
+        docs.append("\n".join(current))
+    else:
+        # Paragraphs: runs of non-blank lines.
+        docs, current = [], []
+        for line in lines + [""]:
+            if line.strip():
+                current.append(line)
+            elif current:
+                docs.append("\n".join(current))
+                current = []
+    return [d.strip("\n") for d in docs if d.strip()]
+
+
+def _load_table(source: Path | str, cache_dir: str | None):
+    """A `datasets.Dataset` for one local json/jsonl/parquet file or one Hub name."""
+    import datasets  # imported here: it is slow to import and .txt corpora do not need it
+
+    if isinstance(source, str):
+        try:
+            return datasets.load_dataset(source, split="train", cache_dir=cache_dir)
+        except Exception as e:  # the Hub raises many types; say which name failed and why
+            raise DataError(f"cannot load dataset {source!r} from the Hugging Face Hub: {one_line(e)}") from e
+
+    if _is_blank(source):
+        raise DataError(f"{source}: empty file")
+    builder = "parquet" if source.suffix == ".parquet" else "json"
+    try:
+        return datasets.load_dataset(builder, data_files=str(source), split="train", cache_dir=cache_dir)
+    except Exception as e:
+        located = _locate_json_error(source) if builder == "json" else None
+        raise DataError(located or f"{source}: cannot read as {builder}: {one_line(e)}") from e
+
+
+def _is_blank(path: Path) -> bool:
+    """True for a file of only whitespace; stops at the first other byte (files may be huge)."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _locate_json_error(path: Path) -> str | None:
+    """After `datasets` failed on a JSON file, find the first bad line to point the user at."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".json":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            # Not one JSON document; it may still be JSON Lines named .json, checked below.
+            if not text.lstrip().startswith("{") or e.msg != "Extra data":
+                return f"{path}, line {e.lineno}: malformed JSON ({e.msg})"
+        else:
+            return None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"{path}, line {lineno}: malformed JSON ({e.msg})"
+        if not isinstance(value, dict):
+            return f"{path}, line {lineno}: expected a JSON object per line, got {type(value).__name__}"
+    return None
+
+
+def _where(source: Path | str) -> str:
+    return str(source) if isinstance(source, Path) else f"dataset {source!r}"
