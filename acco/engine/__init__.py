@@ -15,7 +15,6 @@ from torch import nn
 
 from acco.engine.config import METHODS, ConfigError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import DecoupledEngine, LossFn
-from acco.engine.torch_ddp import TorchDDPEngine
 
 __all__ = [
     "METHODS",
@@ -23,7 +22,6 @@ __all__ = [
     "DecoupledEngine",
     "EngineConfig",
     "LossFn",
-    "TorchDDPEngine",
     "UpdateRecord",
     "build_engine",
 ]
@@ -31,8 +29,11 @@ __all__ = [
 
 def build_engine(
     module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None
-) -> DecoupledEngine | TorchDDPEngine:
+) -> DecoupledEngine:
     """The engine for `cfg.method`; the module must already be on its device."""
     if cfg.method == "torch-ddp":
+        # Imported here: torch.distributed.optim costs seconds of start-up for every other method.
+        from acco.engine.torch_ddp import TorchDDPEngine
+
         return TorchDDPEngine(module, cfg, group)
     return DecoupledEngine(module, cfg, group)

@@ -178,3 +178,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     # and receives chunk (rank - s - 1) straight into its place in the output.
     for step in range(world - 1):
         _exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], nxt, prv, group)
+
+
+def all_gather_small(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """torch's own all-gather into one tensor, for a few numbers (latency-bound: one call, no ring)."""
+    _native("all_gather_single", "all_gather_into_tensor")(output, input, group=group)

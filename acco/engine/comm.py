@@ -71,7 +71,7 @@ class CommRound:
     def run(self, payload: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, commit: bool) -> RoundResult:
         start = time.perf_counter()
         if self.world_size > 1:
-            dist.all_gather_into_tensor(self.stats_all, stats, group=self.group)
+            collectives.all_gather_small(self.stats_all, stats, group=self.group)
             collectives.reduce_scatter(self.recv_shard, payload, group=self.group)
         else:
             self.stats_all.copy_(stats)

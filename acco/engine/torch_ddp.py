@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from acco.engine import collectives
 from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, new_stats
 from acco.engine.config import EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, world_of
@@ -101,7 +102,7 @@ class TorchDDPEngine:
             upcoming = self._take(batches, n)
             self.stats[EXHAUSTED] = float(len(upcoming) < n)
             table = torch.empty(self.world_size * N_STATS, dtype=self.stats.dtype, device=self.device)
-            dist.all_gather_into_tensor(table, self.stats, group=self.group)
+            collectives.all_gather_small(table, self.stats, group=self.group)
             table = table.view(self.world_size, N_STATS).tolist()
             weight = sum(row[WEIGHT] for row in table)
             micro_batches = [int(row[MICRO_BATCHES]) for row in table]

@@ -1,0 +1,190 @@
+"""``acco-bench``: measure acco against its baselines.
+
+    acco-bench cluster     [--hosts 2 --bandwidth 100mbit --methods ddp,torch-ddp,dpu,wp,acco ...]
+    acco-bench sweep       [--bandwidths 50mbit,200mbit,1000mbit,unshaped ...]
+    acco-bench convergence --data ../shared/data/tinystories/TinyStories-valid-head.txt [--seeds 0,1 ...]
+    acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
+
+Every subcommand writes JSON (the numbers), Markdown (a table) and PNG plots into ``--out``.
+See BENCHMARKS.md for what was measured with them, and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from acco.bench.cluster import ALL_METHODS, DEFAULT_MODEL_SIZE, BenchError, BenchSettings
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    ms = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in ms if m not in ALL_METHODS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(ALL_METHODS)}")
+    return ms
+
+
+def _slow(text: str) -> tuple[int, float]:
+    try:
+        rank, factor = text.split(":")
+        return int(rank), float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--slow-worker takes RANK:FACTOR (e.g. 1:2), got {text!r}") from None
+
+
+def _none(text: str) -> str | None:
+    return None if text.lower() in ("none", "unshaped", "", "0") else text
+
+
+def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=ALL_METHODS) -> None:
+    p.add_argument("--hosts", type=int, default=2, help="number of emulated hosts (one worker each)")
+    p.add_argument("--methods", type=_methods, default=tuple(methods),
+                   help=f"comma-separated, run in this order (default {','.join(methods)})")
+    p.add_argument("--model", default="tiny", help="model config name (acco/conf/model)")
+    p.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL_SIZE["hidden_size"],
+                   help="model.hidden_size override (0: the config's own)")
+    p.add_argument("--num-layers", type=int, default=DEFAULT_MODEL_SIZE["num_layers"],
+                   help="model.num_layers override (0: the config's own)")
+    p.add_argument("--num-heads", type=int, default=DEFAULT_MODEL_SIZE["num_heads"],
+                   help="model.num_heads override (0: the config's own)")
+    p.add_argument("--nb-steps-tot", type=int, default=nb_steps,
+                   help="training budget in micro-batches over all workers (same for every method)")
+    p.add_argument("--grad-accum", type=int, default=4,
+                   help="micro-batches per worker per update for ddp/torch-ddp/dpu/wp; acco runs half of it "
+                        "per round, two rounds per update (same effective batch); must be even")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--max-length", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-worker", type=_slow, default=None, metavar="RANK:FACTOR",
+                   help="emulate a slower device: that rank sleeps (FACTOR-1) x its compute time per micro-batch")
+    p.add_argument("--accumulate-while-waiting", action="store_true",
+                   help="overlapped methods keep computing until the round is done (the paper's setting; the "
+                        "batch per update then varies: compare samples/s). Default: fixed batch, "
+                        "so seconds per update compare the overlap alone")
+    p.add_argument("--mixed-precision", action="store_true", help="bf16 (slower than fp32 on most CPUs)")
+    p.add_argument("--loopback", action="store_true",
+                   help="no namespaces: local processes on 127.0.0.1, unshaped")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per method before its workers are killed")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores // hosts)")
+    p.add_argument("--data", default="synthetic",
+                   help="a data config name (synthetic, tinystories, ...) or the path of a local text file")
+    p.add_argument("--data-path", default=None, help="data.path, with a data config name in --data")
+    p.add_argument("--tokenizer", default=None, help="model.tokenizer (bpe, or a folder with vocab.json+merges.txt)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Hydra override for every worker (repeatable)")
+    p.add_argument("--out", default=out, help=f"output folder (default {out})")
+
+
+def _data(a) -> tuple[str, str | None]:
+    """--data is a data config name (synthetic, text, tinystories, ...) or a local path (data=text)."""
+    spec = a.data
+    if a.data_path:
+        return (spec if spec != "synthetic" else "text"), a.data_path
+    if "/" in spec or Path(spec).exists():
+        return "text", str(Path(spec).expanduser().resolve())
+    return spec, None
+
+
+def _settings(a, **kw) -> BenchSettings:
+    data, data_path = _data(a)
+    size = {k: v for k, v in (("hidden_size", a.hidden_size), ("num_layers", a.num_layers),
+                              ("num_heads", a.num_heads)) if v}
+    return BenchSettings(
+        hosts=a.hosts, methods=a.methods, model=a.model, model_size=size, nb_steps_tot=a.nb_steps_tot,
+        grad_accum=a.grad_accum, batch_size=a.batch_size, max_length=a.max_length, seed=a.seed,
+        slow_worker=a.slow_worker, accumulate_while_waiting=a.accumulate_while_waiting,
+        mixed_precision=a.mixed_precision, loopback=a.loopback, timeout_s=a.timeout, threads=a.threads,
+        data=data, data_path=data_path, tokenizer=a.tokenizer, extra=tuple(a.override), **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="acco-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("cluster", help="every method, one after the other, on N emulated hosts")
+    _add_common(p, "outputs/bench/cluster", 200)
+    p.add_argument("--bandwidth", type=_none, default="100mbit",
+                   help="per-host link rate, a tc rate (100mbit); 'none' leaves links unshaped")
+    p.add_argument("--latency", type=_none, default=None,
+                   help="per-link delay (e.g. 1ms); only emulated where the kernel has netem")
+
+    p = sub.add_parser("sweep", help="cluster at several bandwidths: speedup over ddp against bandwidth")
+    _add_common(p, "outputs/bench/sweep", 120)
+    p.add_argument("--bandwidths", default="50mbit,200mbit,1000mbit,unshaped",
+                   help="comma-separated tc rates; 'unshaped' for unshaped links")
+    p.add_argument("--latency", type=_none, default=None)
+
+    p = sub.add_parser("convergence", help="eval loss against samples on real text, several seeds, "
+                                           "and the acco/Adam update closeness")
+    _add_common(p, "outputs/bench/convergence", 1600)
+    from acco.bench.convergence import TINYSTORIES
+
+    p.set_defaults(data=str(TINYSTORIES) if TINYSTORIES.exists() else "synthetic", hidden_size=0, num_layers=0,
+                   num_heads=0, grad_accum=4, max_length=64, loopback=True)
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    p.add_argument("--netns", dest="loopback", action="store_false",
+                   help="run on emulated hosts instead of loopback (unshaped by default)")
+    p.add_argument("--bandwidth", type=_none, default=None, help="with --netns: per-host link rate")
+    p.add_argument("--eval-step", type=int, default=10, help="evaluate every that many updates")
+    p.add_argument("--closeness-only", action="store_true", help="only the update-closeness measurement")
+    p.add_argument("--no-closeness", action="store_true", help="skip the update-closeness measurement")
+    p.add_argument("--closeness-steps", default="1,10,50,100,200",
+                   help="Adam steps before each closeness measurement")
+
+    p = sub.add_parser("gpu", help="GPT-Neo 125M bf16 through the engine vs a fused-AdamW loop; side-stream check")
+    from acco.bench import gpu
+
+    gpu.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "cluster":
+            from acco.bench.cluster import run_bench
+
+            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency)
+            bench = run_bench(s, Path(args.out))
+            print(f"[acco-bench] wrote {args.out}/bench.json and bench.md")
+            print((Path(args.out) / "bench.md").read_text())
+            return 1 if any("error" in r for r in bench["methods"].values()) else 0
+        if args.command == "sweep":
+            from acco.bench.cluster import run_sweep
+
+            bws = [_none(b.strip()) for b in args.bandwidths.split(",") if b.strip()]
+            s = _settings(args, latency=args.latency)
+            sweep = run_sweep(s, bws, Path(args.out))
+            print(f"[acco-bench] wrote {args.out}/sweep.json and sweep.md")
+            print((Path(args.out) / "sweep.md").read_text())
+            failed = any("error" in r for p in sweep["points"] for r in p["methods"].values())
+            return 1 if failed or not sweep["points"] else 0
+        if args.command == "convergence":
+            from acco.bench.convergence import run_convergence
+
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+            s = _settings(args, bandwidth=args.bandwidth, latency=None, eval_step=args.eval_step)
+            conv = run_convergence(s, seeds, Path(args.out), closeness=not args.no_closeness,
+                                   closeness_only=args.closeness_only,
+                                   closeness_steps=[int(x) for x in args.closeness_steps.split(",") if x.strip()])
+            print(f"[acco-bench] wrote {args.out}/convergence.json and convergence.md")
+            print((Path(args.out) / "convergence.md").read_text())
+            return 1 if conv.get("failed") else 0
+        if args.command == "gpu":
+            from acco.bench import gpu
+
+            return gpu.main(args)
+    except BenchError as e:
+        print(f"acco-bench: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("acco-bench: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

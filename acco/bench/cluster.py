@@ -1,0 +1,628 @@
+"""``acco-bench cluster`` and ``acco-bench sweep``: the methods side by side on an emulated cluster.
+
+Each of N emulated hosts (:class:`~acco.bench.netns.EmulatedCluster`: a network namespace whose
+link is shaped with ``tc``) runs one training worker, ``python -m acco.cli train=METHOD ...`` with
+torchrun's variables set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` = host 0's address, ...), so
+the gradients and parameters of every comm round cross the shaped links as real gloo traffic. The
+methods run one after the other on one cluster with identical settings (model, data, seed,
+samples, effective batch), each bounded in time; every worker writes its own per-update timers
+(``workers/rank{r}.jsonl``) and rank 0 the run's ``metrics.jsonl`` and ``summary.json``, from
+which :func:`method_metrics` derives the figures of ``bench.json``.
+
+Where namespaces cannot be made (not root, no iproute2, no shaping qdisc) the harness says why and
+stops, unless ``--loopback`` asks for unshaped local processes on 127.0.0.1. Kernels without
+``netem`` shape with ``tbf``: the bandwidth is emulated, the latency is NOT (the outputs say so).
+
+Effective batch: ``grad_accum`` is the number of micro-batches per worker and per optimizer update
+for ddp, torch-ddp, dpu and wp; acco runs ``grad_accum / 2`` per round, since one acco update takes
+two rounds (the paper's Table 5: acco 2 against ddp 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from acco.bench import netns
+
+ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco")
+OVERLAPPED = ("dpu", "wp", "acco")
+# A comm-bound default (measured on the 2-core VM, see BENCHMARKS.md): GPT-Neo "tiny" widened to
+# 1.1M parameters, micro-batches of 8 x 128 tokens, 4 per update, 100 Mbit/s links.
+DEFAULT_MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4}
+# The worker command; ACCO_BENCH_WORKER (a shell-quoted command prefix) replaces it, e.g. to time
+# a development build of the trainer.
+WORKER_ENV = "ACCO_BENCH_WORKER"
+
+
+class BenchError(RuntimeError):
+    """A benchmark that cannot run as asked (no namespaces, a worker failed, a timeout)."""
+
+
+@dataclass
+class BenchSettings:
+    """Everything that defines one run of the methods; identical for every method of the run."""
+
+    hosts: int = 2
+    bandwidth: str | None = "100mbit"  # None: unshaped
+    latency: str | None = None  # only emulated where the kernel has netem
+    methods: tuple[str, ...] = ALL_METHODS
+    model: str = "tiny"
+    model_size: dict = field(default_factory=lambda: dict(DEFAULT_MODEL_SIZE))
+    nb_steps_tot: int = 200  # micro-batches over all workers, whatever the method
+    grad_accum: int = 4  # micro-batches per worker per update (ddp); acco runs grad_accum // 2 per round
+    batch_size: int = 8
+    max_length: int = 128
+    seed: int = 0
+    slow_worker: tuple[int, float] | None = None  # (rank, factor)
+    accumulate_while_waiting: bool = False  # acco (and dpu/wp): keep computing while a round runs
+    mixed_precision: bool = False  # bf16 is slower than fp32 on this CPU
+    loopback: bool = False
+    timeout_s: float = 600.0  # per method
+    threads: int | None = None  # torch threads per worker (default: cores // hosts)
+    data: str = "synthetic"
+    data_path: str | None = None
+    tokenizer: str | None = None
+    eval_step: int | None = None  # None: only the final evaluation matters (a large value)
+    extra: tuple[str, ...] = ()  # more Hydra overrides, for every method and rank
+
+    def validate(self) -> None:
+        bad = [m for m in self.methods if m not in ALL_METHODS]
+        if bad:
+            raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(ALL_METHODS)}")
+        if not self.methods:
+            raise BenchError("no method to run")
+        if self.hosts < 1:
+            raise BenchError("--hosts must be >= 1")
+        if self.grad_accum < 2 or self.grad_accum % 2:
+            raise BenchError(
+                f"--grad-accum must be even (got {self.grad_accum}): acco runs half of it per round, "
+                "two rounds per update, to match the other methods' effective batch"
+            )
+        if self.slow_worker is not None:
+            rank, factor = self.slow_worker
+            if not 0 <= rank < self.hosts:
+                raise BenchError(f"--slow-worker rank {rank} is not one of the {self.hosts} hosts")
+            if factor < 1:
+                raise BenchError(f"--slow-worker factor must be >= 1, got {factor}")
+        if self.bandwidth is not None:
+            try:
+                netns.parse_rate(self.bandwidth)
+            except ValueError as e:
+                raise BenchError(str(e)) from e
+
+    def grad_accum_for(self, method: str) -> int:
+        return self.grad_accum // 2 if method == "acco" else self.grad_accum
+
+    def worker_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // max(1, self.hosts))
+
+    def overrides(self, method: str, out_dir: Path, rank: int) -> list[str]:
+        """The Hydra overrides of one worker."""
+        o = [
+            f"train={method}",
+            f"model={self.model}",
+            f"data={self.data}",
+            f"train.nb_steps_tot={self.nb_steps_tot}",
+            f"train.output_dir={out_dir}",
+            f"train.seed={self.seed}",
+            "launch.nproc=1",
+            f"train.n_grad_accumulation={self.grad_accum_for(method)}",
+            f"train.batch_size={self.batch_size}",
+            f"train.max_length={self.max_length}",
+            f"train.accumulate_while_waiting={str(self.accumulate_while_waiting).lower()}",
+            f"train.use_mixed_precision={str(self.mixed_precision).lower()}",
+            f"train.eval_step={self.eval_step if self.eval_step else 10**9}",
+            "train.save=false",
+        ]
+        o += [f"model.{k}={v}" for k, v in self.model_size.items()]
+        if self.data_path:
+            o.append(f"data.path={self.data_path}")
+        if self.tokenizer:
+            o.append(f"model.tokenizer={self.tokenizer}")
+        if self.slow_worker is not None and self.slow_worker[0] == rank:
+            o.append(f"train.slowdown={self.slow_worker[1]}")
+        o += list(self.extra)
+        return o
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d["methods"] = list(self.methods)
+        d["slow_worker"] = list(self.slow_worker) if self.slow_worker else None
+        d["grad_accum_per_method"] = {m: self.grad_accum_for(m) for m in self.methods}
+        d["worker_threads"] = self.worker_threads()
+        return d
+
+
+def worker_command() -> list[str]:
+    custom = os.environ.get(WORKER_ENV)
+    if custom:
+        return shlex.split(custom)
+    return [sys.executable, "-m", "acco.cli"]
+
+
+def check_worker_available() -> None:
+    """Fail with one clear line when the training CLI is not importable."""
+    if os.environ.get(WORKER_ENV):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("acco.cli") is None:
+        raise BenchError("the training CLI (acco.cli) is not installed: acco-bench drives `python -m acco.cli`")
+
+
+# --------------------------------------------------------------------------------------------
+# the network
+
+
+class Network:
+    """Where the workers run: an :class:`EmulatedCluster` or local processes on 127.0.0.1."""
+
+    def __init__(self, hosts: int, bandwidth: str | None, latency: str | None, loopback: bool):
+        self.hosts = hosts
+        self.cluster: netns.EmulatedCluster | None = None
+        self._port = 29500
+        if loopback:
+            self.kind = "loopback"
+            self.note = "local processes on 127.0.0.1, unshaped (--loopback)"
+            self.bandwidth, self.latency, self.latency_emulated, self.shaper = None, None, False, None
+            return
+        reason = netns.netns_unavailable_reason()
+        if reason is not None:
+            raise BenchError(
+                f"cannot emulate a cluster here: {reason} Run as root with iproute2 (ip, tc), "
+                "or pass --loopback to run the workers unshaped on 127.0.0.1."
+            )
+        netns.cleanup_stale()
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # said below, in the outputs
+            self.cluster = netns.EmulatedCluster(hosts, bandwidth=bandwidth, latency=latency)
+        self.kind = "netns"
+        self.bandwidth, self.latency = bandwidth, latency
+        self.shaper = self.cluster.shaper
+        self.latency_emulated = self.cluster.latency_emulated
+        if bandwidth is None:
+            self.note = f"{hosts} network namespaces on a bridge, unshaped veth links"
+        else:
+            self.note = f"{hosts} network namespaces on a bridge, each link shaped to {bandwidth} with tc {self.shaper}"
+        if latency is not None and not self.latency_emulated:
+            self.note += f"; latency {latency} NOT emulated (this kernel has no netem, only tbf)"
+        elif latency is None and self.shaper == "tbf":
+            self.note += "; no latency emulated (this kernel has no netem)"
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "bandwidth": self.bandwidth, "latency": self.latency,
+                "latency_emulated": self.latency_emulated, "shaper": self.shaper, "note": self.note}
+
+    def master(self) -> tuple[str, int]:
+        if self.cluster is None:
+            from acco.launch import free_port
+
+            return "127.0.0.1", free_port()
+        # Every namespace has its own port space; a fresh port per method avoids TIME_WAIT.
+        self._port += 1
+        return self.cluster.addr(0), self._port
+
+    def popen(self, rank: int, argv: list[str], env: dict, log) -> subprocess.Popen:
+        kw = dict(env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                  start_new_session=True, preexec_fn=None)
+        kw["preexec_fn"] = _pdeathsig()
+        if self.cluster is None:
+            return subprocess.Popen(argv, **kw)
+        return self.cluster.popen(rank, argv, **kw)
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pdeathsig():
+    """preexec_fn: the kernel SIGKILLs the worker if the harness dies (Linux), so no orphan
+    keeps a namespace alive or a core busy."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def setter() -> None:
+        prctl(1, int(signal.SIGKILL))
+
+    return setter
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 3.0) -> None:
+    """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        _kill_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            _kill_group(p, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Network) -> float:
+    """Run one method's workers to completion; returns the wall time. Raises BenchError on a
+    failure (first failing rank, with its log's tail) or on the timeout; no worker survives."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logs = out_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    addr, port = net.master()
+    threads = str(settings.worker_threads())
+    procs: list[subprocess.Popen] = []
+    files = []
+    start = time.monotonic()
+    try:
+        for rank in range(settings.hosts):
+            env = dict(os.environ)
+            env.update(RANK=str(rank), WORLD_SIZE=str(settings.hosts), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR=addr, MASTER_PORT=str(port), OMP_NUM_THREADS=threads,
+                       MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1")
+            argv = [*worker_command(), *settings.overrides(method, out_dir, rank)]
+            if rank == 0:
+                (out_dir / "command.txt").write_text(
+                    " ".join(shlex.quote(a) for a in argv) + "\n")
+            log = open(logs / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
+            files.append(log)
+            procs.append(net.popen(rank, argv, env, log))
+        deadline = start + settings.timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                stop_processes(procs)
+                raise BenchError(f"{method}: rank {rank} exited with code {code}; its log "
+                                 f"({logs / f'rank{rank}.log'}) ends with:\n{_tail(logs / f'rank{rank}.log')}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                stop_processes(procs)
+                raise BenchError(f"{method}: timed out after {settings.timeout_s:.0f} s (--timeout); "
+                                 f"workers killed; logs in {logs}")
+            time.sleep(0.1)
+        return time.monotonic() - start
+    finally:
+        stop_processes(procs)
+        for f in files:
+            f.close()
+
+
+# --------------------------------------------------------------------------------------------
+# reading a run
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            with contextlib.suppress(json.JSONDecodeError):
+                rows.append(json.loads(line))
+    return rows
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _own(value, rank: int):
+    """A worker file's micro_batches: its own count, or the per-worker list."""
+    if isinstance(value, list):
+        return value[rank] if rank < len(value) else None
+    return value
+
+
+def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dict:
+    """The figures of one method's run, from its own timers.
+
+    - ``step_time_s``: median seconds between consecutive updates (rank 0's wall clock);
+    - ``compute_s_per_update``: median over updates of the slowest worker's compute time (the
+      critical path);
+    - ``comm_s_per_update``: median over updates of the smallest comm time over workers: ddp's
+      time inside its comm round, an overlapped method's comm-thread busy time (acco: both
+      rounds); the worker that reached the round last waited least in it, so its figure is the
+      round itself rather than the wait for a slower worker;
+    - ``overlap_efficiency`` = max(compute, comm) / step_time;
+    - ``samples_per_s``, ``tokens_per_s``: steady state, between the end of update ``skip`` and
+      the last (the first update holds connection set-up and acco's non-overlapped warm start);
+      the whole run's figures from ``summary.json`` are kept as ``*_overall``.
+
+    The first ``skip`` updates are left out of the medians when at least ``skip + 2`` exist.
+    """
+    summary = {}
+    if (run_dir / "summary.json").exists():
+        summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in metrics if r.get("type") == "train"]
+    evals = [r for r in metrics if r.get("type") == "eval"]
+    workers = {}
+    for path in sorted((run_dir / "workers").glob("rank*.jsonl")):
+        with contextlib.suppress(ValueError):
+            workers[int(path.stem[4:])] = {r["step"]: r for r in read_jsonl(path) if "step" in r}
+    if not train:
+        raise BenchError(f"{run_dir}: no training records in metrics.jsonl")
+    if len(train) < skip + 2:
+        skip = 0
+    steady = train[skip:]
+    steps = [r["step"] for r in steady]
+
+    def per_update(key: str, reduce):
+        vals = []
+        for s in steps:
+            xs = [w[s][key] for w in workers.values() if s in w and w[s].get(key) is not None]
+            if xs:
+                vals.append(reduce(xs))
+        if not vals:  # no worker files: rank 0's own record
+            vals = [r.get(key) for r in steady]
+        return _median(vals)
+
+    walls = [r["wall_time"] for r in train]
+    diffs = [b - a for a, b in zip(walls[skip:], walls[skip + 1:])] if len(train) > 1 else []
+    if skip == 0 and walls:
+        diffs = [walls[0]] + diffs
+    step_time = _median(diffs) if diffs else summary.get("step_time_s")
+    compute = per_update("compute_s", max)
+    comm = per_update("comm_s", min)
+    wait = per_update("wait_s", statistics.mean)
+    eff = max(compute, comm) / step_time if step_time and compute is not None and comm is not None else None
+
+    # The trainer counts micro-batches in "samples"; here a sample is a sequence.
+    seq = settings.batch_size
+    first = train[skip - 1] if skip > 0 else {"wall_time": 0.0, "samples": 0}
+    last = train[-1]
+    span = last["wall_time"] - first["wall_time"]
+    samples_ps = (last["samples"] - first["samples"]) * seq / span if span > 0 else None
+    tokens_ps = samples_ps * settings.max_length if samples_ps is not None else None
+
+    mbs = [r.get("micro_batches") for r in steady if isinstance(r.get("micro_batches"), list)]
+    n_workers = len(mbs[0]) if mbs else settings.hosts
+    mb_by_worker = ([statistics.mean(m[i] for m in mbs) for i in range(n_workers)] if mbs
+                    else summary.get("micro_batches_per_update_by_worker"))
+    # per-worker throughput: that worker's micro-batches per second of the steady span
+    # per-worker throughput: that worker's samples per second over the steady span
+    per_worker_sps = None
+    if mbs and span > 0:
+        per_worker_sps = [sum(m[i] for m in mbs) * settings.batch_size / span for i in range(n_workers)]
+    per_worker_timers = {}
+    for rank, w in sorted(workers.items()):
+        rows = [w[s] for s in steps if s in w]
+        per_worker_timers[str(rank)] = {
+            "compute_s_per_update": _median(r.get("compute_s") for r in rows),
+            "wait_s_per_update": _median(r.get("wait_s") for r in rows),
+            "comm_s_per_update": _median(r.get("comm_s") for r in rows),
+            "micro_batches_per_update": (statistics.mean(_own(r.get("micro_batches"), rank) for r in rows)
+                                         if rows and all(_own(r.get("micro_batches"), rank) is not None
+                                                         for r in rows) else None),
+        }
+    final_eval = summary.get("final_eval_loss")
+    if final_eval is None and evals:
+        final_eval = evals[-1].get("eval_loss")
+    return {
+        "step_time_s": step_time,
+        "samples_per_s": samples_ps,
+        "tokens_per_s": tokens_ps,
+        "compute_s_per_update": compute,
+        "comm_s_per_update": comm,
+        "wait_s_per_update": wait,
+        "overlap_efficiency": eff,
+        "final_eval_loss": final_eval,
+        "peak_mem_mb": summary.get("peak_mem_mb"),
+        "micro_batches_per_update_by_worker": mb_by_worker,
+        "samples_per_s_by_worker": per_worker_sps,
+        "timers_by_worker": per_worker_timers,
+        "updates": len(train),
+        "updates_in_medians": len(steady),
+        "samples": last.get("samples", 0) * seq,  # sequences over all workers
+        "micro_batches_total": last.get("samples"),
+        "final_train_loss": last.get("loss"),
+        "wall_time_s": summary.get("wall_time_s", last["wall_time"]),
+        "samples_per_s_overall": summary["samples_per_s"] * seq if summary.get("samples_per_s") else None,
+        "tokens_per_s_overall": summary.get("tokens_per_s"),
+        "summary": summary,
+    }
+
+
+def add_comparisons(methods: dict) -> dict:
+    """Speedups of every method over ddp and torch-ddp (ratios of the same run), and the overlap
+    bounds computed from ddp's own compute C and comm M.
+
+    - ``speedup_step_vs_X`` = step_time(X) / step_time(method) (same effective batch);
+    - ``speedup_samples_vs_X`` = samples/s(method) / samples/s(X) (what to compare when the batch
+      per update varies, with ``--accumulate-while-waiting`` or a slow worker);
+    - ``ideal_overlap`` = (C+M)/max(C,M): the bound for a method that overlaps one comm round per
+      update (dpu, wp); ``ideal_acco`` = (C+M)/max(C,2M): acco runs TWO rounds per update (an
+      estimate round and an update round, each moving the whole gradient and parameter vector),
+      so its bound is lower once M > C/2.
+    """
+    out = {"bounds": {}}
+    ddp = methods.get("ddp")
+    if ddp and ddp.get("compute_s_per_update") and ddp.get("comm_s_per_update") is not None:
+        c, m = ddp["compute_s_per_update"], ddp["comm_s_per_update"]
+        out["bounds"] = {
+            "ddp_compute_s": c,
+            "ddp_comm_s": m,
+            "ddp_comm_fraction": m / (c + m) if c + m > 0 else None,
+            "ideal_overlap": (c + m) / max(c, m),
+            "ideal_acco": (c + m) / max(c, 2 * m),
+        }
+    for name, res in methods.items():
+        if "error" in res:
+            continue
+        for ref in ("ddp", "torch-ddp"):
+            base = methods.get(ref)
+            if not base or "error" in base:
+                continue
+            if res.get("step_time_s") and base.get("step_time_s"):
+                res[f"speedup_step_vs_{ref}"] = base["step_time_s"] / res["step_time_s"]
+            if res.get("samples_per_s") and base.get("samples_per_s"):
+                res[f"speedup_samples_vs_{ref}"] = res["samples_per_s"] / base["samples_per_s"]
+        b = out["bounds"]
+        if b and res.get("speedup_step_vs_ddp"):
+            res["fraction_of_ideal_overlap"] = res["speedup_step_vs_ddp"] / b["ideal_overlap"]
+            if name == "acco":
+                res["fraction_of_ideal_acco"] = res["speedup_step_vs_ddp"] / b["ideal_acco"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# one benchmark: every method on one network
+
+
+def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, log=print) -> dict:
+    """Run every method of ``settings`` on ``net`` (made and torn down here when None) and write
+    ``out/bench.json``, ``out/bench.md`` and the plots. Returns the bench.json content. A method
+    that fails or times out is recorded with its error and the others still run."""
+    from acco.bench import report
+
+    settings.validate()
+    check_worker_available()
+    out.mkdir(parents=True, exist_ok=True)
+    own = net is None
+    if own:
+        net = Network(settings.hosts, settings.bandwidth, settings.latency, settings.loopback)
+    try:
+        log(f"[acco-bench] {net.note}")
+        methods: dict[str, dict] = {}
+        for method in settings.methods:
+            run_dir = out / method
+            if run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)
+            log(f"[acco-bench] {method}: {settings.hosts} workers, "
+                f"{settings.grad_accum_for(method)} micro-batches per {'round' if method == 'acco' else 'update'} "
+                f"of {settings.batch_size}x{settings.max_length} tokens, nb_steps_tot={settings.nb_steps_tot}")
+            try:
+                wall = run_workers(settings, method, run_dir, net)
+                res = method_metrics(run_dir, settings)
+                res["harness_wall_s"] = wall
+            except BenchError as e:
+                log(f"[acco-bench] {method} FAILED: {e}")
+                res = {"error": str(e)}
+            methods[method] = res
+            if "error" not in res:
+                log(f"[acco-bench] {method}: step {res['step_time_s']:.3f} s, compute "
+                    f"{res['compute_s_per_update']:.3f} s, comm {res['comm_s_per_update']:.3f} s, "
+                    f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} samples/s")
+        comparisons = add_comparisons(methods)
+        bench = {
+            "config": {**settings.describe(), "network": net.describe(),
+                       "machine": machine_description(), "worker_command": worker_command()},
+            "methods": methods,
+            **comparisons,
+        }
+    finally:
+        if own:
+            net.close()
+    (out / "bench.json").write_text(json.dumps(bench, indent=2, default=str) + "\n")
+    report.write_bench_report(bench, out)
+    return bench
+
+
+def machine_description() -> dict:
+    import platform
+
+    try:
+        import torch
+
+        tv = torch.__version__
+    except ImportError:  # pragma: no cover
+        tv = None
+    model = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpus": os.cpu_count(), "cpu_model": model, "torch": tv, "python": platform.python_version(),
+            "platform": platform.platform(), "backend": "gloo"}
+
+
+# --------------------------------------------------------------------------------------------
+# the sweep
+
+
+def sweep_label(bw: str | None) -> str:
+    return "unshaped" if bw is None else bw
+
+
+def run_sweep(settings: BenchSettings, bandwidths: Sequence[str | None], out: Path, log=print) -> dict:
+    """One :func:`run_bench` per bandwidth (``None``: unshaped veth links; on loopback when
+    namespaces are unavailable and ``settings.loopback``), then ``sweep.json``, ``sweep.md`` and
+    the speedup plot."""
+    from acco.bench import report
+
+    settings.validate()
+    check_worker_available()
+    out.mkdir(parents=True, exist_ok=True)
+    points = []
+    for bw in bandwidths:
+        label = sweep_label(bw)
+        if settings.loopback and bw is not None:
+            log(f"[acco-bench] sweep: {label} skipped: --loopback cannot shape links")
+            continue
+        s = BenchSettings(**{**asdict(settings), "bandwidth": bw})
+        s.methods = tuple(settings.methods)
+        s.slow_worker = settings.slow_worker
+        log(f"[acco-bench] sweep point {label}")
+        bench = run_bench(s, out / label.replace("/", "_"), log=log)
+        points.append({"label": label, "bandwidth": bw,
+                       "bandwidth_bps": netns.parse_rate(bw) if bw else None, "bench": bench})
+    sweep = {"config": {**settings.describe(), "bandwidths": [sweep_label(b) for b in bandwidths],
+                        "machine": machine_description()},
+             "points": [{"label": p["label"], "bandwidth_bps": p["bandwidth_bps"],
+                         "network": p["bench"]["config"]["network"],
+                         "bounds": p["bench"].get("bounds", {}),
+                         "methods": {m: {k: v for k, v in r.items() if k not in ("summary", "timers_by_worker")}
+                                     for m, r in p["bench"]["methods"].items()}}
+                        for p in points]}
+    (out / "sweep.json").write_text(json.dumps(sweep, indent=2, default=str) + "\n")
+    report.write_sweep_report(sweep, out)
+    return sweep

@@ -1,0 +1,220 @@
+"""``acco-bench convergence``: loss at equal samples for every method, several seeds, on real text;
+and the update-closeness figure of the paper's review discussion.
+
+Convergence: the methods run one after the other through the training CLI (2 workers on loopback
+by default: the loss per sample does not depend on the network), each seed with the same data
+order, initial weights, hyper-parameters and budget (``nb_steps_tot`` micro-batches over all
+workers) for every method, the fixed-batch mode by default (acco ``grad_accum / 2`` micro-batches
+per round against the others' ``grad_accum`` per update). Eval loss is read from each run's
+``metrics.jsonl`` every ``eval_step`` updates.
+
+Update closeness (:func:`update_closeness`, in-process, engine pieces on one CPU worker): from one
+state (theta_t and the AdamW moments after some plain Adam steps) and the same 2k micro-batches,
+
+- ``u_adam`` = Opt(theta_t, mean gradient of the 2k micro-batches at theta_t) - theta_t;
+- ``u_acco`` = Opt(theta_t, mean of [k gradients at theta~, k gradients at theta_t]) - theta_t, with
+  theta~ either one trial step ahead, ``Opt_trial(theta_t, first half)`` (the brief's recipe), or
+  the estimate the algorithm really uses, ``theta~_t = Opt_trial(theta_{t-1}, half batch)``,
+  made from the previous state with the first half of the previous batch;
+
+and reports ||u_acco - u_adam|| / (||u_acco|| + ||u_adam||), with the same measure between two
+plain Adam updates on two different batches as a scale (what batch noise alone gives). Every
+optimizer step here is ``ShardedAdamW.trial`` (the engine's own, which changes no state), so both
+updates start from exactly the same optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from acco.bench.cluster import BenchError, BenchSettings, Network, check_worker_available, read_jsonl, run_workers
+
+TINYSTORIES = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"
+
+
+def _stats(values: list[float]) -> dict:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return {"n": 0, "values": []}
+    return {"n": len(values), "values": values, "mean": statistics.fmean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
+
+
+def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closeness: bool = True,
+                    closeness_only: bool = False, closeness_steps=(1, 20, 50, 100), log=print) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    if not seeds:
+        raise BenchError("no seed given")
+    conv: dict = {"config": {**settings.describe(), "seeds": seeds}, "runs": {}, "curves": {},
+                  "final_eval_loss": {}, "failed": []}
+    if not closeness_only:
+        settings.validate()
+        check_worker_available()
+        if settings.data == "text" and not settings.data_path:
+            raise BenchError("convergence needs --data PATH (a text file, e.g. the TinyStories slice)")
+        with Network(settings.hosts, settings.bandwidth, None, settings.loopback) as net:
+            conv["config"]["network"] = net.note
+            log(f"[acco-bench] convergence on {settings.data_path or settings.data}: {net.note}")
+            for seed in seeds:
+                s = replace(settings, seed=seed)
+                for method in settings.methods:
+                    run_dir = out / f"seed{seed}" / method
+                    if run_dir.exists():
+                        shutil.rmtree(run_dir)
+                    try:
+                        wall = run_workers(s, method, run_dir, net)
+                    except BenchError as e:
+                        log(f"[acco-bench] {method} seed {seed} FAILED: {e}")
+                        conv["failed"].append({"method": method, "seed": seed, "error": str(e)})
+                        continue
+                    rows = read_jsonl(run_dir / "metrics.jsonl")
+                    evals = [(r["samples"] * s.batch_size, r["eval_loss"]) for r in rows if r.get("type") == "eval"]
+                    train = [r for r in rows if r.get("type") == "train"]
+                    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+                    final = summary.get("final_eval_loss", evals[-1][1] if evals else None)
+                    conv["runs"].setdefault(method, {})[str(seed)] = {
+                        "final_eval_loss": final, "samples": train[-1]["samples"] * s.batch_size if train else None,
+                        "updates": len(train), "wall_s": wall, "final_train_loss": train[-1]["loss"] if train else None}
+                    conv["curves"].setdefault(method, {})[str(seed)] = evals
+                    log(f"[acco-bench] {method} seed {seed}: final eval loss {final}")
+        for method, by_seed in conv["runs"].items():
+            conv["final_eval_loss"][method] = _stats([r["final_eval_loss"] for r in by_seed.values()])
+            ddp = conv["runs"].get("ddp", {})
+            diffs = [r["final_eval_loss"] - ddp[k]["final_eval_loss"] for k, r in by_seed.items()
+                     if k in ddp and r["final_eval_loss"] is not None and ddp[k]["final_eval_loss"] is not None]
+            if method != "ddp" and diffs:
+                conv["final_eval_loss"][method]["paired_diff_vs_ddp"] = _stats(diffs)
+    if closeness:
+        try:
+            conv["update_closeness"] = update_closeness(
+                data_path=settings.data_path if settings.data == "text" else None,
+                tokenizer=settings.tokenizer or "bpe", model=settings.model, model_size=settings.model_size,
+                batch_size=settings.batch_size, max_length=settings.max_length, k=settings.grad_accum,
+                steps=closeness_steps, seed=seeds[0], threads=settings.worker_threads() * settings.hosts)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal to the loss table
+            log(f"[acco-bench] update closeness failed: {type(e).__name__}: {e}")
+            conv["update_closeness"] = {"error": f"{type(e).__name__}: {e}"}
+    (out / "convergence.json").write_text(json.dumps(conv, indent=2, default=str) + "\n")
+    from acco.bench import report
+
+    report.write_convergence_report(conv, out)
+    return conv
+
+
+# --------------------------------------------------------------------------------------------
+# update closeness
+
+
+def _model_config(name: str, size: dict) -> dict:
+    from omegaconf import OmegaConf
+
+    path = Path(__file__).resolve().parents[1] / "conf" / "model" / f"{name}.yaml"
+    if not path.exists():
+        raise BenchError(f"no model config {name!r} ({path})")
+    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    cfg.update(size or {})
+    return cfg
+
+
+def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str = "tiny", model_size=None,
+                     batch_size: int = 8, max_length: int = 64, k: int = 4, steps=(1, 20, 50, 100),
+                     lr: float = 3e-3, seed: int = 0, threads: int | None = None, n_docs: int = 2000) -> dict:
+    """The normalised difference between acco+Adam and plain Adam updates (see the module doc).
+
+    ``k`` micro-batches per half: an update uses ``2k`` micro-batches of ``batch_size`` sequences.
+    ``steps``: measure after that many plain Adam updates (each one of 2k micro-batches).
+    """
+    import torch
+
+    from acco.data import MicroBatchStream, load_documents, load_tokenizer, pack_documents, synthetic_corpus
+    from acco.engine.config import EngineConfig
+    from acco.engine.flat import FlatParams
+    from acco.engine.optim import ShardedAdamW
+    from acco.models import build_model, count_parameters
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    docs = load_documents(data_path) if data_path else synthetic_corpus(n_docs, seed=0)
+    mcfg = _model_config(model, model_size or {})
+    tok = load_tokenizer(tokenizer, train_texts=docs, vocab_size=int(mcfg.get("vocab_size") or 2048))
+    blocks = pack_documents(docs, tok, max_length)
+    net = build_model(mcfg, vocab_size=len(tok), max_length=max_length)
+    flat = FlatParams(net, torch.float32, 1, 0)
+    cfg = EngineConfig(method="acco", learning_rate=lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                       scheduler_name="constant", nb_steps_tot=10**9)
+    master = flat.params.detach().clone()
+    opt = ShardedAdamW(master, cfg)
+    stream = MicroBatchStream(blocks, batch_size, 0, 1, seed)
+
+    def grad_sum(theta: torch.Tensor, batches) -> torch.Tensor:
+        flat.params.copy_(theta)
+        flat.grads.zero_()
+        for b in batches:
+            net(**b).loss.backward()
+        return flat.grads.clone()
+
+    def snapshot() -> dict:
+        return {k: v.detach().clone() for k, v in opt.state_tensors().items()}
+
+    def trial(state: dict, g: torch.Tensor) -> torch.Tensor:
+        """What a committed step from `state` with gradient g would give (no state changes)."""
+        now = snapshot()
+        for key, t in opt.state_tensors().items():
+            t.copy_(state[key])
+        out = torch.empty_like(master)
+        opt.trial(g.clone(), lr, out=out)
+        for key, t in opt.state_tensors().items():
+            t.copy_(now[key])
+        return out
+
+    def closeness(u: torch.Tensor, v: torch.Tensor) -> float:
+        return float((u - v).norm() / (u.norm() + v.norm()))
+
+    steps = sorted(set(int(s) for s in steps if int(s) >= 1))
+    if not steps:
+        raise BenchError("update closeness needs at least one measurement point >= 1 Adam step")
+    points = []
+    done = 0
+    prev_state = prev_half = None
+    net.train()
+    for target in steps:
+        while done < target:
+            batch = [next(stream) for _ in range(2 * k)]
+            prev_state = snapshot()
+            prev_half = batch[:k]
+            g = grad_sum(master, batch) / (2 * k)
+            opt.commit(g, lr)
+            done += 1
+        state = snapshot()
+        theta = master.clone()
+        batch = [next(stream) for _ in range(2 * k)]
+        other = [next(stream) for _ in range(2 * k)]
+        first, second = batch[:k], batch[k:]
+        g_first = grad_sum(theta, first)
+        g_second = grad_sum(theta, second)
+        u_adam = trial(state, (g_first + g_second) / (2 * k)) - theta
+        u_other = trial(state, grad_sum(theta, other) / (2 * k)) - theta
+        # the brief's recipe: theta~ one trial step ahead, with the first half
+        theta_tilde = trial(state, g_first / k)
+        u_brief = trial(state, (g_first + grad_sum(theta_tilde, second)) / (2 * k)) - theta
+        # the algorithm's estimate of theta_t, from the previous state and half of the previous batch
+        prev_theta = prev_state["master"]
+        theta_est = trial(prev_state, grad_sum(prev_theta, prev_half) / k)
+        u_algo = trial(state, (grad_sum(theta_est, first) + g_second) / (2 * k)) - theta
+        points.append({"after_steps": target, "brief": closeness(u_brief, u_adam),
+                       "algorithm": closeness(u_algo, u_adam), "noise": closeness(u_other, u_adam),
+                       "estimate_error": float((theta_est - theta).norm() / (theta - prev_theta).norm()),
+                       "u_adam_norm": float(u_adam.norm())})
+    return {"model": model, "model_size": model_size or {}, "params": count_parameters(net), "data": data_path or "synthetic",
+            "tokenizer": tokenizer, "batch_size": batch_size, "max_length": max_length,
+            "micro_batches": 2 * k, "lr": lr, "weight_decay": 0.1, "betas": [0.9, 0.95], "seed": seed,
+            "points": points,
+            "mean_brief": statistics.fmean(p["brief"] for p in points),
+            "mean_algorithm": statistics.fmean(p["algorithm"] for p in points),
+            "mean_noise": statistics.fmean(p["noise"] for p in points)}

@@ -1,0 +1,4 @@
+def add_arguments(p):
+    p.add_argument("--out", default="outputs/bench/gpu")
+def main(args):
+    return 0

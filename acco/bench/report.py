@@ -1,0 +1,333 @@
+"""Markdown tables and matplotlib (Agg) plots for the acco-bench subcommands."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+COLORS = {"ddp": "#1f77b4", "torch-ddp": "#9467bd", "dpu": "#ff7f0e", "wp": "#8c564b", "acco": "#d62728",
+          "adam": "#7f7f7f"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def fmt(x, digits: int = 3, suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(fmt(v, 2) for v in x) + "]"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}{suffix}"
+    return f"{x}{suffix}"
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# cluster
+
+
+def bench_table(bench: dict) -> str:
+    rows = []
+    for name, r in bench["methods"].items():
+        if "error" in r:
+            rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 10)
+            continue
+        rows.append([
+            name, fmt(r.get("step_time_s")), fmt(r.get("compute_s_per_update")), fmt(r.get("comm_s_per_update")),
+            fmt(r.get("overlap_efficiency"), 2), fmt(r.get("samples_per_s"), 1), fmt(r.get("tokens_per_s"), 0),
+            fmt(r.get("speedup_step_vs_ddp"), 2, "x"), fmt(r.get("speedup_step_vs_torch-ddp"), 2, "x"),
+            fmt(r.get("speedup_samples_vs_ddp"), 2, "x"),
+            fmt(r.get("micro_batches_per_update_by_worker")), fmt(r.get("final_eval_loss"), 4),
+            fmt(r.get("peak_mem_mb"), 0),
+        ])
+    return md_table(["method", "step s", "compute s", "comm s", "overlap eff.", "samples/s", "tokens/s",
+                     "speedup vs ddp (step)", "vs torch-ddp (step)", "vs ddp (samples/s)",
+                     "micro-batches/update by worker", "final eval loss", "peak MB"], rows)
+
+
+def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
+    cfg = bench["config"]
+    net = cfg.get("network", {})
+    lines = [f"# acco-bench cluster: {cfg['hosts']} hosts, {net.get('note', '')}", ""]
+    slow = cfg.get("slow_worker")
+    lines.append(
+        f"Model `{cfg['model']}` {cfg.get('model_size')}, micro-batch {cfg['batch_size']} x {cfg['max_length']} "
+        f"tokens, {cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per "
+        f"round, two rounds per update), nb_steps_tot {cfg['nb_steps_tot']}, seed {cfg['seed']}, "
+        f"accumulate_while_waiting {cfg['accumulate_while_waiting']}, mixed precision {cfg['mixed_precision']}, "
+        f"{cfg.get('worker_threads')} torch thread(s) per worker"
+        + (f", rank {slow[0]} slowed down {slow[1]}x" if slow else "") + ".")
+    m = cfg.get("machine", {})
+    lines.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), torch {m.get('torch')}, gloo.")
+    lines.append("")
+    lines.append(bench_table(bench))
+    b = bench.get("bounds") or {}
+    if b:
+        lines += ["", f"ddp: compute C = {fmt(b['ddp_compute_s'])} s, comm M = {fmt(b['ddp_comm_s'])} s per update "
+                  f"(comm {fmt(100 * b['ddp_comm_fraction'], 0)}% of C+M). Ideal speedup of one overlapped round per "
+                  f"update (C+M)/max(C,M) = {fmt(b['ideal_overlap'], 2)}x; acco runs two rounds per update, its "
+                  f"bound is (C+M)/max(C,2M) = {fmt(b['ideal_acco'], 2)}x."]
+        a = bench["methods"].get("acco", {})
+        if a.get("fraction_of_ideal_overlap") is not None:
+            lines.append(f"acco reaches {fmt(a['fraction_of_ideal_overlap'], 2)} of (C+M)/max(C,M) and "
+                         f"{fmt(a.get('fraction_of_ideal_acco'), 2)} of its own two-round bound.")
+    lines += ["", "step s: median seconds per optimizer update; compute: slowest worker's compute per update; "
+              "comm: ddp's time in its comm round, an overlapped method's comm-thread busy time (acco: both "
+              "rounds), the smallest over workers; overlap eff. = max(compute, comm) / step; samples/s and "
+              "tokens/s: steady state, first update excluded. Ratios are from this one run."]
+    for p in plots or []:
+        lines += ["", f"![{p}]({p})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_bench_report(bench: dict, out: Path) -> list[str]:
+    plots = []
+    try:
+        plots = plot_bench(bench, out)
+    except Exception as e:  # a plot must never lose the numbers
+        print(f"[acco-bench] plotting failed: {e}")
+    (out / "bench.md").write_text(bench_markdown(bench, plots))
+    return plots
+
+
+def plot_bench(bench: dict, out: Path) -> list[str]:
+    plt = _plt()
+    ok = {n: r for n, r in bench["methods"].items() if "error" not in r}
+    if not ok:
+        return []
+    names = list(ok)
+    files = []
+    # 1. step time against compute and comm
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(names))
+    w = 0.27
+    ax.bar([i - w for i in x], [ok[n]["step_time_s"] or 0 for n in names], w, label="step (median)", color="#444")
+    ax.bar(list(x), [ok[n]["compute_s_per_update"] or 0 for n in names], w, label="compute", color="#2ca02c")
+    ax.bar([i + w for i in x], [ok[n]["comm_s_per_update"] or 0 for n in names], w, label="comm", color="#17becf")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("seconds per optimizer update")
+    net = bench["config"].get("network", {})
+    ax.set_title(f"{bench['config']['hosts']} hosts, {net.get('bandwidth') or net.get('kind')}: time per update")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "step_time.png", dpi=110)
+    plt.close(fig)
+    files.append("step_time.png")
+    # 2. training loss against wall time
+    from acco.bench.cluster import read_jsonl
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    any_curve = False
+    for n in names:
+        rows = [r for r in read_jsonl(out / n / "metrics.jsonl") if r.get("type") == "train"]
+        if rows:
+            ax.plot([r["wall_time"] for r in rows], [r["loss"] for r in rows], label=n, color=COLORS.get(n))
+            any_curve = True
+    if any_curve:
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("training loss")
+        ax.legend()
+        ax.set_title("training loss against wall-clock time")
+        fig.tight_layout()
+        fig.savefig(out / "loss_vs_time.png", dpi=110)
+        files.append("loss_vs_time.png")
+    plt.close(fig)
+    # 3. micro-batches per update, per worker
+    mb = {n: ok[n].get("micro_batches_per_update_by_worker") for n in names}
+    if all(isinstance(v, list) and v for v in mb.values()):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        k = max(len(v) for v in mb.values())
+        w = 0.8 / k
+        for r in range(k):
+            ax.bar([i + (r - (k - 1) / 2) * w for i in x], [mb[n][r] if r < len(mb[n]) else 0 for n in names], w,
+                   label=f"rank {r}")
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("micro-batches per update")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "micro_batches.png", dpi=110)
+        plt.close(fig)
+        files.append("micro_batches.png")
+    return files
+
+
+# --------------------------------------------------------------------------------------------
+# sweep
+
+
+def sweep_markdown(sweep: dict, plots: list[str]) -> str:
+    cfg = sweep["config"]
+    methods = [m for m in cfg["methods"]]
+    lines = [f"# acco-bench sweep: {cfg['hosts']} hosts, model `{cfg['model']}` {cfg.get('model_size')}", ""]
+    header = ["link", "ddp C s", "ddp M s", "comm %", "(C+M)/max(C,M)", "(C+M)/max(C,2M)"]
+    header += [f"{m} step s" for m in methods] + [f"{m} vs ddp" for m in methods if m != "ddp"]
+    rows = []
+    for p in sweep["points"]:
+        b = p.get("bounds") or {}
+        row = [p["label"], fmt(b.get("ddp_compute_s")), fmt(b.get("ddp_comm_s")),
+               fmt(100 * b["ddp_comm_fraction"], 0) if b.get("ddp_comm_fraction") is not None else "-",
+               fmt(b.get("ideal_overlap"), 2, "x"), fmt(b.get("ideal_acco"), 2, "x")]
+        ms = p["methods"]
+        row += [fmt(ms.get(m, {}).get("step_time_s")) if "error" not in ms.get(m, {}) else "FAILED" for m in methods]
+        key = "speedup_samples_vs_ddp" if cfg.get("accumulate_while_waiting") else "speedup_step_vs_ddp"
+        row += [fmt(ms.get(m, {}).get(key), 2, "x") for m in methods if m != "ddp"]
+        rows.append(row)
+    lines.append(md_table(header, rows))
+    nets = {p["label"]: p["network"]["note"] for p in sweep["points"]}
+    lines += ["", "Links: " + "; ".join(f"{k}: {v}" for k, v in nets.items()) + "."]
+    for f in plots:
+        lines += ["", f"![{f}]({f})"]
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep_report(sweep: dict, out: Path) -> list[str]:
+    plots = []
+    try:
+        plots = plot_sweep(sweep, out)
+    except Exception as e:
+        print(f"[acco-bench] plotting failed: {e}")
+    (out / "sweep.md").write_text(sweep_markdown(sweep, plots))
+    return plots
+
+
+def plot_sweep(sweep: dict, out: Path) -> list[str]:
+    plt = _plt()
+    points = sweep["points"]
+    if not points:
+        return []
+    methods = [m for m in sweep["config"]["methods"] if m != "ddp"]
+    key = "speedup_samples_vs_ddp" if sweep["config"].get("accumulate_while_waiting") else "speedup_step_vs_ddp"
+    labels = [p["label"] for p in points]
+    x = list(range(len(points)))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in methods:
+        ys = [p["methods"].get(m, {}).get(key) for p in points]
+        ax.plot(x, [y if y is not None else float("nan") for y in ys], marker="o", label=m, color=COLORS.get(m))
+    ideal = [p.get("bounds", {}).get("ideal_overlap") for p in points]
+    ideal_a = [p.get("bounds", {}).get("ideal_acco") for p in points]
+    ax.plot(x, [y if y else float("nan") for y in ideal], ls="--", color="#999", label="(C+M)/max(C,M)")
+    ax.plot(x, [y if y else float("nan") for y in ideal_a], ls=":", color=COLORS["acco"], label="acco bound (C+M)/max(C,2M)")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("link bandwidth per host")
+    ax.set_ylabel("speedup over ddp (step time)" if key == "speedup_step_vs_ddp" else "speedup over ddp (samples/s)")
+    ax.set_title("where overlap starts to pay")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sweep_speedup.png", dpi=110)
+    plt.close(fig)
+    return ["sweep_speedup.png"]
+
+
+# --------------------------------------------------------------------------------------------
+# convergence
+
+
+def convergence_markdown(conv: dict, plots: list[str]) -> str:
+    cfg = conv["config"]
+    lines = [f"# acco-bench convergence: {cfg.get('data_path') or cfg.get('data')}", ""]
+    lines.append(f"Model `{cfg['model']}` {cfg.get('model_size')}, {cfg['hosts']} workers ({cfg.get('network')}), "
+                 f"tokenizer {cfg.get('tokenizer')}, micro-batch {cfg['batch_size']} x {cfg['max_length']}, "
+                 f"{cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per round), "
+                 f"nb_steps_tot {cfg['nb_steps_tot']}, seeds {cfg['seeds']}, accumulate_while_waiting "
+                 f"{cfg['accumulate_while_waiting']}.")
+    lines.append("")
+    rows = []
+    table = conv["final_eval_loss"]
+    ref = table.get("ddp", {}).get("mean")
+    for m, t in table.items():
+        rel = (t["mean"] / ref - 1) * 100 if ref and t.get("mean") is not None else None
+        rows.append([m, fmt(t.get("mean"), 4), fmt(t.get("std"), 4), fmt(t.get("min"), 4), fmt(t.get("max"), 4),
+                     fmt(rel, 2, "%") if rel is not None else "-", t.get("n"),
+                     ", ".join(fmt(v, 4) for v in t.get("values", []))])
+    lines.append(md_table(["method", "final eval loss (mean)", "std", "min", "max", "vs ddp", "seeds", "per seed"],
+                          rows))
+    uc = conv.get("update_closeness")
+    if uc:
+        lines += ["", "## Update closeness", "", uc_markdown(uc)]
+    for f in plots:
+        lines += ["", f"![{f}]({f})"]
+    return "\n".join(lines) + "\n"
+
+
+def uc_markdown(uc: dict) -> str:
+    if "error" in uc:
+        return f"not measured: {uc['error']}"
+    lines = [f"||u_acco - u_adam|| / (||u_acco|| + ||u_adam||) on `{uc['model']}` ({uc['params']} parameters), "
+             f"{uc['micro_batches']} micro-batches of {uc['batch_size']} x {uc['max_length']} per update "
+             f"(acco: half at each point), lr {uc['lr']}, measured after each listed number of plain Adam steps:", ""]
+    rows = []
+    for p in uc["points"]:
+        rows.append([p["after_steps"], fmt(p["brief"], 4), fmt(p["algorithm"], 4), fmt(p["noise"], 4)])
+    lines.append(md_table(["Adam steps before", "acco (theta~ = Opt_trial(theta, 1st half))",
+                           "acco (theta~_t = Opt_trial(theta_{t-1}, half batch))",
+                           "reference: Adam on another batch of the same size"], rows))
+    lines += ["", f"mean: {fmt(uc['mean_brief'], 4)} / {fmt(uc['mean_algorithm'], 4)} / {fmt(uc['mean_noise'], 4)} "
+              "(the paper's review quotes 0.07 to 0.11)."]
+    return "\n".join(lines)
+
+
+def write_convergence_report(conv: dict, out: Path) -> list[str]:
+    plots = []
+    try:
+        plots = plot_convergence(conv, out)
+    except Exception as e:
+        print(f"[acco-bench] plotting failed: {e}")
+    (out / "convergence.md").write_text(convergence_markdown(conv, plots))
+    return plots
+
+
+def plot_convergence(conv: dict, out: Path) -> list[str]:
+    plt = _plt()
+    curves = conv.get("curves", {})
+    if not curves:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, by_seed in curves.items():
+        # align seeds on the eval points they share
+        series = [s for s in by_seed.values() if s]
+        if not series:
+            continue
+        common = sorted(set.intersection(*[set(x for x, _ in s) for s in series]))
+        if not common:
+            continue
+        vals = [[dict(s)[x] for s in series] for x in common]
+        mean = [sum(v) / len(v) for v in vals]
+        ax.plot(common, mean, label=m, color=COLORS.get(m), marker=".")
+        if len(series) > 1:
+            ax.fill_between(common, [min(v) for v in vals], [max(v) for v in vals], color=COLORS.get(m), alpha=0.15)
+    ax.set_xlabel("samples (sequences over all workers)")
+    ax.set_ylabel("eval loss")
+    ax.set_title("eval loss against samples (mean over seeds, band: min-max)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "eval_loss.png", dpi=110)
+    # zoomed on the last half
+    xs = [x for by_seed in curves.values() for s in by_seed.values() for x, _ in s]
+    ys = [y for by_seed in curves.values() for s in by_seed.values() for x, y in s if xs and x >= max(xs) / 2]
+    if ys:
+        ax.set_xlim(max(xs) / 2, max(xs) * 1.02)
+        lo, hi = min(ys), max(ys)
+        ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
+        ax.set_title("eval loss, second half of training")
+        fig.savefig(out / "eval_loss_zoom.png", dpi=110)
+    plt.close(fig)
+    return ["eval_loss.png", "eval_loss_zoom.png"] if ys else ["eval_loss.png"]
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

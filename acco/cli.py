@@ -1,0 +1,125 @@
+"""`python main.py train=acco ...` and `acco-train ...`: Hydra config in, a trained model out.
+
+A plain `python main.py` starts `launch.nproc` local workers of itself; under torchrun or srun
+the environment already says who is who and each process trains directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from acco.launch import dist_env, launch_local, self_command
+
+
+def local_nproc(setting) -> int:
+    if setting in (None, "auto"):
+        import torch
+
+        return torch.cuda.device_count() or 2
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"launch.nproc must be a positive integer or 'auto', got {setting!r}")
+    return setting
+
+
+def load_corpus(data: DictConfig):
+    """Documents (pretraining) or instruction records (fine-tuning), as the data config says."""
+    from acco.data import load_documents, load_records, synthetic_corpus
+
+    if data.name == "synthetic":
+        return synthetic_corpus(int(data.n_docs), seed=0)
+    if data.format == "instruct":
+        return load_records(data.path)
+    return load_documents(data.path, text_column=data.text_column)
+
+
+def prepare_tokenizer(cfg: DictConfig, corpus, rank: int, world_size: int):
+    """Rank 0 trains or loads the tokenizer and saves it with the run; the others load that copy."""
+    import torch.distributed as dist
+
+    from acco.data import load_tokenizer
+
+    saved = Path(cfg.train.output_dir) / "tokenizer"
+    if rank == 0:
+        texts = corpus if cfg.data.format == "pretrain" else [" ".join(map(str, r.values())) for r in corpus]
+        load_tokenizer(cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved)
+    if world_size > 1:
+        dist.barrier()
+    return load_tokenizer(str(saved))
+
+
+def train_from_config(cfg: DictConfig) -> dict:
+    import torch.distributed as dist
+
+    from acco.launch import init_distributed
+    from acco.models import build_model
+    from acco.trainer import DecoupledTrainer, TrainArgs
+
+    args = TrainArgs.from_any(cfg.train)
+    rank, world_size, _, _ = init_distributed(args.timeout_s)
+    out = Path(args.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    corpus = load_corpus(cfg.data)
+    tokenizer = prepare_tokenizer(cfg, corpus, rank, world_size)
+    model = build_model(
+        cfg.model,
+        vocab_size=len(tokenizer),
+        max_length=args.max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    trainer = DecoupledTrainer(
+        model=model, tokenizer=tokenizer, train_dataset=corpus, text_column_name=cfg.data.text_column, args=args
+    )
+    summary = trainer.train()
+    if rank == 0:
+        print(
+            f"done: {summary['method']} {summary['samples']} micro-batches, final eval loss "
+            f"{summary['final_eval_loss']}, {summary['tokens_per_s']:,.0f} tokens/s, outputs in {out}",
+            flush=True,
+        )
+    dist.destroy_process_group()
+    return summary
+
+
+def run(cfg: DictConfig) -> int:
+    from acco.trainer import TrainArgs
+
+    TrainArgs.from_any(cfg.train)  # a bad value fails here, before any worker starts
+    nproc = local_nproc(cfg.launch.nproc)
+    if dist_env() is None and nproc > 1:
+        # As torchrun does: workers sharing a machine must not each spin up a thread per core.
+        threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
+        return launch_local(nproc, self_command(), env_extra=threads)
+    train_from_config(cfg)
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        code = run(cfg)
+    except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
+        if cfg.launch.get("debug") or os.environ.get("ACCO_DEBUG"):
+            raise
+        rank = os.environ.get("RANK")
+        where = f"[rank {rank}] " if rank is not None else ""
+        print(f"acco: error: {where}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = 1
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""What a run writes: metrics.jsonl, per-worker timers, TensorBoard, summary.json, plots, progress.
+
+Rank 0 writes the run's files; every rank writes its own timers to workers/rank{r}.jsonl so that
+benchmarks can see each worker's compute and idle time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from acco.engine import UpdateRecord
+
+
+def peak_memory_mb(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class RunLog:
+    def __init__(
+        self, output_dir: str, rank: int, world_size: int, tokens_per_micro_batch: int, log_every: int = 10,
+        resume: bool = False,
+    ):
+        self.dir = Path(output_dir)
+        self.rank, self.world_size = rank, world_size
+        self.tokens_per_micro_batch = tokens_per_micro_batch
+        self.log_every = log_every
+        self.records: list[UpdateRecord] = []
+        self.evals: list[dict] = []
+        workers = self.dir / "workers"
+        workers.mkdir(parents=True, exist_ok=True)
+        mode = "a" if resume else "w"  # a resumed run continues its files, a new run starts them
+        self._worker = open(workers / f"rank{rank}.jsonl", mode)
+        self._metrics = self._tb = self._bar = None
+        if rank == 0:
+            self._metrics = open(self.dir / "metrics.jsonl", mode)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self._t0 = time.perf_counter()
+
+    # ---- per update / per evaluation -------------------------------------------------------
+
+    def start_progress(self, total_samples: int, initial_samples: int = 0) -> None:
+        """A tqdm bar on rank 0 in a terminal; plain log lines every `log_every` updates otherwise."""
+        if self.rank != 0 or not sys.stderr.isatty():
+            return
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total_samples, initial=initial_samples, unit="mb", dynamic_ncols=True, desc="train")
+
+    def update(self, record: UpdateRecord) -> dict:
+        self.records.append(record)
+        line = {
+            "type": "train",
+            "step": record.step,
+            "samples": record.samples,
+            "tokens": record.samples * self.tokens_per_micro_batch,
+            "loss": record.loss,
+            "lr": record.lr,
+            "wall_time": record.wall_time,
+            "compute_s": record.compute_s,
+            "wait_s": record.wait_s,
+            "comm_s": record.comm_s,
+            "micro_batches": record.micro_batches,
+        }
+        self._worker.write(
+            json.dumps({k: line[k] for k in ("step", "compute_s", "wait_s", "comm_s", "micro_batches")}) + "\n"
+        )
+        if self.rank != 0:
+            return line
+        self._metrics.write(json.dumps(line) + "\n")
+        for key in ("loss", "lr", "compute_s", "wait_s", "comm_s"):
+            self._tb.add_scalar(f"train/{key}", line[key], record.samples)
+        tokens_per_s = line["tokens"] / max(record.wall_time, 1e-9)
+        self._tb.add_scalar("train/tokens_per_s", tokens_per_s, record.samples)
+        if self._bar is not None:
+            self._bar.update(record.samples - self._bar.n)
+            self._bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        elif record.step % self.log_every == 0 or record.step == 1:
+            print(
+                f"step {record.step:>6}  samples {record.samples:>8}  loss {record.loss:.4f}  "
+                f"lr {record.lr:.2e}  tokens/s {tokens_per_s:,.0f}",
+                flush=True,
+            )
+        return line
+
+    def evaluation(self, step: int, samples: int, eval_loss: float) -> None:
+        entry = {"type": "eval", "step": step, "samples": samples, "eval_loss": eval_loss}
+        self.evals.append(entry)
+        if self.rank != 0:
+            return
+        self._metrics.write(json.dumps(entry) + "\n")
+        self._metrics.flush()
+        self._tb.add_scalar("eval/loss", eval_loss, samples)
+        message = f"eval  step {step}  samples {samples}  eval_loss {eval_loss:.4f}"
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    # ---- end of run ----------------------------------------------------------------------
+
+    def summary(self, method: str, device, extra: dict | None = None) -> dict:
+        recs = self.records
+        wall = recs[-1].wall_time if recs else 0.0
+        samples = recs[-1].samples if recs else 0
+        tokens = samples * self.tokens_per_micro_batch
+        # Steady state: leave out the first update (warm start, allocator, first collectives).
+        steady = recs[1:] if len(recs) > 1 else recs
+        steps = [b.wall_time - a.wall_time for a, b in zip(recs, recs[1:])] or [wall]
+
+        def median(values):
+            values = list(values)
+            return statistics.median(values) if values else 0.0
+
+        compute, comm = median(r.compute_s for r in steady), median(r.comm_s for r in steady)
+        step_time = median(steps)
+        by_worker = [
+            statistics.fmean(r.micro_batches[w] for r in steady) if steady else 0.0 for w in range(self.world_size)
+        ]
+        summary = {
+            "method": method,
+            "world_size": self.world_size,
+            "updates": len(recs),
+            "samples": samples,
+            "tokens": tokens,
+            "final_loss": recs[-1].loss if recs else math.nan,
+            "final_eval_loss": self.evals[-1]["eval_loss"] if self.evals else None,
+            "wall_time_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "samples_per_s": samples / wall if wall > 0 else 0.0,
+            "step_time_s": step_time,
+            "compute_s_per_update": compute,
+            "wait_s_per_update": median(r.wait_s for r in steady),
+            "comm_s_per_update": comm,
+            # How close the run came to the overlap bound max(compute, comm) per update.
+            "overlap_efficiency": max(compute, comm) / step_time if step_time > 0 else 0.0,
+            "idle_fraction": sum(r.wait_s for r in recs) / wall if wall > 0 else 0.0,
+            "peak_mem_mb": peak_memory_mb(device),
+            "micro_batches_per_update_by_worker": by_worker,
+        }
+        summary.update(extra or {})
+        return summary
+
+    def close(self, summary: dict | None = None) -> None:
+        self._worker.close()
+        if self.rank != 0:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        self._metrics.close()
+        self._tb.close()
+        if summary is not None:
+            tmp = self.dir / "summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=2) + "\n")
+            os.replace(tmp, self.dir / "summary.json")
+            plot_runs({summary["method"]: self.dir}, self.dir / "loss.png")
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    train, evals = [], []
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        for line in f:
+            entry = json.loads(line)
+            (train if entry["type"] == "train" else evals).append(entry)
+    return train, evals
+
+
+def plot_runs(runs: dict[str, str | Path], path: str | Path) -> None:
+    """Loss against samples and against wall-clock time, one curve per run (eval loss dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run_dir in runs.items():
+        train, evals = read_metrics(run_dir)
+        if not train:
+            continue
+        line = by_samples.plot([t["samples"] for t in train], [t["loss"] for t in train], label=f"{name} train")[0]
+        by_time.plot([t["wall_time"] for t in train], [t["loss"] for t in train], color=line.get_color(), label=f"{name} train")
+        if evals:
+            steps = {t["step"]: t["wall_time"] for t in train}
+            by_samples.plot([e["samples"] for e in evals], [e["eval_loss"] for e in evals], "--", color=line.get_color(), label=f"{name} eval")
+            timed = [(steps[e["step"]], e["eval_loss"]) for e in evals if e["step"] in steps]
+            if timed:
+                by_time.plot(*zip(*timed), "--", color=line.get_color(), label=f"{name} eval")
+    by_samples.set_xlabel("micro-batches (all workers)")
+    by_time.set_xlabel("wall-clock time (s)")
+    for ax in (by_samples, by_time):
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,287 @@
+"""DecoupledTrainer: a drop-in for transformers.Trainer that trains with acco (or a baseline).
+
+    trainer = DecoupledTrainer(model=model, tokenizer=tokenizer,
+                               train_dataset=ds["train"], eval_dataset=ds["validation"],
+                               text_column_name="text", args=train_config)
+    trainer.train()
+
+The loop is thin: it turns the datasets into per-worker micro-batch streams, hands the engine a
+loss function, and around the engine's updates it logs, evaluates and saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from acco.data import (
+    DEFAULT_CACHE_DIR,
+    IGNORE_INDEX,
+    DataError,
+    MicroBatchStream,
+    eval_batches,
+    pack_documents,
+    split_train_eval,
+    tokenize_instructions,
+)
+from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.launch import init_distributed
+from acco.metrics import RunLog
+
+
+@dataclass
+class TrainArgs:
+    """The seed's train keys (same names), plus output_dir, seed and a few run settings."""
+
+    method_name: str = "acco"
+    batch_size: int = 8  # sequences per micro-batch
+    n_grad_accumulation: int = 1
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    nb_steps_tot: int = 1000  # micro-batches over all workers
+    max_length: int = 1024
+    scheduler_name: str = "cosine"
+    warmup: int = 0  # micro-batches over all workers
+    use_mixed_precision: bool = False
+    accumulate_while_waiting: bool = True
+    n_warmup_steps: int = 0
+    eval: bool = True
+    eval_step: int = 50  # optimizer updates between evaluations
+    eval_batch_size: int | None = None
+    eval_fraction: float = 0.05  # carved out of the training data when no eval set is given
+    max_eval_batches: int | None = None  # per worker, None: the whole eval set
+    save: bool = True
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    log_step: int = 10
+    slowdown: float = 1.0  # benchmarks: this worker sleeps (slowdown - 1) x its compute time
+    cache_dir: str = DEFAULT_CACHE_DIR
+    timeout_s: float = 300.0  # collectives give up after this long
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "nb_steps_tot", "n_grad_accumulation", "max_length", "eval_step", "log_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate!r}")
+        if self.slowdown < 1:
+            raise ConfigError(f"train.slowdown must be >= 1, got {self.slowdown!r}")
+        self.engine_config()  # validates method, scheduler, betas
+
+    @classmethod
+    def from_any(cls, args: Any) -> TrainArgs:
+        """From a TrainArgs, a dict, an OmegaConf config, or any dataclass/object with the keys."""
+        if isinstance(args, cls):
+            return args
+        if args is None:
+            return cls()
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(args, DictConfig):
+                args = OmegaConf.to_container(args, resolve=True)
+        except ImportError:  # pragma: no cover
+            pass
+        if dataclasses.is_dataclass(args):
+            args = dataclasses.asdict(args)
+        elif not isinstance(args, Mapping):
+            args = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - names)
+        if unknown:
+            raise ConfigError(f"unknown train key(s): {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+        return cls(**args)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_mapping(dataclasses.asdict(self))
+
+
+def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of next-token losses, number of target tokens): the engine divides by the tokens
+    summed over micro-batches and workers, so a padded or masked batch counts each token once."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+class _OnDevice:
+    """Moves each micro-batch to the device (and, for benchmarks, slows this worker down)."""
+
+    def __init__(self, stream, device: torch.device, slowdown: float = 1.0):
+        self.stream, self.device, self.slowdown = stream, device, slowdown
+        self._last = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.slowdown > 1 and self._last is not None:
+            # Emulate a slower accelerator: stretch the micro-batch that just finished.
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
+        batch = next(self.stream)
+        self._last = time.perf_counter()
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+class DecoupledTrainer:
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        train_dataset=None,
+        eval_dataset=None,
+        text_column_name: str = "text",
+        args: Any = None,
+        processing_class=None,
+        data_collator=None,
+    ):
+        self.args = TrainArgs.from_any(args)
+        self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        self.text_column_name = text_column_name
+        self.data_collator = data_collator
+        self.rank, self.world_size, self.local_rank, self.device = init_distributed(self.args.timeout_s)
+        torch.manual_seed(self.args.seed)
+        self.model = model.to(self.device)
+        self.engine = None
+        self.train_data = self._prepare(train_dataset) if train_dataset is not None else None
+        if eval_dataset is not None:
+            self.eval_data = self._prepare(eval_dataset)
+        elif self.train_data is not None and self.args.eval:
+            train_idx, eval_idx = split_train_eval(len(self._rows(self.train_data)), self.args.eval_fraction, self.args.seed)
+            self.train_data, self.eval_data = self._select(self.train_data, train_idx), self._select(self.train_data, eval_idx)
+        else:
+            self.eval_data = None
+
+    # ---- data ---------------------------------------------------------------------------
+
+    def _prepare(self, dataset):
+        """Tensors the stream can slice: packed blocks for text, masked prompts for instructions."""
+        if isinstance(dataset, torch.Tensor) or (
+            isinstance(dataset, Mapping) and all(isinstance(v, torch.Tensor) for v in dataset.values())
+        ):
+            return dataset
+        if self.data_collator is not None:
+            return list(dataset)  # examples, collated per micro-batch
+        if self.tokenizer is None:
+            raise DataError("a tokenizer (or processing_class) is needed to tokenize the dataset")
+        columns = getattr(dataset, "column_names", None)
+        first = dataset[0] if len(dataset) else None
+        if isinstance(first, str):
+            return pack_documents(list(dataset), self.tokenizer, self.args.max_length, self.args.cache_dir)
+        columns = columns or (list(first) if isinstance(first, Mapping) else [])
+        if self.text_column_name in columns:
+            docs = dataset[self.text_column_name] if not isinstance(dataset, list) else [r[self.text_column_name] for r in dataset]
+            return pack_documents(list(docs), self.tokenizer, self.args.max_length, self.args.cache_dir)
+        if "instruction" in columns and "output" in columns:
+            records = list(dataset) if isinstance(dataset, list) else dataset.to_list()
+            return tokenize_instructions(records, self.tokenizer, self.args.max_length)
+        raise DataError(
+            f"dataset has neither a {self.text_column_name!r} column nor instruction/output columns (has {columns})"
+        )
+
+    def _rows(self, data):
+        return data if not isinstance(data, Mapping) else next(iter(data.values()))
+
+    def _select(self, data, idx: torch.Tensor):
+        if isinstance(data, list):
+            return [data[i] for i in idx.tolist()]
+        if isinstance(data, Mapping):
+            return {k: v[idx] for k, v in data.items()}
+        return data[idx]
+
+    def _stream(self, data, batch_size: int):
+        if self.data_collator is None:
+            return MicroBatchStream(data, batch_size, self.rank, self.world_size, self.args.seed)
+        index = MicroBatchStream(torch.arange(len(data)), batch_size, self.rank, self.world_size, self.args.seed)
+        return (self.data_collator([data[i] for i in b["input_ids"].tolist()]) for b in index)
+
+    # ---- training -------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | None = None) -> dict:
+        args = self.args
+        if self.train_data is None:
+            raise DataError("DecoupledTrainer.train() needs a train_dataset")
+        if resume_from_checkpoint is not None:
+            raise NotImplementedError("resuming from a checkpoint is not supported yet")
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stream = _OnDevice(iter(self._stream(self.train_data, args.batch_size)), self.device, args.slowdown)
+        self.model.train()
+        self.engine = build_engine(self.model, args.engine_config())
+        log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step)
+        log.start_progress(args.nb_steps_tot)
+        last = summary = None
+        try:
+            for record in self.engine.run(stream, causal_lm_loss):
+                log.update(record)
+                last = record
+                if not math.isfinite(record.loss):
+                    raise FloatingPointError(f"training loss is {record.loss} at update {record.step}; stopping")
+                if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
+                    log.evaluation(record.step, record.samples, self.evaluate()["eval_loss"])
+            if args.eval and self.eval_data is not None and last is not None and last.step % args.eval_step != 0:
+                log.evaluation(last.step, last.samples, self.evaluate()["eval_loss"])
+            summary = log.summary(args.method_name, self.device)
+        finally:
+            self.engine.close()
+            log.close(summary)
+        if args.save:
+            self.save_model(str(out / "model"))
+        return summary
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None) -> dict:
+        """Mean next-token loss over the eval set, split across workers: {"eval_loss", "eval_perplexity"}."""
+        data = self._prepare(eval_dataset) if eval_dataset is not None else self.eval_data
+        if data is None:
+            raise DataError("no eval_dataset to evaluate on")
+        batch_size = self.args.eval_batch_size or self.args.batch_size
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
+        was_training = self.model.training
+        self.model.eval()
+        with committed:
+            for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size)):
+                if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
+                    break
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                loss_sum, tokens = causal_lm_loss(self.model, batch)
+                totals[0] += loss_sum
+                totals[1] += tokens
+        self.model.train(was_training)
+        if self.world_size > 1:
+            dist.all_reduce(totals)
+        loss = (totals[0] / totals[1]).item()
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """save_pretrained form (safetensors), reloadable with AutoModelForCausalLM.from_pretrained."""
+        output_dir = output_dir or str(Path(self.args.output_dir) / "model")
+        if self.rank == 0:
+            # The parameters are views of one flat buffer: hand save_pretrained its own tensors,
+            # one per storage so that tied weights stay tied.
+            copies: dict[int, torch.Tensor] = {}
+            state = {k: copies.setdefault(v.data_ptr(), v.detach().clone()) for k, v in self.model.state_dict().items()}
+            self.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(output_dir)
+        if self.world_size > 1:
+            dist.barrier()

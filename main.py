@@ -1,0 +1,6 @@
+"""Entry point, as in the seed repo: python main.py train=acco (see acco/cli.py)."""
+
+from acco.cli import main
+
+if __name__ == "__main__":
+    main()
