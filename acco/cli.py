@@ -41,11 +41,11 @@ def prepare_tokenizer(cfg: DictConfig, corpus, rank: int, world_size: int):
     """Rank 0 trains or loads the tokenizer and saves it with the run; the others load that copy."""
     import torch.distributed as dist
 
-    from acco.data import load_tokenizer
+    from acco.data import format_alpaca, load_tokenizer
 
     saved = Path(cfg.train.output_dir) / "tokenizer"
     if rank == 0:
-        texts = corpus if cfg.data.format == "pretrain" else [" ".join(map(str, r.values())) for r in corpus]
+        texts = corpus if cfg.data.format == "pretrain" else ["".join(format_alpaca(r)) for r in corpus]
         load_tokenizer(cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved)
     if world_size > 1:
         dist.barrier()

@@ -1,0 +1,216 @@
+"""The product surface: `python -m acco.cli` end to end, and DecoupledTrainer as in the seed README."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import free_port
+from omegaconf import OmegaConf
+
+from acco.data import load_tokenizer, synthetic_corpus
+from acco.engine import EngineConfig, build_engine
+from acco.models import build_model
+from acco.trainer import DecoupledTrainer, causal_lm_loss
+
+TINY = OmegaConf.load(Path(__file__).parents[1] / "acco" / "conf" / "model" / "tiny.yaml")
+
+
+def cli(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
+        "train.learning_rate=1e-3", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_cli_trains_acco_and_ddp_with_all_outputs(tmp_path):
+    common = ("data.n_docs=600", "train.nb_steps_tot=160", "train.eval_step=10", "train.accumulate_while_waiting=false")
+    runs = {
+        "acco": ("train=acco", "train.n_grad_accumulation=1"),
+        "ddp": ("train=ddp", "train.n_grad_accumulation=2"),
+    }
+    summaries = {}
+    for name, overrides in runs.items():
+        out = tmp_path / name
+        proc = cli(tmp_path, *overrides, *common, f"train.output_dir={out}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"done: {name} 160 micro-batches" in proc.stdout
+
+        config = OmegaConf.load(out / "config.yaml")
+        assert config.train.method_name == name and config.model.name == "tiny"
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        train = [x for x in lines if x["type"] == "train"]
+        evals = [x for x in lines if x["type"] == "eval"]
+        assert [x["step"] for x in train] == list(range(1, 41))  # 160 micro-batches / 4 per update
+        for key in ("samples", "tokens", "loss", "lr", "wall_time", "compute_s", "wait_s", "micro_batches"):
+            assert all(key in x for x in train), key
+        assert all(x["micro_batches"] == [2, 2] for x in train)
+        assert train[-1]["tokens"] == 160 * 8 * 64
+        assert [x["step"] for x in evals] == [10, 20, 30, 40]
+        assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+        for rank in (0, 1):
+            timers = [json.loads(line) for line in (out / "workers" / f"rank{rank}.jsonl").read_text().splitlines()]
+            assert len(timers) == 40 and all(t["compute_s"] > 0 for t in timers)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["method"] == name and summary["world_size"] == 2 and summary["samples"] == 160
+        assert summary["final_eval_loss"] == evals[-1]["eval_loss"]
+        assert summary["tokens_per_s"] > 0 and 0 < summary["overlap_efficiency"] <= 1.5
+        assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+        assert (out / "loss.png").stat().st_size > 0
+        assert (out / "model" / "model.safetensors").exists() and (out / "model" / "tokenizer.json").exists()
+        summaries[name] = summary
+    # Same data, same samples, same effective batch: acco lands where ddp does.
+    acco, ddp = summaries["acco"]["final_eval_loss"], summaries["ddp"]["final_eval_loss"]
+    assert abs(acco - ddp) / ddp < 0.03, (acco, ddp)
+
+
+TRAINER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    from datasets import Dataset
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+    from acco import DecoupledTrainer
+    from acco.data import eval_batches, load_tokenizer, synthetic_corpus
+    from acco.models import build_model
+    from acco.trainer import causal_lm_loss
+
+    out, cache, tiny = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")  # the user's own process group is reused
+    docs = synthetic_corpus(400)
+    tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=512)
+    ds = Dataset.from_dict({"text": docs}).train_test_split(test_size=0.1, seed=0)
+    ds = {"train": ds["train"], "validation": ds["test"]}
+    model = build_model(OmegaConf.load(tiny), vocab_size=len(tokenizer), max_length=32)
+    train_config = dict(method_name="acco", batch_size=4, n_grad_accumulation=1, learning_rate=2e-3,
+                        nb_steps_tot=48, max_length=32, warmup=8, eval_step=4, output_dir=out, seed=0,
+                        cache_dir=cache, save=False, accumulate_while_waiting=False)
+    trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=ds["train"],
+                               eval_dataset=ds["validation"], text_column_name="text", args=train_config)
+    summary = trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(out + "/saved")
+    if dist.get_rank() == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(out + "/saved")
+        loss_sum = tokens = 0.0
+        for batch in eval_batches(trainer.eval_data, 4):
+            s, n = causal_lm_loss(reloaded, batch)
+            loss_sum, tokens = loss_sum + s.item(), tokens + n.item()
+        json.dump({"summary": summary, "metrics": metrics, "reloaded_eval_loss": loss_sum / tokens},
+                  open(out + "/result.json", "w"))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_decoupled_trainer_as_in_the_seed_readme_under_torchrun(tmp_path):
+    script = tmp_path / "train_script.py"
+    script.write_text(TRAINER_SCRIPT)
+    tiny = Path(__file__).parents[1] / "acco" / "conf" / "model" / "tiny.yaml"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        str(script), str(tmp_path / "out"), str(tmp_path / "cache"), str(tiny),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    metrics = result["metrics"]
+    assert set(metrics) == {"eval_loss", "eval_perplexity"}
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert metrics["eval_loss"] == pytest.approx(result["summary"]["final_eval_loss"], rel=1e-6)
+    assert result["summary"]["samples"] == 48 and result["summary"]["world_size"] == 2
+    # The saved model reloads with transformers and scores the same.
+    assert result["reloaded_eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-4)
+
+
+def test_single_process_trainer_with_omegaconf_args_and_processing_class(tmp_path):
+    docs = synthetic_corpus(300)
+    tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=512)
+    model = build_model(TINY, vocab_size=len(tokenizer), max_length=32)
+    args = OmegaConf.create(
+        dict(method_name="ddp", batch_size=4, n_grad_accumulation=2, learning_rate=2e-3, nb_steps_tot=24, max_length=32,
+             eval_step=100, output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False)
+    )  # fmt: skip
+    trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs, args=args)
+    before = trainer.evaluate()["eval_loss"]
+    summary = trainer.train()
+    assert summary["world_size"] == 1 and summary["updates"] == 12
+    assert summary["final_eval_loss"] < before
+
+
+def test_unknown_train_key_is_rejected():
+    from acco.engine import ConfigError
+    from acco.trainer import TrainArgs
+
+    with pytest.raises(ConfigError, match="unknown train key.*batchsize"):
+        TrainArgs.from_any({"batchsize": 4})
+
+
+def test_loss_is_normalised_by_target_tokens_across_micro_batches():
+    """Two micro-batches with 3 and 7 target tokens: the update uses the mean over all 10 tokens."""
+    torch.manual_seed(0)
+    cfg = {**TINY, "num_layers": 1}
+    model = build_model(cfg, vocab_size=50, max_length=8)
+    reference = build_model(cfg, vocab_size=50, max_length=8)
+    reference.load_state_dict(model.state_dict())
+    engine_free_state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 50, (2, 1, 8))
+    labels = ids.clone()
+    labels[0, 0, :5] = -100  # 3 targets (positions 5..7)
+    labels[1, 0, :1] = -100  # 7 targets
+    batches = [{"input_ids": ids[i], "labels": labels[i]} for i in range(2)]
+    engine = build_engine(
+        model, EngineConfig(method="ddp", n_grad_accumulation=2, nb_steps_tot=2, learning_rate=1e-2,
+                            scheduler_name="constant", weight_decay=0.0, adam_eps=1e-3)
+    )  # fmt: skip
+    records = list(engine.run(iter(batches), causal_lm_loss))
+    sums = [causal_lm_loss(reference, b) for b in batches]
+    total = sum(s for s, _ in sums) / sum(n for _, n in sums)
+    total.backward()
+    # A large eps keeps Adam's first step proportional to the gradient (not just its sign), so a
+    # wrong normalisation shows; it also damps rounding noise on near-zero gradients.
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-3)
+    opt.step()
+    assert records[0].loss == pytest.approx(total.item(), rel=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    # A per-micro-batch mean would weigh the 3-token batch like the 7-token one: another update.
+    wrong = build_model(cfg, vocab_size=50, max_length=8)
+    wrong.load_state_dict(engine_free_state)
+    sums = [causal_lm_loss(wrong, b) for b in batches]
+    ((sums[0][0] / sums[0][1] + sums[1][0] / sums[1][1]) / 2).backward()
+    torch.optim.AdamW(wrong.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-3).step()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), wrong.parameters()))
+    assert diff > 1e-4, diff
+
+
+ALPACA = [
+    {"instruction": "Give the opposite of the word.", "input": "hot", "output": "cold"},
+    {"instruction": "Name a color.", "input": "", "output": "Blue is a color."},
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "The sum is 5."},
+    {"instruction": "Say hello.", "input": "", "output": "Hello there!"},
+]
+
+
+def test_cli_fine_tunes_on_alpaca_records(tmp_path):
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ALPACA * 30) + "\n")
+    out = tmp_path / "ft"
+    proc = cli(
+        tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}", f"train.output_dir={out}",
+        "train.max_length=128", "train.batch_size=4", "train.nb_steps_tot=32", "train.eval_step=4", "train.save=false",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == "acco" and summary["samples"] >= 32
+    assert math.isfinite(summary["final_eval_loss"])
