@@ -53,6 +53,7 @@ def prepare_tokenizer(cfg: DictConfig, corpus, rank: int, world_size: int):
 
 
 def train_from_config(cfg: DictConfig) -> dict:
+    import torch
     import torch.distributed as dist
 
     from acco.launch import init_distributed
@@ -67,6 +68,7 @@ def train_from_config(cfg: DictConfig) -> dict:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
     corpus = load_corpus(cfg.data)
     tokenizer = prepare_tokenizer(cfg, corpus, rank, world_size)
+    torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
     model = build_model(
         cfg.model,
         vocab_size=len(tokenizer),

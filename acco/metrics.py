@@ -30,7 +30,7 @@ def peak_memory_mb(device) -> float:
 class RunLog:
     def __init__(
         self, output_dir: str, rank: int, world_size: int, tokens_per_micro_batch: int, log_every: int = 10,
-        resume: bool = False,
+        resume_step: int | None = None,
     ):
         self.dir = Path(output_dir)
         self.rank, self.world_size = rank, world_size
@@ -40,10 +40,17 @@ class RunLog:
         self.evals: list[dict] = []
         workers = self.dir / "workers"
         workers.mkdir(parents=True, exist_ok=True)
-        mode = "a" if resume else "w"  # a resumed run continues its files, a new run starts them
-        self._worker = open(workers / f"rank{rank}.jsonl", mode)
+        # A resumed run continues its files from the checkpoint's update (a crash may have left
+        # lines after it); a new run starts them afresh.
+        mode = "w" if resume_step is None else "a"
+        worker_file = workers / f"rank{rank}.jsonl"
+        if resume_step is not None:
+            _truncate_after(worker_file, resume_step)
+        self._worker = open(worker_file, mode)
         self._metrics = self._tb = self._bar = None
         if rank == 0:
+            if resume_step is not None:
+                _truncate_after(self.dir / "metrics.jsonl", resume_step)
             self._metrics = open(self.dir / "metrics.jsonl", mode)
             from torch.utils.tensorboard import SummaryWriter
 
@@ -78,9 +85,11 @@ class RunLog:
         self._worker.write(
             json.dumps({k: line[k] for k in ("step", "compute_s", "wait_s", "comm_s", "micro_batches")}) + "\n"
         )
+        self._worker.flush()
         if self.rank != 0:
             return line
         self._metrics.write(json.dumps(line) + "\n")
+        self._metrics.flush()  # a killed run keeps its lines up to the last update
         for key in ("loss", "lr", "compute_s", "wait_s", "comm_s"):
             self._tb.add_scalar(f"train/{key}", line[key], record.samples)
         tokens_per_s = line["tokens"] / max(record.wall_time, 1e-9)
@@ -167,6 +176,13 @@ class RunLog:
             tmp.write_text(json.dumps(summary, indent=2) + "\n")
             os.replace(tmp, self.dir / "summary.json")
             plot_runs({summary["method"]: self.dir}, self.dir / "loss.png")
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+    path.write_text("".join(kept))
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:

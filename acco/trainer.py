@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from acco import checkpoint
 from acco.data import (
     DEFAULT_CACHE_DIR,
     IGNORE_INDEX,
@@ -63,7 +66,11 @@ class TrainArgs:
     eval_batch_size: int | None = None
     eval_fraction: float = 0.05  # carved out of the training data when no eval set is given
     max_eval_batches: int | None = None  # per worker, None: the whole eval set
-    save: bool = True
+    save: bool = True  # the final model (save_pretrained) and a final checkpoint
+    save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
+    save_total_limit: int | None = None  # keep only the newest checkpoints
+    resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest" in output_dir
+    overwrite_output_dir: bool = False
     output_dir: str = "outputs/run"
     seed: int = 0
     log_step: int = 10
@@ -76,6 +83,8 @@ class TrainArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        if self.save_step < 0:
+            raise ConfigError(f"train.save_step must be >= 0, got {self.save_step!r}")
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate!r}")
         if self.slowdown < 1:
@@ -139,6 +148,39 @@ class _OnDevice:
         batch = next(self.stream)
         self._last = time.perf_counter()
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+def _fault() -> dict | None:
+    """Fault injection for tests: ACCO_TEST_FAULT="rank=1,step=6,mode=exit|hang|nan"."""
+    spec = os.environ.get("ACCO_TEST_FAULT")
+    if not spec:
+        return None
+    fields = dict(item.split("=", 1) for item in spec.split(","))
+    return {"rank": int(fields["rank"]), "step": int(fields["step"]), "mode": fields["mode"]}
+
+
+def _inject_fault_after(step: int, rank: int) -> None:
+    fault = _fault()
+    if fault is None or fault["rank"] != rank or fault["step"] != step:
+        return
+    if fault["mode"] == "exit":
+        os._exit(17)  # dies as a killed process would: no clean-up, no message
+    if fault["mode"] == "hang":
+        threading.Event().wait()  # stalls forever, holding its sockets open
+
+
+def _with_fault_injection(loss_fn, rank: int):
+    fault = _fault()
+    if fault is None or fault["mode"] != "nan" or fault["rank"] != rank:
+        return loss_fn
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        loss, weight = loss_fn(model, batch)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] > fault["step"] else loss), weight
+
+    return poisoned
 
 
 class DecoupledTrainer:
@@ -208,37 +250,49 @@ class DecoupledTrainer:
         return data[idx]
 
     def _stream(self, data, batch_size: int):
+        """(this worker's resumable MicroBatchStream, the iterator of its micro-batches)."""
         if self.data_collator is None:
-            return MicroBatchStream(data, batch_size, self.rank, self.world_size, self.args.seed)
+            stream = MicroBatchStream(data, batch_size, self.rank, self.world_size, self.args.seed)
+            return stream, stream
         index = MicroBatchStream(torch.arange(len(data)), batch_size, self.rank, self.world_size, self.args.seed)
-        return (self.data_collator([data[i] for i in b["input_ids"].tolist()]) for b in index)
+        return index, (self.data_collator([data[i] for i in b["input_ids"].tolist()]) for b in index)
 
     # ---- training -------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | None = None) -> dict:
+        """Train to the budget; `resume_from_checkpoint` (a checkpoint folder or "latest") continues
+        a run exactly on the same world size, or from the same samples on another one."""
         args = self.args
         if self.train_data is None:
             raise DataError("DecoupledTrainer.train() needs a train_dataset")
-        if resume_from_checkpoint is not None:
-            raise NotImplementedError("resuming from a checkpoint is not supported yet")
+        resume = resume_from_checkpoint or args.resume_from_checkpoint
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        stream = _OnDevice(iter(self._stream(self.train_data, args.batch_size)), self.device, args.slowdown)
+        position, batches = self._stream(self.train_data, args.batch_size)
         self.model.train()
         self.engine = build_engine(self.model, args.engine_config())
-        log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step)
-        log.start_progress(args.nb_steps_tot)
+        resumed_step = self._resume(resume, position) if resume else None
+        loss_fn = _with_fault_injection(causal_lm_loss, self.rank)
+        stream = _OnDevice(iter(batches), self.device, args.slowdown)
+        log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step, resumed_step)
+        log.start_progress(args.nb_steps_tot, self.engine.samples)
         last = summary = None
         try:
-            for record in self.engine.run(stream, causal_lm_loss):
+            for record in self.engine.run(stream, loss_fn):
                 log.update(record)
                 last = record
                 if not math.isfinite(record.loss):
                     raise FloatingPointError(f"training loss is {record.loss} at update {record.step}; stopping")
                 if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
                     log.evaluation(record.step, record.samples, self.evaluate()["eval_loss"])
-            if args.eval and self.eval_data is not None and last is not None and last.step % args.eval_step != 0:
-                log.evaluation(last.step, last.samples, self.evaluate()["eval_loss"])
+                if args.save_step and record.step % args.save_step == 0:
+                    self._checkpoint(record, position)
+                _inject_fault_after(record.step, self.rank)
+            if last is not None:
+                if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
+                    log.evaluation(last.step, last.samples, self.evaluate()["eval_loss"])
+                if args.save and not (args.save_step and last.step % args.save_step == 0):
+                    self._checkpoint(last, position)
             summary = log.summary(args.method_name, self.device)
         finally:
             self.engine.close()
@@ -246,6 +300,49 @@ class DecoupledTrainer:
         if args.save:
             self.save_model(str(out / "model"))
         return summary
+
+    def _checkpoint(self, record, position) -> Path:
+        state = self.engine.state_dict()
+        if not checkpoint.all_finite([state.get("master"), state["params"]], self.device, self.world_size):
+            raise FloatingPointError(f"parameters are not finite at update {record.step}; no checkpoint written")
+        worker = {"engine": state, "data": position.state_dict(), "rng": torch.get_rng_state()}
+        meta = {
+            "step": record.step,
+            "samples": record.samples,
+            "method": self.args.method_name,
+            "world_size": self.world_size,
+            "numel": state["numel"],
+            "wall_time": record.wall_time,
+            "train": dataclasses.asdict(self.args),
+        }
+        return checkpoint.save(
+            self.args.output_dir, record.step, worker, meta, self.rank, self.world_size,
+            self._write_model, self.args.save_total_limit,
+        )  # fmt: skip
+
+    def _resume(self, spec: str, position) -> int:
+        folder = checkpoint.resolve(spec, self.args.output_dir)
+        meta = checkpoint.load_meta(folder)
+        old_world = int(meta["world_size"])
+        same_world = old_world == self.world_size
+        mine = checkpoint.load_worker(folder, self.rank if same_world else 0, old_world)
+
+        def every_worker() -> list[dict]:
+            return [checkpoint.load_worker(folder, r, old_world) for r in range(old_world)]
+
+        old_states = None if same_world else every_worker()
+        exact = self.engine.load_state_dict(mine["engine"], lambda: [s["engine"] for s in old_states])
+        if exact:
+            position.load_state_dict(mine["data"])
+            torch.set_rng_state(mine["rng"])
+        else:
+            position.load_state_dict(
+                checkpoint.data_position(old_states, self.args.batch_size, self.world_size, position.batches_per_epoch)
+            )
+        if self.rank == 0:
+            how = "exactly" if exact else f"from {old_world} workers, resharded to {self.world_size}"
+            print(f"resuming {how} from {folder} (update {meta['step']}, {meta['samples']} micro-batches)", flush=True)
+        return int(meta["step"])
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None) -> dict:
@@ -274,14 +371,18 @@ class DecoupledTrainer:
 
     def save_model(self, output_dir: str | None = None) -> None:
         """save_pretrained form (safetensors), reloadable with AutoModelForCausalLM.from_pretrained."""
-        output_dir = output_dir or str(Path(self.args.output_dir) / "model")
         if self.rank == 0:
+            self._write_model(output_dir or str(Path(self.args.output_dir) / "model"))
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _write_model(self, output_dir) -> None:
+        committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
+        with committed:
             # The parameters are views of one flat buffer: hand save_pretrained its own tensors,
             # one per storage so that tied weights stay tied.
             copies: dict[int, torch.Tensor] = {}
             state = {k: copies.setdefault(v.data_ptr(), v.detach().clone()) for k, v in self.model.state_dict().items()}
-            self.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(output_dir)
-        if self.world_size > 1:
-            dist.barrier()
+        self.model.save_pretrained(str(output_dir), state_dict=state, safe_serialization=True)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(output_dir))

@@ -67,6 +67,8 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=ALL
     p.add_argument("--loopback", action="store_true",
                    help="no namespaces: local processes on 127.0.0.1, unshaped")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per method before its workers are killed")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every method that many times (interleaved) and report the median run")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores // hosts)")
     p.add_argument("--data", default="synthetic",
                    help="a data config name (synthetic, tinystories, ...) or the path of a local text file")
@@ -95,7 +97,7 @@ def _settings(a, **kw) -> BenchSettings:
         hosts=a.hosts, methods=a.methods, model=a.model, model_size=size, nb_steps_tot=a.nb_steps_tot,
         grad_accum=a.grad_accum, batch_size=a.batch_size, max_length=a.max_length, seed=a.seed,
         slow_worker=a.slow_worker, accumulate_while_waiting=a.accumulate_while_waiting,
-        mixed_precision=a.mixed_precision, loopback=a.loopback, timeout_s=a.timeout, threads=a.threads,
+        mixed_precision=a.mixed_precision, loopback=a.loopback, timeout_s=a.timeout, threads=a.threads, repeats=a.repeats,
         data=data, data_path=data_path, tokenizer=a.tokenizer, extra=tuple(a.override), **kw)
 
 

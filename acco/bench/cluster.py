@@ -69,6 +69,7 @@ class BenchSettings:
     mixed_precision: bool = False  # bf16 is slower than fp32 on this CPU
     loopback: bool = False
     timeout_s: float = 600.0  # per method
+    repeats: int = 1  # every method runs that many times, interleaved; the median run is reported
     threads: int | None = None  # torch threads per worker (default: cores // hosts)
     data: str = "synthetic"
     data_path: str | None = None
@@ -84,6 +85,8 @@ class BenchSettings:
             raise BenchError("no method to run")
         if self.hosts < 1:
             raise BenchError("--hosts must be >= 1")
+        if self.repeats < 1:
+            raise BenchError("--repeats must be >= 1")
         if self.grad_accum < 2 or self.grad_accum % 2:
             raise BenchError(
                 f"--grad-accum must be even (got {self.grad_accum}): acco runs half of it per round, "
@@ -284,9 +287,64 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
-def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Network) -> float:
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine spent in user + nice + system mode so far (Linux)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    user, nice, system = (int(x) for x in fields[1:4])
+    return (user + nice + system) / _HZ
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of one process, all its threads (Linux)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _HZ
+
+
+class LoadMeter:
+    """How much CPU something other than the benchmark's workers used while they ran.
+
+    The machine's busy time (user + nice + system, from /proc/stat) minus what the workers and
+    this process used: on a shared machine, other jobs distort the timings, and this says by
+    how much (in cores, averaged over the run)."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.busy0 = _busy_cpu_s()
+        self.self0 = sum(os.times()[:2])
+        self.workers: dict[int, float] = {}
+
+    def sample(self, procs: Sequence[subprocess.Popen]) -> None:
+        for p in procs:
+            cpu = _proc_cpu_s(p.pid)
+            if cpu is not None:
+                self.workers[p.pid] = max(cpu, self.workers.get(p.pid, 0.0))
+
+    def result(self) -> dict:
+        wall = time.monotonic() - self.t0
+        busy1 = _busy_cpu_s()
+        if self.busy0 is None or busy1 is None or wall <= 0:
+            return {}
+        mine = sum(self.workers.values()) + sum(os.times()[:2]) - self.self0
+        foreign = max(0.0, (busy1 - self.busy0) - mine)
+        return {"workers_cpu_cores": mine / wall, "other_cpu_cores": foreign / wall,
+                "cpus": os.cpu_count()}
+
+
+def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Network,
+                load: LoadMeter | None = None) -> float:
     """Run one method's workers to completion; returns the wall time. Raises BenchError on a
-    failure (first failing rank, with its log's tail) or on the timeout; no worker survives."""
+    failure (first failing rank, with its log's tail) or on the timeout; no worker survives.
+    ``load``, when given, is sampled while the workers run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = out_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -310,6 +368,8 @@ def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Networ
             procs.append(net.popen(rank, argv, env, log))
         deadline = start + settings.timeout_s
         while True:
+            if load is not None:
+                load.sample(procs)
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -469,6 +529,24 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
     }
 
 
+BUSY_CORES = 0.15  # other processes' CPU use (cores) above which a run is flagged as disturbed
+
+
+def combine_repeats(results: list[dict]) -> dict:
+    """One method's repetitions: the figures of the repetition with the median step time (so they
+    stay consistent with each other), every repetition's step time and samples/s alongside."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[-1]
+    if len(results) == 1:
+        return ok[0]
+    ok_sorted = sorted(ok, key=lambda r: r["step_time_s"] or float("inf"))
+    chosen = dict(ok_sorted[(len(ok_sorted) - 1) // 2])
+    chosen["repeats"] = [{k: r.get(k) for k in ("step_time_s", "samples_per_s", "compute_s_per_update",
+                                                  "comm_s_per_update", "load", "error")} for r in results]
+    return chosen
+
+
 def add_comparisons(methods: dict) -> dict:
     """Speedups of every method over ddp and torch-ddp (ratios of the same run), and the overlap
     bounds computed from ddp's own compute C and comm M.
@@ -529,28 +607,37 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
         net = Network(settings.hosts, settings.bandwidth, settings.latency, settings.loopback)
     try:
         log(f"[acco-bench] {net.note}")
-        methods: dict[str, dict] = {}
-        for method in settings.methods:
-            run_dir = out / method
-            if run_dir.exists():
-                import shutil
+        runs: dict[str, list[dict]] = {m: [] for m in settings.methods}
+        for rep in range(settings.repeats):
+            for method in settings.methods:
+                run_dir = out / method if settings.repeats == 1 else out / method / f"rep{rep}"
+                if run_dir.exists():
+                    import shutil
 
-                shutil.rmtree(run_dir)
-            log(f"[acco-bench] {method}: {settings.hosts} workers, "
-                f"{settings.grad_accum_for(method)} micro-batches per {'round' if method == 'acco' else 'update'} "
-                f"of {settings.batch_size}x{settings.max_length} tokens, nb_steps_tot={settings.nb_steps_tot}")
-            try:
-                wall = run_workers(settings, method, run_dir, net)
-                res = method_metrics(run_dir, settings)
-                res["harness_wall_s"] = wall
-            except BenchError as e:
-                log(f"[acco-bench] {method} FAILED: {e}")
-                res = {"error": str(e)}
-            methods[method] = res
-            if "error" not in res:
-                log(f"[acco-bench] {method}: step {res['step_time_s']:.3f} s, compute "
-                    f"{res['compute_s_per_update']:.3f} s, comm {res['comm_s_per_update']:.3f} s, "
-                    f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} samples/s")
+                    shutil.rmtree(run_dir)
+                log(f"[acco-bench] {method}{f' (repeat {rep + 1}/{settings.repeats})' if settings.repeats > 1 else ''}: "
+                    f"{settings.hosts} workers, {settings.grad_accum_for(method)} micro-batches per "
+                    f"{'round' if method == 'acco' else 'update'} of {settings.batch_size}x{settings.max_length} "
+                    f"tokens, nb_steps_tot={settings.nb_steps_tot}")
+                load = LoadMeter()
+                try:
+                    wall = run_workers(settings, method, run_dir, net, load)
+                    res = method_metrics(run_dir, settings)
+                    res["harness_wall_s"] = wall
+                    res["load"] = load.result()
+                    res["run_dir"] = str(run_dir)
+                except BenchError as e:
+                    log(f"[acco-bench] {method} FAILED: {e}")
+                    res = {"error": str(e)}
+                runs[method].append(res)
+                if "error" not in res:
+                    other = res["load"].get("other_cpu_cores")
+                    busy = (f"; WARNING: other processes used {other:.2f} CPU cores meanwhile, timings are disturbed"
+                            if other is not None and other > BUSY_CORES else "")
+                    log(f"[acco-bench] {method}: step {res['step_time_s']:.3f} s, compute "
+                        f"{res['compute_s_per_update']:.3f} s, comm {res['comm_s_per_update']:.3f} s, "
+                        f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} samples/s{busy}")
+        methods = {m: combine_repeats(rs) for m, rs in runs.items()}
         comparisons = add_comparisons(methods)
         bench = {
             "config": {**settings.describe(), "network": net.describe(),

@@ -32,7 +32,14 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from acco.bench.cluster import BenchError, BenchSettings, Network, check_worker_available, read_jsonl, run_workers
+from acco.bench.cluster import (
+    BenchError,
+    BenchSettings,
+    Network,
+    check_worker_available,
+    read_jsonl,
+    run_workers,
+)
 
 TINYSTORIES = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"
 
@@ -123,7 +130,7 @@ def _model_config(name: str, size: dict) -> dict:
 
 def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str = "tiny", model_size=None,
                      batch_size: int = 8, max_length: int = 64, k: int = 4, steps=(1, 20, 50, 100),
-                     lr: float = 3e-3, seed: int = 0, threads: int | None = None, n_docs: int = 2000) -> dict:
+                     lr: float = 3e-3, seed: int = 0, threads: int | None = None, n_docs: int = 500) -> dict:
     """The normalised difference between acco+Adam and plain Adam updates (see the module doc).
 
     ``k`` micro-batches per half: an update uses ``2k`` micro-batches of ``batch_size`` sequences.

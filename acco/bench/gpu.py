@@ -1,4 +1,355 @@
-def add_arguments(p):
-    p.add_argument("--out", default="outputs/bench/gpu")
-def main(args):
-    return 0
+"""``acco-bench gpu``: the single-device compute path on a GPU.
+
+1. Throughput: tokens/s and MFU of GPT-Neo 125M (random init, random tokens) in bf16
+   - through acco's engine, world size 1, method acco (the comm worker runs every round on its
+     side stream and thread) and method ddp (the same pieces with no overlap);
+   - a plain PyTorch loop on the same model and data: bf16 parameters with fused AdamW (the same
+     arithmetic as the engine's bf16 model), and the usual recipe, fp32 parameters under bf16
+     autocast with fused AdamW.
+   Every variant does ``2 * grad_accum`` micro-batches of ``batch_size x max_length`` tokens per
+   optimizer update (acco: ``grad_accum`` per round, two rounds per update) and is timed over
+   ``--steps`` updates after ``--warmup`` updates.
+2. Side-stream overlap: the engine runs acco with ``accumulate_while_waiting`` on, once as is,
+   once with ``engine.comm.delay_hook`` putting ``torch.cuda._sleep`` of ``--delay-ms`` on the comm
+   side stream in every round, and once (negative control) with the same sleep on the compute
+   stream. The first two must compute micro-batches at the same pace (ratio <= 1.10) while the
+   delayed rounds really last longer (more micro-batches per round); the control must slow down.
+
+MFU = tokens/s x training FLOPs per token (``acco.models.flops_per_token``: 6N + 12 L H Q T) /
+the device's dense bf16 peak (a table of known devices, or ``--peak-tflops``).
+
+Without CUDA it says so and exits 0 (``--require-cuda``: exit 3), having written ``gpu.json`` with
+the reason. ``--device cpu`` runs the throughput part on the CPU (for checking the code path with a
+small model; no MFU, no stream check).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
+PEAK_BF16_TFLOPS = [
+    ("H200", 989.4), ("H100 SXM", 989.4), ("H100 NVL", 835.0), ("H100 PCIE", 756.0), ("H100", 989.4),
+    ("GH200", 989.4), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0),
+    ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("A6000", 154.8),
+]
+
+SKIP_EXIT = 0
+NO_CUDA_EXIT = 3
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", default="outputs/bench/gpu", help="output folder")
+    p.add_argument("--model", default="gptneo-125m", help="model config name (acco/conf/model)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--max-length", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--grad-accum", type=int, default=2,
+                   help="micro-batches per acco round; every variant does twice that per update")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer updates per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed updates first")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="side-stream sleep per comm round for the overlap check (0: 3 x a round's compute)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for MFU")
+    p.add_argument("--variants", default="engine-acco,engine-ddp,plain-bf16,plain-autocast",
+                   help="throughput variants to run")
+    p.add_argument("--no-stream-check", action="store_true", help="skip the side-stream check")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (code-path check only)")
+    p.add_argument("--require-cuda", action="store_true", help=f"exit {NO_CUDA_EXIT} when there is no CUDA device")
+
+
+def peak_tflops(name: str) -> float | None:
+    upper = name.upper()
+    for key, value in PEAK_BF16_TFLOPS:
+        if key in upper:
+            return value
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# pieces
+
+
+def _random_batches(vocab: int, batch_size: int, max_length: int, device, n: int = 16, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    pool = [torch.randint(0, vocab, (batch_size, max_length), generator=g).to(device) for _ in range(n)]
+    return [{"input_ids": x, "labels": x} for x in pool]
+
+
+def _cycle(pool, limit: int | None = None):
+    i = 0
+    while limit is None or i < limit:
+        yield pool[i % len(pool)]
+        i += 1
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fresh_model(args, vocab: int, device, dtype):
+    import torch
+
+    from acco.bench.convergence import _model_config
+    from acco.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(_model_config(args.model, {}), vocab_size=vocab, max_length=args.max_length)
+    return model.to(device=device, dtype=dtype)
+
+
+def _loss_fn():
+    from acco.trainer import causal_lm_loss
+
+    return causal_lm_loss
+
+
+def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = False, delay=None,
+               budget: int | None = None) -> dict:
+    """Train through the engine at world size 1; tokens/s over the timed updates, and the
+    per-micro-batch compute time."""
+    import torch
+
+    from acco.engine import EngineConfig, build_engine
+
+    model = _fresh_model(args, vocab, device, torch.float32)
+    k = args.grad_accum
+    per_update = 2 * k
+    budget = budget or (args.warmup + args.steps) * per_update  # micro-batches
+    cfg = EngineConfig(method=method, n_grad_accumulation=k if method == "acco" else per_update,
+                       nb_steps_tot=budget, use_mixed_precision=True,
+                       accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=1e-4)
+    engine = build_engine(model, cfg)
+    if delay is not None:
+        engine.comm.delay_hook = delay
+    tokens_per_mb = args.batch_size * args.max_length
+    records = []
+    loss_fn = _loss_fn()
+    try:
+        for rec in engine.run(_cycle(pool), loss_fn):
+            records.append(rec)
+        _sync(device)
+    finally:
+        engine.close()
+    if len(records) < 3:
+        raise RuntimeError(f"only {len(records)} updates: raise --steps")
+    warm = max(0, min(args.warmup, len(records) - 3))
+    timed = records[warm + 1:]
+    t0, t1 = records[warm].wall_time, records[-1].wall_time
+    samples = records[-1].samples - records[warm].samples
+    computed = sum(r.micro_batches[0] for r in timed)
+    compute_s = sum(r.compute_s for r in timed)
+    del engine, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "updates_timed": len(timed),
+        "tokens_per_s": samples * tokens_per_mb / (t1 - t0),
+        "step_time_s": statistics.median(b.wall_time - a.wall_time for a, b in zip(records[warm:], records[warm + 1:])),
+        "s_per_micro_batch": compute_s / max(1, computed),
+        "micro_batches_per_round": computed / max(1, len(timed)) / (2 if method == "acco" else 1),
+        "comm_s_per_update": statistics.median(r.comm_s for r in timed),
+        "wait_s_per_update": statistics.median(r.wait_s for r in timed),
+        "final_loss": records[-1].loss,
+    }
+
+
+def run_plain(args, device, vocab: int, pool, autocast: bool) -> dict:
+    """A plain loop: forward/backward 2k micro-batches, fused AdamW step, zero_grad."""
+    import contextlib
+
+    import torch
+
+    dtype = torch.float32 if autocast else torch.bfloat16
+    model = _fresh_model(args, vocab, device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda" or None)
+    loss_fn = _loss_fn()
+    per_update = 2 * args.grad_accum
+    ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    it = _cycle(pool)
+    times = []
+    loss = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            _sync(device)
+            start = time.perf_counter()
+        t = time.perf_counter()
+        for _ in range(per_update):
+            with ctx():
+                loss_sum, tokens = loss_fn(model, next(it))
+            loss = loss_sum / (tokens * per_update)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    tokens = args.steps * per_update * args.batch_size * args.max_length
+    final = float(loss.detach()) * per_update if loss is not None else None
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"updates_timed": args.steps, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed / args.steps,
+            "final_loss": final}
+
+
+def calibrate_sleep(device) -> float:
+    """GPU cycles per millisecond of torch.cuda._sleep, measured with events."""
+    import torch
+
+    torch.cuda._sleep(1000)  # load the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 50_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def stream_check(args, device, vocab: int, pool, ms_per_micro_batch: float) -> dict:
+    import torch
+
+    cycles_per_ms = calibrate_sleep(device)
+    delay_ms = args.delay_ms or 3.0 * args.grad_accum * ms_per_micro_batch
+    cycles = int(delay_ms * cycles_per_ms)
+    # The same budget for the three runs: the delayed ones make fewer, bigger updates.
+    budget = (args.warmup + max(8, args.steps)) * 2 * args.grad_accum * 2
+
+    def side_stream_sleep():  # runs in the comm thread, on the comm stream (BackgroundComm)
+        torch.cuda._sleep(cycles)
+
+    def compute_stream_sleep():  # negative control: the same sleep, on the compute stream
+        with torch.cuda.stream(torch.cuda.default_stream(device)):
+            torch.cuda._sleep(cycles)
+
+    base = run_engine(args, "acco", device, vocab, pool, accumulate=True, budget=budget)
+    side = run_engine(args, "acco", device, vocab, pool, accumulate=True, delay=side_stream_sleep, budget=budget)
+    ctrl = run_engine(args, "acco", device, vocab, pool, accumulate=True, delay=compute_stream_sleep, budget=budget)
+    ratio = side["s_per_micro_batch"] / base["s_per_micro_batch"]
+    ctrl_ratio = ctrl["s_per_micro_batch"] / base["s_per_micro_batch"]
+    round_grew = side["micro_batches_per_round"] > base["micro_batches_per_round"] + 0.5
+    return {
+        "delay_ms_per_round": delay_ms,
+        "cycles_per_ms": cycles_per_ms,
+        "no_delay": base,
+        "side_stream_delay": side,
+        "compute_stream_delay_control": ctrl,
+        "compute_slowdown_side_stream": ratio,
+        "compute_slowdown_control": ctrl_ratio,
+        "rounds_lasted_longer": round_grew,
+        "passed": ratio <= 1.10 and round_grew and ctrl_ratio > ratio,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _skip(args, reason: str) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps({"skipped": True, "reason": reason}, indent=2) + "\n")
+    print(f"acco-bench gpu: SKIPPED: {reason}", file=sys.stderr)
+    print("acco-bench gpu: run it on a machine with an NVIDIA GPU and a CUDA build of torch, e.g. "
+          "`acco-bench gpu --out outputs/bench/gpu`.", file=sys.stderr)
+    return NO_CUDA_EXIT if args.require_cuda else SKIP_EXIT
+
+
+def main(args) -> int:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return _skip(args, "torch is not installed")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        built = torch.version.cuda
+        reason = ("no CUDA device: this torch is a CPU-only build" if built is None
+                  else f"no CUDA device visible (torch built for CUDA {built}, torch.cuda.is_available() is False)")
+        return _skip(args, reason)
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from acco.bench.convergence import _model_config
+    from acco.models import flops_per_token, model_config
+
+    vocab = int(_model_config(args.model, {}).get("vocab_size") or 50257)
+    fpt = flops_per_token(model_config(_model_config(args.model, {}), vocab), args.max_length)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = args.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    pool = _random_batches(vocab, args.batch_size, args.max_length, device)
+    result = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "model": args.model,
+              "vocab_size": vocab, "batch_size": args.batch_size, "max_length": args.max_length,
+              "micro_batches_per_update": 2 * args.grad_accum, "flops_per_token": fpt,
+              "peak_bf16_tflops": peak, "variants": {}}
+    print(f"acco-bench gpu: {name}, {args.model}, {args.batch_size}x{args.max_length} tokens per micro-batch, "
+          f"{2 * args.grad_accum} per update, peak {peak} TFLOP/s")
+    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        if variant == "engine-acco":
+            r = run_engine(args, "acco", device, vocab, pool)
+        elif variant == "engine-ddp":
+            r = run_engine(args, "ddp", device, vocab, pool)
+        elif variant == "plain-bf16":
+            r = run_plain(args, device, vocab, pool, autocast=False)
+        elif variant == "plain-autocast":
+            r = run_plain(args, device, vocab, pool, autocast=True)
+        else:
+            print(f"acco-bench gpu: unknown variant {variant!r}", file=sys.stderr)
+            return 2
+        r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12) if peak else None
+        if device.type == "cuda":
+            r["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            torch.cuda.reset_peak_memory_stats(device)
+        result["variants"][variant] = r
+        mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
+        print(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
+    v = result["variants"]
+    for a, b in (("engine-acco", "plain-bf16"), ("engine-acco", "plain-autocast"), ("engine-ddp", "plain-bf16")):
+        if a in v and b in v:
+            result[f"ratio_{a}_over_{b}"] = v[a]["tokens_per_s"] / v[b]["tokens_per_s"]
+    if device.type == "cuda" and not args.no_stream_check:
+        ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
+        result["stream_check"] = stream_check(args, device, vocab, pool, ms)
+        sc = result["stream_check"]
+        print(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
+              f"{sc['delay_ms_per_round']:.0f} ms sleep per round on the comm stream (control on the compute "
+              f"stream: x{sc['compute_slowdown_control']:.2f}); {'PASSED' if sc['passed'] else 'FAILED'}")
+    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gpu.md").write_text(gpu_markdown(result))
+    print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
+    sc = result.get("stream_check")
+    return 1 if sc is not None and not sc["passed"] else 0
+
+
+def gpu_markdown(r: dict) -> str:
+    from acco.bench.report import fmt, md_table
+
+    lines = [f"# acco-bench gpu: {r['device']}", "",
+             f"{r['model']} (random init, vocab {r['vocab_size']}), bf16, micro-batch {r['batch_size']} x "
+             f"{r['max_length']} tokens, {r['micro_batches_per_update']} micro-batches per update, "
+             f"{fmt(r['flops_per_token'] / 1e6, 1)} MFLOP per token, peak {r['peak_bf16_tflops']} TFLOP/s, "
+             f"torch {r['torch']} (CUDA {r['cuda']}).", ""]
+    rows = [[k, fmt(v["tokens_per_s"], 0), fmt(100 * v["mfu"], 1, "%") if v.get("mfu") is not None else "-",
+             fmt(v["step_time_s"]), fmt(v.get("peak_mem_mb"), 0)] for k, v in r["variants"].items()]
+    lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB"], rows))
+    for key, val in r.items():
+        if key.startswith("ratio_"):
+            lines.append(f"\n{key[6:].replace('_', ' ')}: {val:.3f}")
+    sc = r.get("stream_check")
+    if sc:
+        lines += ["", f"Side-stream check ({'PASSED' if sc['passed'] else 'FAILED'}): a {sc['delay_ms_per_round']:.0f} ms "
+                  f"sleep per comm round on the side stream changed the compute time per micro-batch by "
+                  f"x{sc['compute_slowdown_side_stream']:.3f} (micro-batches per round "
+                  f"{sc['no_delay']['micro_batches_per_round']:.1f} -> {sc['side_stream_delay']['micro_batches_per_round']:.1f});"
+                  f" the same sleep on the compute stream (control): x{sc['compute_slowdown_control']:.2f}."]
+    return "\n".join(lines) + "\n"
+

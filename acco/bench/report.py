@@ -44,7 +44,7 @@ def bench_table(bench: dict) -> str:
     rows = []
     for name, r in bench["methods"].items():
         if "error" in r:
-            rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 10)
+            rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 12)
             continue
         rows.append([
             name, fmt(r.get("step_time_s")), fmt(r.get("compute_s_per_update")), fmt(r.get("comm_s_per_update")),
@@ -52,11 +52,11 @@ def bench_table(bench: dict) -> str:
             fmt(r.get("speedup_step_vs_ddp"), 2, "x"), fmt(r.get("speedup_step_vs_torch-ddp"), 2, "x"),
             fmt(r.get("speedup_samples_vs_ddp"), 2, "x"),
             fmt(r.get("micro_batches_per_update_by_worker")), fmt(r.get("final_eval_loss"), 4),
-            fmt(r.get("peak_mem_mb"), 0),
+            fmt(r.get("peak_mem_mb"), 0), fmt((r.get("load") or {}).get("other_cpu_cores"), 2),
         ])
     return md_table(["method", "step s", "compute s", "comm s", "overlap eff.", "samples/s", "tokens/s",
                      "speedup vs ddp (step)", "vs torch-ddp (step)", "vs ddp (samples/s)",
-                     "micro-batches/update by worker", "final eval loss", "peak MB"], rows)
+                     "micro-batches/update by worker", "final eval loss", "peak MB", "other load (cores)"], rows)
 
 
 def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
@@ -88,7 +88,10 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     lines += ["", "step s: median seconds per optimizer update; compute: slowest worker's compute per update; "
               "comm: ddp's time in its comm round, an overlapped method's comm-thread busy time (acco: both "
               "rounds), the smallest over workers; overlap eff. = max(compute, comm) / step; samples/s and "
-              "tokens/s: steady state, first update excluded. Ratios are from this one run."]
+              "tokens/s: steady state, first update excluded (samples = sequences); other load: CPU cores used by "
+              "processes other than the workers during the run (above 0.15 the timings are disturbed). "
+              "Ratios are from this one run" + (f" (median of {cfg.get('repeats')} repetitions per method)"
+                                                 if (cfg.get("repeats") or 1) > 1 else "") + "."]
     for p in plots or []:
         lines += ["", f"![{p}]({p})"]
     return "\n".join(lines) + "\n"
@@ -133,7 +136,8 @@ def plot_bench(bench: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     any_curve = False
     for n in names:
-        rows = [r for r in read_jsonl(out / n / "metrics.jsonl") if r.get("type") == "train"]
+        run_dir = Path(ok[n].get("run_dir") or out / n)
+        rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("type") == "train"]
         if rows:
             ax.plot([r["wall_time"] for r in rows], [r["loss"] for r in rows], label=n, color=COLORS.get(n))
             any_curve = True

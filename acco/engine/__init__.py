@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from acco.engine.config import METHODS, ConfigError, EngineConfig, UpdateRecord
-from acco.engine.decoupled import DecoupledEngine, LossFn
+from acco.engine.decoupled import CheckpointError, DecoupledEngine, LossFn
 
 __all__ = [
+    "CheckpointError",
     "METHODS",
     "ConfigError",
     "DecoupledEngine",

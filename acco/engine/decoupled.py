@@ -46,6 +46,10 @@ LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 _END = object()
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed by this run."""
+
+
 def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 1, 0
@@ -80,6 +84,10 @@ class DecoupledEngine:
         # wp extrapolates from the last committed parameters, kept in full on every worker.
         self.committed = self.flat.params.clone() if cfg.method == "wp" else None
         self._inflight: list[torch.cuda.Event] = []
+        self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
+        self._in_overlap = False  # past the warm start: the accumulator is part of the state
+        self.wall_time_offset = 0.0
+        self.last_wall_time = 0.0
 
     # ---- the computation side -------------------------------------------------------------
 
@@ -154,7 +162,7 @@ class DecoupledEngine:
         """
         cfg = self.cfg
         batches = iter(batches)
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter() - self.wall_time_offset
         self.flat.check_grad_views()
         rounds = (False, True) if cfg.method == "acco" else (True,)  # commit flags, in order
         per_update = cfg.n_grad_accumulation * len(rounds)
@@ -170,8 +178,13 @@ class DecoupledEngine:
                 self._finish()
                 return
 
-        # Warm start: the first payload is computed with nothing to overlap.
-        compute_s = self._accumulate(batches, loss_fn, cfg.n_grad_accumulation)
+        # Warm start: the first payload is computed with nothing to overlap (unless a checkpoint
+        # restored the accumulator that the last round filled).
+        compute_s = 0.0
+        if not self._resume_overlap:
+            compute_s = self._accumulate(batches, loss_fn, cfg.n_grad_accumulation)
+        self._resume_overlap = False
+        self._in_overlap = True
         wait_s = comm_s = 0.0
         for i in itertools.count():
             commit = rounds[i % len(rounds)]
@@ -202,16 +215,93 @@ class DecoupledEngine:
             compute_s=compute_s,
             wait_s=wait_s,
             comm_s=comm_s,
-            wall_time=time.perf_counter() - self._t0,
+            wall_time=self._wall(),
         )
 
+    def _wall(self) -> float:
+        self.last_wall_time = time.perf_counter() - self._t0
+        return self.last_wall_time
+
     def _finish(self) -> None:
+        self._in_overlap = False
         # Work computed during the last round belongs to no committed update: drop it.
         self.flat.grads.zero_()
         self.stats.zero_()
         if self.committed is not None:
             self.flat.params.copy_(self.committed)
         self._inflight.clear()
+
+    @property
+    def samples(self) -> int:
+        """Micro-batches over all workers in committed updates so far."""
+        return self.comm.samples
+
+    # ---- checkpoints: taken between two yielded updates, when no round is in flight -----------
+
+    def state_dict(self) -> dict:
+        """This worker's training state: its optimizer shard, and what its model and accumulator hold."""
+        opt = self.comm.optimizer
+        return {
+            "method": self.cfg.method,
+            "numel": self.flat.layout.numel,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "samples": self.comm.samples,
+            "step": self.comm.step,
+            "wall_time": self.last_wall_time,
+            "master": opt.master,
+            "exp_avg": opt.exp_avg,
+            "exp_avg_sq": opt.exp_avg_sq,
+            "params": self.flat.params,  # wp: the predicted weights the model computes at
+            "committed": self.committed,  # wp only: the true parameters
+            # Overlapped methods: the gradients computed during the last round, the next payload.
+            "accumulator": self.flat.grads if self._in_overlap else None,
+            "accumulator_stats": self.stats,
+        }
+
+    def load_state_dict(self, state: dict, all_states: Callable[[], list[dict]] | None = None) -> bool:
+        """Restore a worker's state. On the world size it was saved with the run continues exactly
+        (True); on another, `all_states()` must give every old worker's state: the fp32 master and
+        moments are resharded, and the overlapped regime restarts from its warm start (False)."""
+        if state["method"] != self.cfg.method:
+            raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}")
+        if state["numel"] != self.flat.layout.numel:
+            raise CheckpointError(
+                f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.layout.numel:,}"
+            )
+        opt = self.comm.optimizer
+        self.comm.samples, self.comm.step = int(state["samples"]), int(state["step"])
+        opt.opt.state[opt.master]["step"].fill_(self.comm.step)
+        self.wall_time_offset = float(state["wall_time"])
+        exact = state["world_size"] == self.world_size and state["rank"] == self.rank
+        if exact:
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(opt, name).copy_(state[name])
+            self.flat.params.copy_(state["params"])
+            if self.committed is not None:
+                self.committed.copy_(state["committed"])
+            if state["accumulator"] is not None:
+                self.flat.grads.copy_(state["accumulator"])
+                self.stats.copy_(state["accumulator_stats"])
+                self._resume_overlap = True
+            return True
+        if all_states is None:
+            raise CheckpointError(
+                f"checkpoint was written by {state['world_size']} workers, this run has {self.world_size}: "
+                "resharding needs every worker's file"
+            )
+        old = all_states()
+        numel, shard = self.flat.layout.numel, self.flat.shard
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            full = torch.cat([s[name] for s in old])[:numel]
+            padded = torch.zeros(self.flat.layout.padded_numel, dtype=full.dtype)
+            padded[:numel] = full
+            getattr(opt, name).copy_(padded[shard])
+        true_params = state["committed"] if state["committed"] is not None else state["params"]
+        self.flat.params[:numel].copy_(true_params[:numel])
+        if self.committed is not None:
+            self.committed.copy_(self.flat.params)
+        return False
 
     @contextlib.contextmanager
     def committed_params(self):

@@ -57,6 +57,7 @@ class TorchDDPEngine:
         self.stats = new_stats(self.device)
         self.samples = 0
         self.step = 0
+        self.wall_time_offset = self.last_wall_time = 0.0
 
     def _autocast(self):
         if not self.cfg.use_mixed_precision:
@@ -75,7 +76,7 @@ class TorchDDPEngine:
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
         cfg = self.cfg
         batches = iter(batches)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() - self.wall_time_offset
         n = cfg.n_grad_accumulation
         # Every rank must know before a backward that every other rank will run it too (DDP's
         # collectives would hang otherwise): the next update's micro-batches are fetched first,
@@ -119,7 +120,7 @@ class TorchDDPEngine:
             self.step += 1
             step_s = time.perf_counter() - start
             exhausted = any(row[EXHAUSTED] > 0 for row in table)
-            yield UpdateRecord(
+            record = UpdateRecord(
                 step=self.step,
                 samples=self.samples,
                 loss=sum(row[LOSS] for row in table) / weight,
@@ -130,8 +131,42 @@ class TorchDDPEngine:
                 comm_s=step_s,
                 wall_time=time.perf_counter() - t0,
             )
+            self.last_wall_time = record.wall_time
+            yield record
             if self.samples >= cfg.nb_steps_tot:
                 break
+
+    def state_dict(self) -> dict:
+        params = [p.detach() for p in self.module.parameters()]
+        return {
+            "method": "torch-ddp",
+            "numel": sum(p.numel() for p in params),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "samples": self.samples,
+            "step": self.step,
+            "wall_time": self.last_wall_time,
+            "params": torch.cat([p.flatten() for p in params]),
+            "optimizer": self.optimizer.optim.state_dict(),  # this rank's ZeRO shard
+        }
+
+    def load_state_dict(self, state: dict, all_states=None) -> bool:
+        from acco.engine.decoupled import CheckpointError
+
+        if state["method"] != "torch-ddp":
+            raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is 'torch-ddp'")
+        if state["world_size"] != self.world_size:
+            raise CheckpointError("torch-ddp resumes only on the world size it was saved with (ZeRO shards by parameter)")
+        params = list(self.module.parameters())
+        if state["numel"] != sum(p.numel() for p in params):
+            raise CheckpointError(f"checkpoint holds {state['numel']:,} parameters, the model has a different size")
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"].split([p.numel() for p in params])):
+                p.copy_(saved.view_as(p))
+        self.optimizer.optim.load_state_dict(state["optimizer"])
+        self.samples, self.step = int(state["samples"]), int(state["step"])
+        self.wall_time_offset = float(state["wall_time"])
+        return True
 
     @contextlib.contextmanager
     def committed_params(self):
