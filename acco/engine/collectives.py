@@ -106,8 +106,14 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group)
     # both ranks of a 2-rank ring could post their receives only after their sends, and the two
     # directions ran one after the other (measured: 2x the time, at 100 Mbit/s, for every call).
     reqs = [dist.irecv(recv, prv, group=group, tag=_TAG), dist.isend(send, nxt, group=group, tag=_TAG)]
-    for r in reqs:
-        r.wait()
+    try:
+        for r in reqs:
+            r.wait()
+    except RuntimeError as e:  # timeout or closed connection: say which peers were involved
+        raise RuntimeError(
+            f"ring exchange failed (receiving from rank {prv}, sending to rank {nxt}): a worker died or "
+            f"stalled. {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> None:

@@ -71,8 +71,9 @@ class CommRound:
     def run(self, payload: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, commit: bool) -> RoundResult:
         start = time.perf_counter()
         if self.world_size > 1:
-            collectives.all_gather_small(self.stats_all, stats, group=self.group)
+            # The ring first: when a peer has died or stalled, its error names that peer.
             collectives.reduce_scatter(self.recv_shard, payload, group=self.group)
+            collectives.all_gather_small(self.stats_all, stats, group=self.group)
         else:
             self.stats_all.copy_(stats)
             self.recv_shard.copy_(payload[: self.layout.shard_numel])
