@@ -92,14 +92,17 @@ def train_from_config(cfg: DictConfig) -> dict:
 
 
 def run(cfg: DictConfig) -> int:
-    from acco.trainer import TrainArgs
+    from acco.validate import preflight
 
-    TrainArgs.from_any(cfg.train)  # a bad value fails here, before any worker starts
     nproc = local_nproc(cfg.launch.nproc)
-    if dist_env() is None and nproc > 1:
+    env = dist_env()
+    if env is None and nproc > 1:
+        preflight(cfg, world_size=nproc)  # bad input fails here, before any worker starts
         # As torchrun does: workers sharing a machine must not each spin up a thread per core.
         threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
-        return launch_local(nproc, self_command(), env_extra=threads)
+        return launch_local(nproc, self_command(), env_extra={**threads, "ACCO_PREFLIGHT_DONE": "1"})
+    if not os.environ.get("ACCO_PREFLIGHT_DONE"):  # torchrun, srun or one process: check here
+        preflight(cfg, world_size=env["world_size"] if env else 1)
     train_from_config(cfg)
     return 0
 
@@ -109,17 +112,28 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         code = run(cfg)
     except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
+        from acco.validate import InputError, one_line_error
+
         if cfg.launch.get("debug") or os.environ.get("ACCO_DEBUG"):
             raise
         rank = os.environ.get("RANK")
         where = f"[rank {rank}] " if rank is not None else ""
-        print(f"acco: error: {where}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        kind = "" if isinstance(e, InputError) else f"{type(e).__name__}: "
+        print(f"acco: error: {where}{kind}{one_line_error(e)}", file=sys.stderr, flush=True)
         code = 1
     if code:
         sys.exit(code)
 
 
 def main() -> None:
+    from acco.validate import InputError, check_overrides
+
+    if not os.environ.get("ACCO_DEBUG"):
+        try:  # an unknown group, option or key: one line instead of Hydra's report
+            check_overrides(sys.argv[1:])
+        except InputError as e:
+            print(f"acco: error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
     _hydra_main()
 
 

