@@ -92,9 +92,12 @@ def train_from_config(cfg: DictConfig) -> dict:
 
 
 def run(cfg: DictConfig) -> int:
-    from acco.validate import preflight
+    from acco.validate import InputError, preflight
 
-    nproc = local_nproc(cfg.launch.nproc)
+    try:
+        nproc = local_nproc(cfg.launch.nproc)
+    except ValueError as e:
+        raise InputError(str(e)) from e
     env = dist_env()
     if env is None and nproc > 1:
         preflight(cfg, world_size=nproc)  # bad input fails here, before any worker starts
@@ -128,7 +131,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     from acco.validate import InputError, check_overrides
 
-    if not os.environ.get("ACCO_DEBUG"):
+    debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in sys.argv[1:]]
+    if not debug:
         try:  # an unknown group, option or key: one line instead of Hydra's report
             check_overrides(sys.argv[1:])
         except InputError as e:

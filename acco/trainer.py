@@ -150,6 +150,17 @@ class _OnDevice:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
 
+# Dense bf16 peaks (FLOP/s) of common accelerators, by a substring of their name.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
+
+
 def _fault() -> dict | None:
     """Fault injection for tests: ACCO_TEST_FAULT="rank=1,step=6,mode=exit|hang|nan"."""
     spec = os.environ.get("ACCO_TEST_FAULT")
@@ -293,13 +304,25 @@ class DecoupledTrainer:
                     log.evaluation(last.step, last.samples, self.evaluate()["eval_loss"])
                 if args.save and not (args.save_step and last.step % args.save_step == 0):
                     self._checkpoint(last, position)
-            summary = log.summary(args.method_name, self.device)
+            summary = log.summary(args.method_name, self.device, self._utilisation(log))
         finally:
             self.engine.close()
             log.close(summary)
         if args.save:
             self.save_model(str(out / "model"))
         return summary
+
+    def _utilisation(self, log: RunLog) -> dict:
+        """FLOPs per token and, on a GPU whose bf16 peak we know, MFU (as nanoGPT reports it)."""
+        if not hasattr(self.model, "config") or not log.records:
+            return {}
+        from acco.models import flops_per_token
+
+        per_token = flops_per_token(self.model, self.args.max_length)
+        tokens_per_s = log.records[-1].samples * log.tokens_per_micro_batch / max(log.records[-1].wall_time, 1e-9)
+        peak = _peak_flops(self.device)
+        per_worker = per_token * tokens_per_s / self.world_size
+        return {"flops_per_token": per_token, "mfu": per_worker / peak if peak else None}
 
     def _checkpoint(self, record, position) -> Path:
         state = self.engine.state_dict()

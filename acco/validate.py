@@ -399,7 +399,9 @@ def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: 
     except DataError as e:
         _fail(f"{source}: {one_line_error(e)}", e)
     n_train = _train_split(n, args)
-    split = f", {n_train} after the eval split (train.eval_fraction {args.eval_fraction})" if args.eval else ""
+    split = (
+        f", {n_train} after the eval split (train.eval_fraction {args.eval_fraction})" if args.eval else ""
+    )
     if n_train < need:
         _fail(
             f"dataset too small: {source} gives {what}{split}, fewer than one global batch of "
@@ -438,7 +440,7 @@ def preflight(cfg: DictConfig, world_size: int | None = None) -> None:
         vocab = model.get("vocab_size")
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 257:
             _fail(f"model.vocab_size must be an integer above 257 for model.tokenizer=bpe, got {vocab!r}")
-        check_model_fits(model, pretrained_config, vocab, f"the BPE of model.vocab_size {vocab}")
+        check_model_fits(model, pretrained_config, vocab, "model.tokenizer=bpe (model.vocab_size)")
     else:
         tokenizer = _load_tokenizer(spec)
         check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {spec!r}")
