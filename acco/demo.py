@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = out / name
         cmd = [
             sys.executable, "-m", "acco.cli", *overrides,
-            "launch.nproc=2", "train.accumulate_while_waiting=false",
+            "launch.nproc=2", "train.accumulate_while_waiting=false", "train.overwrite_output_dir=true",
             f"train.nb_steps_tot={args.nb_steps_tot}", f"train.warmup={args.nb_steps_tot // 10}",
             f"train.output_dir={run_dir}", *args.extra,
         ]  # fmt: skip

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -279,6 +280,8 @@ class DecoupledTrainer:
         resume = resume_from_checkpoint or args.resume_from_checkpoint
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            self._clear_old_checkpoints(out)
         position, batches = self._stream(self.train_data, args.batch_size)
         self.model.train()
         self.engine = build_engine(self.model, args.engine_config())
@@ -311,6 +314,20 @@ class DecoupledTrainer:
         if args.save:
             self.save_model(str(out / "model"))
         return summary
+
+    def _clear_old_checkpoints(self, out: Path) -> None:
+        """A fresh run must not leave another run's checkpoints for `latest` to pick up."""
+        old = sorted(out.glob("checkpoint-*"))
+        if old and not self.args.overwrite_output_dir:
+            raise checkpoint.CheckpointError(
+                f"{out} holds checkpoints of another run ({old[-1].name}); set train.resume_from_checkpoint "
+                "to continue it or train.overwrite_output_dir=true to start afresh"
+            )
+        if self.world_size > 1:
+            dist.barrier()  # every rank has looked before rank 0 deletes
+        if self.rank == 0:
+            for folder in old:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _utilisation(self, log: RunLog) -> dict:
         """FLOPs per token and, on a GPU whose bf16 peak we know, MFU (as nanoGPT reports it)."""

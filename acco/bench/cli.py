@@ -69,6 +69,9 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=ALL
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per method before its workers are killed")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every method that many times (interleaved) and report the median run")
+    p.add_argument("--retry-disturbed", type=int, default=2,
+                   help="run a method again, at most that many times, when other processes used more than "
+                        "0.15 CPU cores during its run (a shared machine)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores // hosts)")
     p.add_argument("--data", default="synthetic",
                    help="a data config name (synthetic, tinystories, ...) or the path of a local text file")
@@ -98,6 +101,7 @@ def _settings(a, **kw) -> BenchSettings:
         grad_accum=a.grad_accum, batch_size=a.batch_size, max_length=a.max_length, seed=a.seed,
         slow_worker=a.slow_worker, accumulate_while_waiting=a.accumulate_while_waiting,
         mixed_precision=a.mixed_precision, loopback=a.loopback, timeout_s=a.timeout, threads=a.threads, repeats=a.repeats,
+        retry_disturbed=a.retry_disturbed,
         data=data, data_path=data_path, tokenizer=a.tokenizer, extra=tuple(a.override), **kw)
 
 

@@ -1,0 +1,328 @@
+"""Bad input: one line `acco: error: ...` naming the problem, a non-zero exit, no traceback, no
+worker started and nothing overwritten. Most cases call `preflight()` in-process; a handful run
+the CLI itself (`python -m acco.cli`, 2 local workers) to check what the user sees."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from acco.data import synthetic_corpus, train_bpe
+from acco.validate import InputError, check_output_dir, check_overrides, preflight
+
+ALPACA = {"instruction": "Say hello.", "input": "", "output": "Hello there!"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def config(tmp_path: Path, *overrides: str):
+    base = [f"train.output_dir={tmp_path / 'out'}", f"train.cache_dir={tmp_path / 'cache'}", "launch.nproc=2"]
+    with initialize_config_module(config_module="acco.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=[*base, *overrides])
+
+
+def preflight_error(tmp_path: Path, *overrides: str) -> str:
+    """The message preflight raises for these overrides (one line, and nothing in output_dir)."""
+    with pytest.raises(InputError) as info:
+        preflight(config(tmp_path, *overrides))
+    message = str(info.value)
+    assert "\n" not in message and message.strip() == message
+    assert not (tmp_path / "out" / "workers").exists() and not (tmp_path / "out" / "config.yaml").exists()
+    return message
+
+
+def cli(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
+        f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=16", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ACCO_DEBUG": "", **(env or {})}
+    env.pop("ACCO_DEBUG")
+    env.pop("ACCO_PREFLIGHT_DONE", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr, proc.stderr
+    return [line for line in proc.stderr.splitlines() if line.startswith("acco: error:")]
+
+
+def one_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_bpe(synthetic_corpus(200, seed=0), vocab_size=400).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory) -> Path:
+    """A pretrained model's config.json only: preflight must not need the weights."""
+    from transformers import GPTNeoConfig
+
+    folder = tmp_path_factory.mktemp("pretrained")
+    GPTNeoConfig(
+        vocab_size=100, max_position_embeddings=32, hidden_size=16, num_layers=2, num_heads=2,
+        attention_types=[[["global", "local"], 1]],
+    ).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+# --------------------------------------------------------------------------- preflight, in-process
+
+
+def test_a_valid_config_passes_without_writing_anything(tmp_path):
+    preflight(config(tmp_path, "train.nb_steps_tot=16"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_empty_unreadable_and_malformed_data(tmp_path):
+    msg = preflight_error(tmp_path, "data=text", f"data.path={tmp_path / 'nope.jsonl'}")
+    assert msg.startswith("data.path:") and "nope.jsonl: no such file" in msg
+    msg = preflight_error(tmp_path, "data=text")
+    assert msg.startswith("missing value for data.path")
+
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert "empty.txt: empty file" in preflight_error(
+        tmp_path, "data=text", f"data.path={tmp_path / 'empty.txt'}"
+    )
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    msg = preflight_error(tmp_path, "data=text", f"data.path={tmp_path / 'latin1.txt'}")
+    assert "latin1.txt: not UTF-8 text" in msg
+    (tmp_path / "no-data").mkdir()
+    assert "folder has no" in preflight_error(tmp_path, "data=text", f"data.path={tmp_path / 'no-data'}")
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    assert "bad.jsonl, line 2: malformed JSON" in preflight_error(tmp_path, "data=text", f"data.path={bad}")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_data_file_without_read_permission(tmp_path):
+    locked = tmp_path / "locked.txt"
+    locked.write_text("some text\n")
+    locked.chmod(0)
+    msg = preflight_error(tmp_path, "data=text", f"data.path={locked}")
+    assert msg.startswith("data.path:") and "locked.txt" in msg
+
+
+def test_instruction_records_without_instruction_or_output(tmp_path):
+    data = write_jsonl(tmp_path / "ft.jsonl", [ALPACA, {"instruction": "Say bye."}, ALPACA])
+    msg = preflight_error(tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}")
+    assert "ft.jsonl: record 1 lacks 'output'" in msg
+    data = write_jsonl(tmp_path / "ft2.jsonl", [{"prompt": "x", "output": "y"}])
+    assert "record 0 lacks 'instruction'" in preflight_error(
+        tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}"
+    )
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.batch_size=0", "train.batch_size must be a positive integer, got 0"),
+        ("train.nb_steps_tot=-5", "train.nb_steps_tot must be a positive integer, got -5"),
+        ("train.learning_rate=0", "train.learning_rate must be a positive number, got 0"),
+        ("train.learning_rate=fast", "train.learning_rate must be a positive number, got 'fast'"),
+        ("launch.nproc=0", "launch.nproc must be a positive integer, got 0"),
+        ("train.scheduler_name=nope", "scheduler"),
+        ("train.max_length=1000", "train.max_length 1000 exceeds model.max_position_embeddings 256"),
+        ("train=base", "missing value for train.method_name"),
+    ],
+)
+def test_bad_values_name_their_key(tmp_path, override, expected):
+    assert expected in preflight_error(tmp_path, override)
+
+
+def test_tokenizer_folder_not_found(tmp_path):
+    msg = preflight_error(tmp_path, f"model.tokenizer={tmp_path / 'no-tokenizer'}")
+    assert msg.startswith("model.tokenizer:") and "no-tokenizer" in msg and "no such folder" in msg
+
+
+def test_pretrained_model_checked_from_its_config_alone(tmp_path, tokenizer_dir, pretrained_dir):
+    msg = preflight_error(tmp_path, f"model.pretrained={tmp_path / 'no-model'}")
+    assert msg == f"model.pretrained '{tmp_path / 'no-model'}': no such folder"
+    (tmp_path / "empty-model").mkdir()
+    assert "has no config.json" in preflight_error(tmp_path, f"model.pretrained={tmp_path / 'empty-model'}")
+
+    msg = preflight_error(tmp_path, f"model.pretrained={pretrained_dir}", f"model.tokenizer={tokenizer_dir}")
+    assert "train.max_length 64 exceeds the 32 positions" in msg  # the tiny recipe's 64
+
+    msg = preflight_error(
+        tmp_path,
+        f"model.pretrained={pretrained_dir}",
+        f"model.tokenizer={tokenizer_dir}",
+        "train.max_length=32",
+    )
+    assert f"model.tokenizer '{tokenizer_dir}' has 400 tokens, more than the 100 rows of the embedding" in msg
+    msg = preflight_error(tmp_path, f"model.pretrained={pretrained_dir}", "train.max_length=32")
+    assert "model.tokenizer=bpe (model.vocab_size) has 2048 tokens, more than the 100 rows" in msg
+
+
+def test_dataset_smaller_than_one_global_batch(tmp_path, tokenizer_dir):
+    msg = preflight_error(tmp_path, "data.n_docs=5")
+    assert msg.startswith("dataset too small: data.n_docs gives")
+    assert "fewer than one global batch of train.batch_size 8 x 2 worker(s) = 16" in msg
+
+    cached = set((tmp_path / "cache").glob("packed-*.safetensors"))
+    text = tmp_path / "short.txt"
+    text.write_text("\n\n".join(synthetic_corpus(10, seed=1)))
+    msg = preflight_error(
+        tmp_path, "data=text", f"data.path={text}", f"model.tokenizer={tokenizer_dir}", "train.batch_size=32"
+    )
+    assert msg.startswith(f"dataset too small: data.path '{text}' gives") and "= 64" in msg
+    # the blocks packed here went to the cache, where the workers will find them
+    assert len(set((tmp_path / "cache").glob("packed-*.safetensors")) - cached) == 1
+
+    data = write_jsonl(tmp_path / "ft.jsonl", [ALPACA] * 12)
+    msg = preflight_error(tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}", "train.batch_size=4",
+                          "launch.nproc=4", "train.max_length=128")  # fmt: skip
+    assert "12 instruction examples" in msg and "11 after the eval split" in msg and "= 16" in msg
+
+
+def test_output_dir_that_cannot_be_written(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    msg = preflight_error(tmp_path, f"train.output_dir={tmp_path / 'file' / 'run'}")
+    assert (
+        msg
+        == f"train.output_dir '{tmp_path / 'file' / 'run'}' cannot be created: '{tmp_path / 'file'}' is a file, not a folder"
+    )
+    assert "is a file, not a folder" in preflight_error(tmp_path, f"train.output_dir={tmp_path / 'file'}")
+    msg = preflight_error(tmp_path, f"train.cache_dir={tmp_path / 'file' / 'cache'}")
+    assert msg.startswith(f"train.cache_dir '{tmp_path / 'file' / 'cache'}' cannot be created")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr("acco.validate.tempfile.mkstemp", read_only)
+    with pytest.raises(
+        InputError, match=r"train.output_dir '.*/a/b' is not writable \(in '.*'\): Read-only file system"
+    ):
+        check_output_dir(str(tmp_path / "a" / "b"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
+def test_read_only_output_dir(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    assert "is not writable" in preflight_error(tmp_path, f"train.output_dir={locked / 'run'}")
+
+
+def test_output_dir_holding_a_run_is_not_overwritten_unless_asked(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"old": true}')
+    msg = preflight_error(tmp_path)
+    assert msg.startswith(f"train.output_dir '{out}' already holds a run (summary.json)")
+    assert "train.overwrite_output_dir=true" in msg
+    preflight(config(tmp_path, "train.overwrite_output_dir=true", "train.nb_steps_tot=16"))
+    check_output_dir(str(out), resume="latest")
+    (out / "summary.json").unlink()
+    (out / "metrics.jsonl").write_text("")
+    assert "already holds a run (metrics.jsonl)" in preflight_error(tmp_path)
+    (out / "metrics.jsonl").unlink()
+    (out / "config.yaml").write_text("")  # a run that failed before training may start again
+    (out / "tokenizer").mkdir()
+    check_output_dir(str(out))
+
+
+def test_unknown_config_group_option_or_key(tmp_path):
+    with pytest.raises(
+        InputError, match=r"^unknown config key 'train\.batch_sise' in 'train\.batch_sise=4'; keys of train: "
+    ):
+        check_overrides(["train.batch_sise=4"])
+    with pytest.raises(
+        InputError,
+        match=r"^unknown config key 'trian' in 'trian=acco'; keys at the top level: train, model, data, launch$",
+    ):
+        check_overrides(["trian=acco"])
+    with pytest.raises(
+        InputError,
+        match=r"^unknown model 'gpt9': no config model/gpt9.yaml \(available: gptneo-125m, .*tiny\)$",
+    ):
+        check_overrides(["model=gpt9"])
+    with pytest.raises(InputError, match=r"^cannot parse override"):
+        check_overrides(["train.batch_size=[1,"])
+    check_overrides(["train=ddp", "model=gptneo-36m", "launch.nproc=3"])
+    check_overrides(["--help"])  # Hydra's own flags are left to Hydra
+
+
+# --------------------------------------------------------------------------- the CLI as users run it
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.nb_steps=10", "unknown config key 'train.nb_steps' in 'train.nb_steps=10'"),
+        ("data=wikipedia", "unknown data 'wikipedia': no config data/wikipedia.yaml (available: alpaca"),
+    ],
+)
+def test_cli_unknown_key_or_group_is_one_line(tmp_path, override, expected):
+    proc = cli(tmp_path, override)
+    one_error(proc, expected)
+    assert proc.stderr.strip() == one_error(proc)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_malformed_data_starts_no_worker_and_overwrites_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": "b"\n')
+    proc = cli(tmp_path, "data=text", f"data.path={bad}")
+    line = one_error(proc, "corpus.jsonl, line 2: malformed JSON")
+    assert line.startswith("acco: error: data.path: ")  # the launcher's line, no rank, no type
+    assert (
+        sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    )
+
+
+def test_cli_finished_run_is_not_overwritten(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"final_eval_loss": 1.0}')
+    proc = cli(tmp_path)
+    one_error(proc, f"train.output_dir '{out}' already holds a run", "train.overwrite_output_dir=true")
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+    assert (out / "summary.json").read_text() == '{"final_eval_loss": 1.0}'
+
+
+def test_cli_hub_tokenizer_that_cannot_be_found_offline(tmp_path):
+    proc = cli(tmp_path, "model.tokenizer=acco-tests/no-such-tokenizer")
+    one_error(proc, "model.tokenizer: cannot load tokenizer 'acco-tests/no-such-tokenizer'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_worker_side_error_stays_short(tmp_path):
+    """A corpus that preflight cannot size cheaply (64-byte words that the BPE learns as single
+    tokens): the workers find it too small, one line per rank plus the launcher's."""
+    words = ["x" * 63 + "y", "z" * 63 + "w"]
+    text = tmp_path / "long-words.txt"
+    text.write_text("\n\n".join(" ".join(words * 8) for _ in range(20)))
+    proc = cli(tmp_path, "data=text", f"data.path={text}", "model.vocab_size=400")
+    lines = error_lines(proc)
+    assert 1 <= len(lines) <= 2, proc.stderr
+    assert all(line.startswith("acco: error: [rank ") for line in lines)
+    assert all("fewer than one global batch" in line for line in lines), lines
+    assert sum("acco.launch: rank" in line for line in proc.stderr.splitlines()) == 1, proc.stderr
