@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from acco.engine import CheckpointError
+from acco.launch import after_rank0
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -70,18 +71,19 @@ def save(output_dir, step: int, worker_state: dict, meta: dict, rank: int, world
         tmp.mkdir(parents=True)
     _barrier(world_size)
     torch.save(worker_state, rank_file(tmp, rank, world_size))
-    if rank == 0:
+    _barrier(world_size)  # every worker's shard is on disk
+
+    def finish():  # rank 0 alone, while the others wait without the collective timeout
         save_model(tmp / "model")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    _barrier(world_size)
-    if rank == 0:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         if keep is not None and keep > 0:
             for old in list_checkpoints(out)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier(world_size)
+
+    after_rank0(finish, key=f"checkpoint/{final.resolve()}")
     return final
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from acco.launch import dist_env, launch_local, self_command
+from acco.launch import after_rank0, dist_env, launch_local, self_command
 
 
 def local_nproc(setting) -> int:
@@ -37,18 +37,17 @@ def load_corpus(data: DictConfig):
     return load_documents(data.path, text_column=data.text_column)
 
 
-def prepare_tokenizer(cfg: DictConfig, corpus, rank: int, world_size: int):
+def prepare_tokenizer(cfg: DictConfig, corpus):
     """Rank 0 trains or loads the tokenizer and saves it with the run; the others load that copy."""
-    import torch.distributed as dist
-
     from acco.data import format_alpaca, load_tokenizer
 
     saved = Path(cfg.train.output_dir) / "tokenizer"
-    if rank == 0:
+
+    def build():
         texts = corpus if cfg.data.format == "pretrain" else ["".join(format_alpaca(r)) for r in corpus]
         load_tokenizer(cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved)
-    if world_size > 1:
-        dist.barrier()
+
+    after_rank0(build, key=f"tokenizer/{saved.resolve()}")
     return load_tokenizer(str(saved))
 
 
@@ -67,7 +66,7 @@ def train_from_config(cfg: DictConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
     corpus = load_corpus(cfg.data)
-    tokenizer = prepare_tokenizer(cfg, corpus, rank, world_size)
+    tokenizer = prepare_tokenizer(cfg, corpus)
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
     model = build_model(
         cfg.model,

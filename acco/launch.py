@@ -190,7 +190,7 @@ def _device_for(local_rank: int, use_cuda: bool):
     return device
 
 
-def init_distributed(timeout_s: float = 300, backend: str | None = None):
+def init_distributed(timeout_s: float = 60, backend: str | None = None):
     """Join (or create) the default process group; returns ``(rank, world_size, local_rank, device)``.
 
     - An existing process group is reused as it is.
@@ -359,3 +359,35 @@ def _stop(procs: list[subprocess.Popen], grace_s: float, terminate: bool = True)
     for p in procs:
         _signal_group(p, signal.SIGKILL)  # the group's other members too, if any remain
         p.wait()
+
+
+# --------------------------------------------------------------------------- rank 0's slow work
+
+
+_after_rank0_calls = [0]
+
+
+def after_rank0(work, key: str, slow_timeout_s: float = 3600.0):
+    """Run `work()` on rank 0 while the other ranks wait for it, then return on every rank.
+
+    For one-off work that may take minutes (training a tokenizer, writing a large model): a plain
+    barrier would hit the collective timeout, which is kept short so that a dead or stalled worker
+    is noticed quickly. The others wait on the rendezvous store instead, with `slow_timeout_s`.
+    A failure of rank 0 still ends them at once: the launcher (local, torchrun, srun) stops them.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # Every rank makes the same calls in the same order: a call count makes each key unique.
+    _after_rank0_calls[0] += 1
+    key = f"acco/after_rank0/{_after_rank0_calls[0]}/{key}"
+    result = work() if rank == 0 else None
+    if world == 1:
+        return result
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set(key, "done")
+    else:
+        store.wait([key], timedelta(seconds=slow_timeout_s))
+    return result

@@ -39,7 +39,7 @@ from acco.data import (
     tokenize_instructions,
 )
 from acco.engine import ConfigError, EngineConfig, build_engine
-from acco.launch import init_distributed
+from acco.launch import after_rank0, init_distributed
 from acco.metrics import RunLog
 
 
@@ -77,7 +77,7 @@ class TrainArgs:
     log_step: int = 10
     slowdown: float = 1.0  # benchmarks: this worker sleeps (slowdown - 1) x its compute time
     cache_dir: str = DEFAULT_CACHE_DIR
-    timeout_s: float = 300.0  # collectives give up after this long
+    timeout_s: float = 60.0  # collectives give up after this long: a dead or stalled worker
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "nb_steps_tot", "n_grad_accumulation", "max_length", "eval_step", "log_step"):
@@ -411,10 +411,8 @@ class DecoupledTrainer:
 
     def save_model(self, output_dir: str | None = None) -> None:
         """save_pretrained form (safetensors), reloadable with AutoModelForCausalLM.from_pretrained."""
-        if self.rank == 0:
-            self._write_model(output_dir or str(Path(self.args.output_dir) / "model"))
-        if self.world_size > 1:
-            dist.barrier()
+        folder = Path(output_dir or Path(self.args.output_dir) / "model")
+        after_rank0(lambda: self._write_model(folder), key=f"model/{folder.resolve()}")
 
     def _write_model(self, output_dir) -> None:
         committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()

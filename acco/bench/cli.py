@@ -55,7 +55,7 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=ALL
                    help="micro-batches per worker per update for ddp/torch-ddp/dpu/wp; acco runs half of it "
                         "per round, two rounds per update (same effective batch); must be even")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    p.add_argument("--max-length", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--max-length", type=int, default=96, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slow-worker", type=_slow, default=None, metavar="RANK:FACTOR",
                    help="emulate a slower device: that rank sleeps (FACTOR-1) x its compute time per micro-batch")
@@ -72,6 +72,9 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=ALL
     p.add_argument("--retry-disturbed", type=int, default=2,
                    help="run a method again, at most that many times, when other processes used more than "
                         "0.15 CPU cores during its run (a shared machine)")
+    p.add_argument("--sched", choices=("normal", "batch"), default="normal",
+                   help="scheduling policy of the workers: batch (SCHED_BATCH) stops gloo's I/O thread from "
+                        "preempting the compute thread at every packet on a machine without spare cores")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores // hosts)")
     p.add_argument("--data", default="synthetic",
                    help="a data config name (synthetic, tinystories, ...) or the path of a local text file")
@@ -101,7 +104,7 @@ def _settings(a, **kw) -> BenchSettings:
         grad_accum=a.grad_accum, batch_size=a.batch_size, max_length=a.max_length, seed=a.seed,
         slow_worker=a.slow_worker, accumulate_while_waiting=a.accumulate_while_waiting,
         mixed_precision=a.mixed_precision, loopback=a.loopback, timeout_s=a.timeout, threads=a.threads, repeats=a.repeats,
-        retry_disturbed=a.retry_disturbed,
+        retry_disturbed=a.retry_disturbed, sched=a.sched,
         data=data, data_path=data_path, tokenizer=a.tokenizer, extra=tuple(a.override), **kw)
 
 
@@ -139,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-closeness", action="store_true", help="skip the update-closeness measurement")
     p.add_argument("--closeness-steps", default="1,10,50,100,200",
                    help="Adam steps before each closeness measurement")
+
+    p = sub.add_parser("report", help="recompute and re-render a cluster run's bench.json/bench.md/plots")
+    p.add_argument("dir", help="the --out folder of an acco-bench cluster run")
 
     p = sub.add_parser("gpu", help="GPT-Neo 125M bf16 through the engine vs a fused-AdamW loop; side-stream check")
     from acco.bench import gpu
@@ -179,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[acco-bench] wrote {args.out}/convergence.json and convergence.md")
             print((Path(args.out) / "convergence.md").read_text())
             return 1 if conv.get("failed") else 0
+        if args.command == "report":
+            from acco.bench.cluster import rerender
+
+            rerender(Path(args.dir))
+            print((Path(args.dir) / "bench.md").read_text())
+            return 0
         if args.command == "gpu":
             from acco.bench import gpu
 

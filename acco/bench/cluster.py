@@ -39,7 +39,8 @@ from acco.bench import netns
 ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco")
 OVERLAPPED = ("dpu", "wp", "acco")
 # A comm-bound default (measured on the 2-core VM, see BENCHMARKS.md): GPT-Neo "tiny" widened to
-# 1.1M parameters, micro-batches of 8 x 128 tokens, 4 per update, 100 Mbit/s links.
+# 1.1M parameters, micro-batches of 8 x 96 tokens, 4 per worker per update, 100 Mbit/s links:
+# ddp spends about 40% of its step in its comm round there.
 DEFAULT_MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4}
 # The worker command; ACCO_BENCH_WORKER (a shell-quoted command prefix) replaces it, e.g. to time
 # a development build of the trainer.
@@ -63,7 +64,7 @@ class BenchSettings:
     nb_steps_tot: int = 200  # micro-batches over all workers, whatever the method
     grad_accum: int = 4  # micro-batches per worker per update (ddp); acco runs grad_accum // 2 per round
     batch_size: int = 8
-    max_length: int = 128
+    max_length: int = 96
     seed: int = 0
     slow_worker: tuple[int, float] | None = None  # (rank, factor)
     accumulate_while_waiting: bool = False  # acco (and dpu/wp): keep computing while a round runs
@@ -72,6 +73,10 @@ class BenchSettings:
     timeout_s: float = 600.0  # per method
     repeats: int = 1  # every method runs that many times, interleaved; the median run is reported
     retry_disturbed: int = 0  # run a method again (that many times at most) when other processes loaded the CPU
+    # "normal": workers under the default scheduler; "batch": under SCHED_BATCH, so that gloo's
+    # I/O thread, woken thousands of times a second by a shaped link, does not preempt the compute
+    # thread on every wake-up (see BENCHMARKS.md: the emulation's cores are shared with the network)
+    sched: str = "normal"
     threads: int | None = None  # torch threads per worker (default: cores // hosts)
     data: str = "synthetic"
     data_path: str | None = None
@@ -89,6 +94,10 @@ class BenchSettings:
             raise BenchError("--hosts must be >= 1")
         if self.repeats < 1:
             raise BenchError("--repeats must be >= 1")
+        if self.sched not in ("normal", "batch"):
+            raise BenchError(f"--sched must be normal or batch, got {self.sched!r}")
+        if self.sched == "batch" and not hasattr(os, "SCHED_BATCH"):
+            raise BenchError("--sched batch needs Linux (SCHED_BATCH)")
         if self.grad_accum < 2 or self.grad_accum % 2:
             raise BenchError(
                 f"--grad-accum must be even (got {self.grad_accum}): acco runs half of it per round, "
@@ -222,10 +231,9 @@ class Network:
         self._port += 1
         return self.cluster.addr(0), self._port
 
-    def popen(self, rank: int, argv: list[str], env: dict, log) -> subprocess.Popen:
+    def popen(self, rank: int, argv: list[str], env: dict, log, sched_batch: bool = False) -> subprocess.Popen:
         kw = dict(env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                  start_new_session=True, preexec_fn=None)
-        kw["preexec_fn"] = _pdeathsig()
+                  start_new_session=True, preexec_fn=_preexec(sched_batch))
         if self.cluster is None:
             return subprocess.Popen(argv, **kw)
         return self.cluster.popen(rank, argv, **kw)
@@ -242,9 +250,10 @@ class Network:
         self.close()
 
 
-def _pdeathsig():
-    """preexec_fn: the kernel SIGKILLs the worker if the harness dies (Linux), so no orphan
-    keeps a namespace alive or a core busy."""
+def _preexec(sched_batch: bool):
+    """preexec_fn for a worker: the kernel SIGKILLs it if the harness dies (Linux), so no orphan
+    keeps a namespace alive or a core busy; with ``sched_batch`` the worker (all its threads) runs
+    under SCHED_BATCH, whose threads do not preempt a running thread when they wake up."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -252,10 +261,15 @@ def _pdeathsig():
 
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return None
+        prctl = None
+    batch = sched_batch and hasattr(os, "SCHED_BATCH")
+    param = os.sched_param(0) if batch else None
 
     def setter() -> None:
-        prctl(1, int(signal.SIGKILL))
+        if prctl is not None:
+            prctl(1, int(signal.SIGKILL))
+        if batch:
+            os.sched_setscheduler(0, os.SCHED_BATCH, param)
 
     return setter
 
@@ -367,7 +381,7 @@ def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Networ
                     " ".join(shlex.quote(a) for a in argv) + "\n")
             log = open(logs / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
             files.append(log)
-            procs.append(net.popen(rank, argv, env, log))
+            procs.append(net.popen(rank, argv, env, log, sched_batch=settings.sched == "batch"))
         deadline = start + settings.timeout_s
         while True:
             if load is not None:
@@ -528,6 +542,8 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
         "samples_per_s_overall": summary["samples_per_s"] * seq if summary.get("samples_per_s") else None,
         "tokens_per_s_overall": summary.get("tokens_per_s"),
         "summary": summary,
+        # [wall_time_s, samples (sequences), training loss] per update, for time-to-loss figures
+        "curve": [[r["wall_time"], r["samples"] * seq, r["loss"]] for r in train],
     }
 
 
@@ -548,6 +564,10 @@ def combine_repeats(results: list[dict]) -> dict:
     chosen["repeats"] = [{k: r.get(k) for k in ("step_time_s", "samples_per_s", "compute_s_per_update",
                                                   "comm_s_per_update", "load", "error")} for r in results]
     return chosen
+
+
+def _running_mean(xs: list[float], k: int = 3) -> list[float]:
+    return [statistics.fmean(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
 
 
 def add_comparisons(methods: dict) -> dict:
@@ -573,6 +593,19 @@ def add_comparisons(methods: dict) -> dict:
             "ideal_overlap": (c + m) / max(c, m),
             "ideal_acco": (c + m) / max(c, 2 * m),
         }
+    # Time to reach a target training loss: the loss every method reaches (the highest of their final
+    # losses, each the mean of its last 3 updates), first crossed by a 3-update running mean.
+    finals = {n: _running_mean([c[2] for c in r["curve"]])[-1] for n, r in methods.items()
+              if "error" not in r and r.get("curve")}
+    if finals:
+        target = max(finals.values())
+        out["target_train_loss"] = target
+        for n in finals:
+            curve = methods[n]["curve"]
+            smooth = _running_mean([c[2] for c in curve])
+            hit = next((i for i, v in enumerate(smooth) if v <= target), None)
+            methods[n]["time_to_target_loss_s"] = curve[hit][0] if hit is not None else None
+            methods[n]["samples_to_target_loss"] = curve[hit][1] if hit is not None else None
     for name, res in methods.items():
         if "error" in res:
             continue
@@ -660,6 +693,37 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
     finally:
         if own:
             net.close()
+    (out / "bench.json").write_text(json.dumps(bench, indent=2, default=str) + "\n")
+    report.write_bench_report(bench, out)
+    return bench
+
+
+def rerender(out: Path) -> dict:
+    """Recompute ``out/bench.json``'s figures from the run folders it lists (after a change to the
+    analysis) and write bench.json, bench.md and the plots again; the loads measured then are kept."""
+    from acco.bench import report
+
+    bench = json.loads((out / "bench.json").read_text())
+    cfg = dict(bench["config"])
+    keys = {f for f in BenchSettings.__dataclass_fields__}
+    settings = BenchSettings(**{k: v for k, v in cfg.items() if k in keys})
+    settings.methods = tuple(cfg["methods"])
+    methods = {}
+    for name, old in bench["methods"].items():
+        if "error" in old:
+            methods[name] = old
+            continue
+        reps = old.get("repeats") or [old]
+        dirs = sorted((out / name).glob("rep*")) or [out / name]
+        results = []
+        for i, d in enumerate(dirs):
+            res = method_metrics(d, settings)
+            res["run_dir"] = str(d)
+            res["load"] = (reps[i] if i < len(reps) else {}).get("load") or old.get("load")
+            results.append(res)
+        methods[name] = combine_repeats(results)
+    bench["methods"] = methods
+    bench.update(add_comparisons(methods))
     (out / "bench.json").write_text(json.dumps(bench, indent=2, default=str) + "\n")
     report.write_bench_report(bench, out)
     return bench

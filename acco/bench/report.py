@@ -44,7 +44,7 @@ def bench_table(bench: dict) -> str:
     rows = []
     for name, r in bench["methods"].items():
         if "error" in r:
-            rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 12)
+            rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 13)
             continue
         rows.append([
             name, fmt(r.get("step_time_s")), fmt(r.get("compute_s_per_update")), fmt(r.get("comm_s_per_update")),
@@ -52,11 +52,13 @@ def bench_table(bench: dict) -> str:
             fmt(r.get("speedup_step_vs_ddp"), 2, "x"), fmt(r.get("speedup_step_vs_torch-ddp"), 2, "x"),
             fmt(r.get("speedup_samples_vs_ddp"), 2, "x"),
             fmt(r.get("micro_batches_per_update_by_worker")), fmt(r.get("final_eval_loss"), 4),
+            fmt(r.get("time_to_target_loss_s"), 1),
             fmt(r.get("peak_mem_mb"), 0), fmt((r.get("load") or {}).get("other_cpu_cores"), 2),
         ])
     return md_table(["method", "step s", "compute s", "comm s", "overlap eff.", "samples/s", "tokens/s",
                      "speedup vs ddp (step)", "vs torch-ddp (step)", "vs ddp (samples/s)",
-                     "micro-batches/update by worker", "final eval loss", "peak MB", "other load (cores)"], rows)
+                     "micro-batches/update by worker", "final eval loss", "s to target loss", "peak MB",
+                     "other load (cores)"], rows)
 
 
 def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
@@ -69,7 +71,7 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
         f"tokens, {cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per "
         f"round, two rounds per update), nb_steps_tot {cfg['nb_steps_tot']}, seed {cfg['seed']}, "
         f"accumulate_while_waiting {cfg['accumulate_while_waiting']}, mixed precision {cfg['mixed_precision']}, "
-        f"{cfg.get('worker_threads')} torch thread(s) per worker"
+        f"{cfg.get('worker_threads')} torch thread(s) per worker, scheduler {cfg.get('sched', 'normal')}"
         + (f", rank {slow[0]} slowed down {slow[1]}x" if slow else "") + ".")
     m = cfg.get("machine", {})
     lines.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), torch {m.get('torch')}, gloo.")
@@ -88,7 +90,9 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     lines += ["", "step s: median seconds per optimizer update; compute: slowest worker's compute per update; "
               "comm: ddp's time in its comm round, an overlapped method's comm-thread busy time (acco: both "
               "rounds), the smallest over workers; overlap eff. = max(compute, comm) / step; samples/s and "
-              "tokens/s: steady state, first update excluded (samples = sequences); other load: CPU cores used by "
+              "tokens/s: steady state, first update excluded (samples = sequences); s to target loss: wall time until "
+              f"the 3-update running mean of the training loss first reaches {fmt(bench.get('target_train_loss'), 3)}, "
+              "the highest of the methods' final losses; other load: CPU cores used by "
               "processes other than the workers during the run (above 0.15 the timings are disturbed). "
               "Ratios are from this one run" + (f" (median of {cfg.get('repeats')} repetitions per method)"
                                                  if (cfg.get("repeats") or 1) > 1 else "") + "."]

@@ -236,6 +236,11 @@ class DecoupledEngine:
         """Micro-batches over all workers in committed updates so far."""
         return self.comm.samples
 
+    @property
+    def step(self) -> int:
+        """Committed updates so far."""
+        return self.comm.step
+
     # ---- checkpoints: taken between two yielded updates, when no round is in flight -----------
 
     def state_dict(self) -> dict:
