@@ -33,6 +33,16 @@ def new_stats(device: torch.device) -> torch.Tensor:
     return torch.zeros(N_STATS, dtype=torch.float64, device=device)
 
 
+def backward_and_count(out, stats: torch.Tensor) -> None:
+    """Backpropagate one micro-batch's loss_fn output, `loss` or `(loss, weight)`, and add it to
+    the statistics, on the device (no host sync)."""
+    loss, weight = out if isinstance(out, tuple) else (out, 1.0)
+    loss.backward()
+    stats[WEIGHT] += weight
+    stats[LOSS] += loss.detach()
+    stats[MICRO_BATCHES] += 1
+
+
 @dataclass
 class RoundResult:
     committed: bool

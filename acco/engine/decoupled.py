@@ -25,16 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine.comm import (
-    EXHAUSTED,
-    LOSS,
-    MICRO_BATCHES,
-    WEIGHT,
-    BackgroundComm,
-    CommRound,
-    RoundResult,
-    new_stats,
-)
+from acco.engine.comm import EXHAUSTED, BackgroundComm, CommRound, RoundResult, backward_and_count, new_stats
 from acco.engine.config import EngineConfig, UpdateRecord
 from acco.engine.flat import FlatParams
 
@@ -92,12 +83,7 @@ class DecoupledEngine:
     # ---- the computation side -------------------------------------------------------------
 
     def _micro_step(self, batch: Any, loss_fn: LossFn) -> None:
-        out = loss_fn(self.module, batch)
-        loss, weight = out if isinstance(out, tuple) else (out, 1.0)
-        loss.backward()
-        self.stats[WEIGHT] += weight
-        self.stats[LOSS] += loss.detach()
-        self.stats[MICRO_BATCHES] += 1
+        backward_and_count(loss_fn(self.module, batch), self.stats)
         if self.device.type == "cuda":
             # Bound how far the host runs ahead of the GPU, so that "is the round done yet?"
             # is asked at the pace of real computation; the GPU always has one queued.

@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from acco.engine import collectives
-from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, new_stats
+from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, backward_and_count, new_stats
 from acco.engine.config import EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, world_of
 from acco.engine.optim import learning_rate
@@ -93,11 +93,7 @@ class TorchDDPEngine:
                 sync = k == n - 1
                 with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
                     out = loss_fn(self.ddp, batch)
-                loss, weight = out if isinstance(out, tuple) else (out, 1.0)
-                loss.backward()
-                self.stats[WEIGHT] += weight
-                self.stats[LOSS] += loss.detach()
-                self.stats[MICRO_BATCHES] += 1
+                backward_and_count(out, self.stats)
             compute_s = time.perf_counter() - start
             start = time.perf_counter()
             upcoming = self._take(batches, n)
