@@ -4,6 +4,7 @@
     acco-bench sweep       [--bandwidths 50mbit,200mbit,1000mbit,unshaped ...]
     acco-bench convergence --data ../shared/data/tinystories/TinyStories-valid-head.txt [--seeds 0,1 ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
+    acco-bench report DIR                      (re-render a finished run's tables and plots)
 
 Every subcommand writes JSON (the numbers), Markdown (a table) and PNG plots into ``--out``.
 See BENCHMARKS.md for what was measured with them, and how.
@@ -143,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--closeness-steps", default="1,10,50,100,200",
                    help="Adam steps before each closeness measurement")
 
-    p = sub.add_parser("report", help="recompute and re-render a cluster run's bench.json/bench.md/plots")
-    p.add_argument("dir", help="the --out folder of an acco-bench cluster run")
+    p = sub.add_parser("report", help="re-render the tables and plots of a finished run (cluster runs: "
+                                      "the figures are recomputed from the run folders)")
+    p.add_argument("dir", help="the --out folder of an acco-bench cluster, sweep or convergence run")
 
     p = sub.add_parser("gpu", help="GPT-Neo 125M bf16 through the engine vs a fused-AdamW loop; side-stream check")
     from acco.bench import gpu
@@ -186,10 +188,21 @@ def main(argv: list[str] | None = None) -> int:
             print((Path(args.out) / "convergence.md").read_text())
             return 1 if conv.get("failed") else 0
         if args.command == "report":
+            from acco.bench import report
             from acco.bench.cluster import rerender
 
-            rerender(Path(args.dir))
-            print((Path(args.dir) / "bench.md").read_text())
+            d = Path(args.dir)
+            if (d / "bench.json").exists():
+                rerender(d)
+                print((d / "bench.md").read_text())
+            elif (d / "sweep.json").exists():
+                report.write_sweep_report(report.load_json(d / "sweep.json"), d)
+                print((d / "sweep.md").read_text())
+            elif (d / "convergence.json").exists():
+                report.write_convergence_report(report.load_json(d / "convergence.json"), d)
+                print((d / "convergence.md").read_text())
+            else:
+                raise BenchError(f"{d}: no bench.json, sweep.json or convergence.json")
             return 0
         if args.command == "gpu":
             from acco.bench import gpu

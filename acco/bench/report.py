@@ -248,8 +248,10 @@ def plot_sweep(sweep: dict, out: Path) -> list[str]:
 def convergence_markdown(conv: dict, plots: list[str]) -> str:
     cfg = conv["config"]
     lines = [f"# acco-bench convergence: {cfg.get('data_path') or cfg.get('data')}", ""]
-    lines.append(f"Model `{cfg['model']}` {cfg.get('model_size')}, {cfg['hosts']} workers ({cfg.get('network')}), "
-                 f"tokenizer {cfg.get('tokenizer')}, micro-batch {cfg['batch_size']} x {cfg['max_length']}, "
+    size = cfg.get("model_size") or "(the config's own size)"
+    tok = cfg.get("tokenizer") or "the model config's (bpe: trained by the CLI on the corpus)"
+    lines.append(f"Model `{cfg['model']}` {size}, {cfg['hosts']} workers ({cfg.get('network')}), "
+                 f"tokenizer {tok}, micro-batch {cfg['batch_size']} x {cfg['max_length']}, "
                  f"{cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per round), "
                  f"nb_steps_tot {cfg['nb_steps_tot']}, seeds {cfg['seeds']}, accumulate_while_waiting "
                  f"{cfg['accumulate_while_waiting']}.")
@@ -259,11 +261,13 @@ def convergence_markdown(conv: dict, plots: list[str]) -> str:
     ref = table.get("ddp", {}).get("mean")
     for m, t in table.items():
         rel = (t["mean"] / ref - 1) * 100 if ref and t.get("mean") is not None else None
+        pd = t.get("paired_diff_vs_ddp") or {}
+        paired = (f"{fmt(pd.get('mean'), 4)} ± {fmt(pd.get('std'), 4)}" if pd.get("n") else "-")
         rows.append([m, fmt(t.get("mean"), 4), fmt(t.get("std"), 4), fmt(t.get("min"), 4), fmt(t.get("max"), 4),
-                     fmt(rel, 2, "%") if rel is not None else "-", t.get("n"),
+                     fmt(rel, 2, "%") if rel is not None else "-", paired, t.get("n"),
                      ", ".join(fmt(v, 4) for v in t.get("values", []))])
-    lines.append(md_table(["method", "final eval loss (mean)", "std", "min", "max", "vs ddp", "seeds", "per seed"],
-                          rows))
+    lines.append(md_table(["method", "final eval loss (mean)", "std", "min", "max", "mean vs ddp",
+                           "paired diff vs ddp (same seed), mean ± std", "seeds", "per seed (seed order)"], rows))
     uc = conv.get("update_closeness")
     if uc:
         lines += ["", "## Update closeness", "", uc_markdown(uc)]

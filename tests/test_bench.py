@@ -1,0 +1,185 @@
+"""acco-bench: every subcommand runs on a tiny setting and writes outputs that parse.
+
+These are not timed tests: they check the harness (processes, namespaces, files, tables, plots),
+not the figures. The emulated-cluster tests need root and iproute2 and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from acco.bench import cluster, netns
+from acco.bench.cli import main
+
+REASON = netns.netns_unavailable_reason()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+
+# A very small run: 2 workers, a 1-layer model, 16 micro-batches over both workers.
+TINY = [
+    "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--batch-size", "4", "--max-length", "32",
+    "--grad-accum", "2", "--nb-steps-tot", "16", "--timeout", "150", "--retry-disturbed", "0",
+    "--override", "data.n_docs=300", "--override", "model.vocab_size=512",
+]
+FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "compute_s_per_update", "comm_s_per_update",
+          "overlap_efficiency", "final_eval_loss", "peak_mem_mb", "micro_batches_per_update_by_worker")
+
+
+def _check_bench(out: Path, methods: list[str], kind: str) -> dict:
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["config"]["network"]["kind"] == kind
+    assert list(bench["methods"]) == methods
+    for name in methods:
+        res = bench["methods"][name]
+        assert "error" not in res, res.get("error")
+        for key in FIELDS:
+            assert key in res, (name, key)
+        assert res["step_time_s"] > 0 and res["samples_per_s"] > 0
+        assert len(res["micro_batches_per_update_by_worker"]) == 2
+        assert res["final_eval_loss"] is not None
+    md = (out / "bench.md").read_text()
+    for name in methods:
+        assert f"| {name} |" in md
+    if "ddp" in methods:
+        assert bench["methods"]["ddp"]["speedup_step_vs_ddp"] == pytest.approx(1.0)
+        assert "ideal_overlap" in bench["bounds"]
+    assert (out / "step_time.png").stat().st_size > 0
+    return bench
+
+
+def test_cluster_loopback(tmp_path):
+    out = tmp_path / "cluster"
+    code = main(["cluster", "--loopback", "--methods", "ddp,acco", "--out", str(out), *TINY])
+    assert code == 0
+    bench = _check_bench(out, ["ddp", "acco"], "loopback")
+    assert bench["config"]["grad_accum_per_method"] == {"ddp": 2, "acco": 1}
+    # every rank wrote its own timers
+    assert sorted(p.name for p in (out / "acco" / "workers").iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+
+
+@needs_netns
+def test_sweep_on_namespaces(tmp_path):
+    """Two sweep points on emulated hosts: one shaped, one unshaped; nothing left behind. (One
+    method per point keeps the test short; the comparisons are checked on loopback above.)"""
+    before = set(netns.list_namespaces(netns.DEFAULT_PREFIX))
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--bandwidths", "1000mbit,unshaped", "--methods", "acco", "--out", str(out), *TINY])
+    assert code == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [p["label"] for p in sweep["points"]] == ["1000mbit", "unshaped"]
+    shaped, unshaped = sweep["points"]
+    assert shaped["network"]["kind"] == "netns" and shaped["network"]["bandwidth"] == "1000mbit"
+    assert unshaped["network"]["kind"] == "netns" and unshaped["network"]["bandwidth"] is None
+    assert "tbf" in shaped["network"]["note"] or "netem" in shaped["network"]["note"]
+    assert shaped["methods"]["acco"]["step_time_s"] > 0
+    _check_bench(out / "1000mbit", ["acco"], "netns")
+    assert "| 1000mbit |" in (out / "sweep.md").read_text()
+    assert (out / "sweep_speedup.png").stat().st_size > 0
+    assert set(netns.list_namespaces(netns.DEFAULT_PREFIX)) <= before
+
+
+def test_convergence_one_seed(tmp_path):
+    out = tmp_path / "conv"
+    code = main(["convergence", "--data", "synthetic", "--seeds", "0", "--methods", "ddp,acco",
+                 "--eval-step", "1", "--closeness-steps", "1,2", "--out", str(out), *TINY])
+    assert code == 0
+    conv = json.loads((out / "convergence.json").read_text())
+    for m in ("ddp", "acco"):
+        assert conv["final_eval_loss"][m]["n"] == 1
+        curve = conv["curves"][m]["0"]
+        assert len(curve) >= 2 and all(loss > 0 for _, loss in curve)
+    assert conv["curves"]["ddp"]["0"][-1][0] == conv["curves"]["acco"]["0"][-1][0]  # same samples
+    uc = conv["update_closeness"]
+    assert "error" not in uc, uc
+    assert [p["after_steps"] for p in uc["points"]] == [1, 2]
+    for p in uc["points"]:
+        assert 0 <= p["brief"] <= 1 and 0 <= p["algorithm"] <= 1 and 0 <= p["noise"] <= 1
+    md = (out / "convergence.md").read_text()
+    assert "| acco |" in md and "Update closeness" in md
+
+
+def test_gpu_without_cuda_exits_cleanly(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the gpu benchmark would really run")
+    out = tmp_path / "gpu"
+    proc = subprocess.run([sys.executable, "-m", "acco.bench.cli", "gpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "SKIPPED" in proc.stderr and "CUDA" in proc.stderr
+    assert json.loads((out / "gpu.json").read_text())["skipped"] is True
+    proc = subprocess.run([sys.executable, "-m", "acco.bench.cli", "gpu", "--require-cuda", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+
+
+# ---- no workers: argument checks and the arithmetic of the report -------------------------------
+
+
+def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
+    assert main(["cluster", "--loopback", "--grad-accum", "3", "--out", str(tmp_path)]) == 2
+    assert "--grad-accum must be even" in capsys.readouterr().err
+    assert main(["cluster", "--loopback", "--slow-worker", "5:2", "--out", str(tmp_path)]) == 2
+    assert "--slow-worker rank 5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["cluster", "--methods", "ddp,zero3"])
+
+
+def test_without_namespaces_it_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(netns, "netns_unavailable_reason", lambda: "Network namespaces need root (test).")
+    assert main(["cluster", "--methods", "ddp", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "need root" in err and "--loopback" in err
+
+
+def test_metrics_and_comparisons_from_timers(tmp_path):
+    """method_metrics reads the trainer's files: medians, critical-path compute, smallest comm."""
+    settings = cluster.BenchSettings(hosts=2, batch_size=4, max_length=8)
+    run = tmp_path / "run"
+    (run / "workers").mkdir(parents=True)
+    lines = []
+    for step in range(1, 6):
+        lines.append({"type": "train", "step": step, "samples": 4 * step, "tokens": 4 * step * 32, "loss": 1.0,
+                      "lr": 1e-3, "wall_time": 1.0 * step, "compute_s": 0.6, "wait_s": 0.4, "comm_s": 0.4,
+                      "micro_batches": [2, 2]})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    for rank, (c, m) in enumerate(((0.6, 0.4), (0.5, 0.45))):
+        rows = [{"step": s, "compute_s": c, "wait_s": m, "comm_s": m, "micro_batches": [2, 2]} for s in range(1, 6)]
+        (run / "workers" / f"rank{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (run / "summary.json").write_text(json.dumps({"final_eval_loss": 2.5, "peak_mem_mb": 10.0}))
+    res = cluster.method_metrics(run, settings)
+    assert res["step_time_s"] == pytest.approx(1.0)
+    assert res["compute_s_per_update"] == pytest.approx(0.6)  # the slowest worker
+    assert res["comm_s_per_update"] == pytest.approx(0.4)  # the smallest over workers
+    assert res["overlap_efficiency"] == pytest.approx(0.6)
+    assert res["samples_per_s"] == pytest.approx(16.0)  # 4 micro-batches of 4 sequences per second
+    assert res["tokens_per_s"] == pytest.approx(16.0 * 8)
+    assert res["micro_batches_per_update_by_worker"] == [2, 2]
+    methods = {"ddp": dict(res), "acco": dict(res, step_time_s=0.5, samples_per_s=32.0)}
+    out = cluster.add_comparisons(methods)
+    assert out["bounds"]["ideal_overlap"] == pytest.approx(1.0 / 0.6)
+    assert out["bounds"]["ideal_acco"] == pytest.approx(1.0 / 0.8)
+    assert methods["acco"]["speedup_step_vs_ddp"] == pytest.approx(2.0)
+    assert methods["acco"]["speedup_samples_vs_ddp"] == pytest.approx(2.0)
+
+
+def test_timeout_kills_the_workers(tmp_path, monkeypatch):
+    """A worker that never finishes is killed at the timeout, with a clear error."""
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nwhile True: time.sleep(1)\n")
+    monkeypatch.setenv(cluster.WORKER_ENV, f"{sys.executable} {script}")
+    settings = cluster.BenchSettings(hosts=2, loopback=True, timeout_s=1.5, methods=("ddp",))
+    with cluster.Network(2, None, None, loopback=True) as net:
+        with pytest.raises(cluster.BenchError, match="timed out"):
+            cluster.run_workers(settings, "ddp", tmp_path / "ddp", net)
+    for log in (tmp_path / "ddp" / "logs").iterdir():
+        assert log.exists()
+    # nothing of ours still runs that script
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(script) not in ps
+    assert os.environ.get(cluster.WORKER_ENV)  # monkeypatch restores it afterwards
