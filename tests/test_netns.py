@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from acco.bench.delayline import parse_time
 from acco.bench.netns import (
     EmulatedCluster,
+    available_shapers,
     cleanup_stale,
     list_namespaces,
     netns_unavailable_reason,
@@ -83,6 +85,62 @@ def test_shaped_gloo_allreduce_and_cleanup():
     assert all(o["value"] == 3.0 and o["last"] == 3.0 for o in outs)
     assert seconds >= 0.7 * theory, f"{seconds:.3f}s < 70% of {theory:.3f}s: the link is not shaped"
     assert list_namespaces(prefix) == []
+
+
+def test_parse_time():
+    assert parse_time("1ms") == pytest.approx(1e-3)
+    assert parse_time("500us") == pytest.approx(5e-4)
+    assert parse_time("0.2s") == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        parse_time("1 fortnight")
+
+
+PING_PONG = textwrap.dedent(
+    """
+    import socket, statistics, sys, time
+    role, addr = sys.argv[1], sys.argv[2]
+    if role == "server":
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, 5001)); s.listen(1); print("listening", flush=True)
+        conn, _ = s.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while (b := conn.recv(64)):
+            conn.sendall(b)
+    else:
+        s = socket.create_connection((addr, 5001)); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rtts = []
+        for _ in range(30):
+            t = time.perf_counter(); s.sendall(b"p"); s.recv(64); rtts.append(time.perf_counter() - t)
+        print(statistics.median(rtts), flush=True)
+    """
+)
+
+
+def _rtt(cluster: EmulatedCluster, src: int, dst: int) -> float:
+    server = cluster.popen(dst, [sys.executable, "-c", PING_PONG, "server", cluster.addr(dst)],
+                           stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "listening"
+    client = subprocess.run([*cluster.exec_prefix(src), sys.executable, "-c", PING_PONG, "client",
+                             cluster.addr(dst)], capture_output=True, text=True, timeout=60)
+    assert client.returncode == 0, client.stderr[-2000:]
+    server.wait(timeout=10)
+    return float(client.stdout.strip())
+
+
+@needs_netns
+@pytest.mark.skipif("netem" not in available_shapers() and "tbf+delayline" not in available_shapers(),
+                    reason="neither netem nor TUN devices: latency cannot be emulated here")
+def test_latency_is_emulated_between_every_pair():
+    """Every packet crosses one delayed link, so a ping-pong's round trip takes twice the latency,
+    between any two of three hosts; the delay line (where it is used) dies with the cluster."""
+    with EmulatedCluster(3, bandwidth="100mbit", latency="5ms") as cluster:
+        assert cluster.latency_emulated
+        prefix = cluster.run_prefix
+        rtts = [_rtt(cluster, 0, 2), _rtt(cluster, 2, 1)]
+        delay_proc = cluster.delay_proc
+    print(f"{cluster.shaper}: round trips {[f'{r * 1e3:.2f} ms' for r in rtts]} for a 5 ms latency")
+    assert all(0.0095 <= r <= 0.016 for r in rtts), rtts
+    assert list_namespaces(prefix) == []
+    assert delay_proc is None or delay_proc.poll() is not None
 
 
 @needs_netns

@@ -118,14 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, "outputs/bench/cluster", 200)
     p.add_argument("--bandwidth", type=_none, default="100mbit",
                    help="per-host link rate, a tc rate (100mbit); 'none' leaves links unshaped")
-    p.add_argument("--latency", type=_none, default=None,
-                   help="per-link delay (e.g. 1ms); only emulated where the kernel has netem")
+    p.add_argument("--latency", type=_none, default="1ms",
+                   help="one-way delay per link, a tc time (1ms); 'none' adds none. netem where the "
+                        "kernel has it, else TUN devices and a user-space delay line")
 
     p = sub.add_parser("sweep", help="cluster at several bandwidths: speedup over ddp against bandwidth")
     _add_common(p, "outputs/bench/sweep", 120)
     p.add_argument("--bandwidths", default="50mbit,200mbit,1000mbit,unshaped",
                    help="comma-separated tc rates; 'unshaped' for unshaped links")
-    p.add_argument("--latency", type=_none, default=None)
+    p.add_argument("--latency", type=_none, default="1ms", help="as for cluster")
 
     p = sub.add_parser("convergence", help="eval loss against samples on real text, several seeds, "
                                            "and the acco/Adam update closeness")

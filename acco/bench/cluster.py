@@ -11,7 +11,8 @@ which :func:`method_metrics` derives the figures of ``bench.json``.
 
 Where namespaces cannot be made (not root, no iproute2, no shaping qdisc) the harness says why and
 stops, unless ``--loopback`` asks for unshaped local processes on 127.0.0.1. Kernels without
-``netem`` shape with ``tbf``: the bandwidth is emulated, the latency is NOT (the outputs say so).
+``netem`` shape the rate with ``tbf`` and add the latency with :mod:`acco.bench.delayline` (the
+outputs say which).
 
 Effective batch: ``grad_accum`` is the number of micro-batches per worker and per optimizer update
 for ddp, torch-ddp, dpu and wp; acco runs ``grad_accum / 2`` per round, since one acco update takes
@@ -57,7 +58,7 @@ class BenchSettings:
 
     hosts: int = 2
     bandwidth: str | None = "100mbit"  # None: unshaped
-    latency: str | None = None  # only emulated where the kernel has netem
+    latency: str | None = "1ms"  # one-way, per link (netem, or tbf + the delay line)
     methods: tuple[str, ...] = ALL_METHODS
     model: str = "tiny"
     model_size: dict = field(default_factory=lambda: dict(DEFAULT_MODEL_SIZE))
@@ -151,6 +152,11 @@ class BenchSettings:
         o += list(self.extra)
         return o
 
+    def network_procs(self) -> list[subprocess.Popen]:
+        """Processes that carry the emulated network (the delay line), if any."""
+        proc = self.cluster.delay_proc if self.cluster is not None else None
+        return [proc] if proc is not None else []
+
     def describe(self) -> dict:
         d = asdict(self)
         d["methods"] = list(self.methods)
@@ -209,14 +215,27 @@ class Network:
         self.bandwidth, self.latency = bandwidth, latency
         self.shaper = self.cluster.shaper
         self.latency_emulated = self.cluster.latency_emulated
+        joined = ("joined by TUN devices and a user-space delay line" if self.shaper == "tbf+delayline"
+                  else "on a bridge")
         if bandwidth is None:
-            self.note = f"{hosts} network namespaces on a bridge, unshaped veth links"
+            self.note = f"{hosts} network namespaces {joined}, unshaped links"
         else:
-            self.note = f"{hosts} network namespaces on a bridge, each link shaped to {bandwidth} with tc {self.shaper}"
+            self.note = f"{hosts} network namespaces {joined}, each link shaped to {bandwidth} with tc tbf" \
+                if self.shaper != "netem" else \
+                f"{hosts} network namespaces {joined}, each link shaped to {bandwidth} with tc netem"
+        if self.shaper == "tbf+delayline":
+            self.note += f", one-way latency {latency} (no netem in this kernel)"
+        elif self.shaper == "netem" and latency is not None:
+            self.note += f", latency {latency}"
         if latency is not None and not self.latency_emulated:
             self.note += f"; latency {latency} NOT emulated (this kernel has no netem, only tbf)"
         elif latency is None and self.shaper == "tbf":
             self.note += "; no latency emulated (this kernel has no netem)"
+
+    def network_procs(self) -> list[subprocess.Popen]:
+        """Processes that carry the emulated network (the delay line), if any."""
+        proc = self.cluster.delay_proc if self.cluster is not None else None
+        return [proc] if proc is not None else []
 
     def describe(self) -> dict:
         return {"kind": self.kind, "bandwidth": self.bandwidth, "latency": self.latency,
@@ -338,12 +357,19 @@ class LoadMeter:
         self.busy0 = _busy_cpu_s()
         self.self0 = sum(os.times()[:2])
         self.workers: dict[int, float] = {}
+        self.network: dict[int, tuple[float, float]] = {}  # pid -> (first, last) CPU seconds seen
 
-    def sample(self, procs: Sequence[subprocess.Popen]) -> None:
+    def sample(self, procs: Sequence[subprocess.Popen], network: Sequence[subprocess.Popen] = ()) -> None:
+        """``network``: long-lived processes of the emulated network (the delay line), counted
+        apart from the workers and from the other load."""
         for p in procs:
             cpu = _proc_cpu_s(p.pid)
             if cpu is not None:
                 self.workers[p.pid] = max(cpu, self.workers.get(p.pid, 0.0))
+        for p in network:
+            cpu = _proc_cpu_s(p.pid)
+            if cpu is not None:
+                self.network[p.pid] = (self.network.get(p.pid, (cpu, cpu))[0], cpu)
 
     def result(self) -> dict:
         wall = time.monotonic() - self.t0
@@ -351,9 +377,12 @@ class LoadMeter:
         if self.busy0 is None or busy1 is None or wall <= 0:
             return {}
         mine = sum(self.workers.values()) + sum(os.times()[:2]) - self.self0
-        foreign = max(0.0, (busy1 - self.busy0) - mine)
-        return {"workers_cpu_cores": mine / wall, "other_cpu_cores": foreign / wall,
-                "cpus": os.cpu_count()}
+        network = sum(last - first for first, last in self.network.values())
+        foreign = max(0.0, (busy1 - self.busy0) - mine - network)
+        out = {"workers_cpu_cores": mine / wall, "other_cpu_cores": foreign / wall, "cpus": os.cpu_count()}
+        if self.network:
+            out["network_cpu_cores"] = network / wall
+        return out
 
 
 def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Network,
@@ -385,7 +414,7 @@ def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Networ
         deadline = start + settings.timeout_s
         while True:
             if load is not None:
-                load.sample(procs)
+                load.sample(procs, net.network_procs())
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:

@@ -1,5 +1,9 @@
 """An emulated cluster on one Linux machine: network namespaces joined by a bridge, with ``tc netem``.
 
+Where the kernel has no ``netem`` (many minimal VM kernels), the rate is shaped with ``tbf`` and,
+when a latency is asked for, the hosts are joined by :mod:`acco.bench.delayline` (TUN devices and
+a user-space delay line) instead of the bridge: :attr:`EmulatedCluster.shaper` says which.
+
 Each host ``h{i}`` is a network namespace with one veth interface; the other end of every veth
 lives in a separate bridge namespace, where all of them are enslaved to one bridge. ``tc netem``
 shapes the egress of every host's interface to ``bandwidth`` and adds ``latency``, so traffic
@@ -25,12 +29,16 @@ import functools
 import itertools
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
+
+from acco.bench import delayline
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -155,6 +163,8 @@ def _probe() -> tuple[str | None, tuple[str, ...]]:
             shapers.append("netem")
         if _run([*tc, *_tbf_args("100mbit")], check=False).returncode == 0:
             shapers.append("tbf")
+        if "tbf" in shapers and os.access("/dev/net/tun", os.R_OK | os.W_OK):
+            shapers.append("tbf+delayline")
         if not shapers:
             return ("Neither the netem nor the tbf qdisc is available in this kernel "
                     "(CONFIG_NET_SCH_NETEM / CONFIG_NET_SCH_TBF), so links cannot be shaped."), ()
@@ -175,9 +185,11 @@ def netns_unavailable_reason() -> str | None:
 
 
 def available_shapers() -> tuple[str, ...]:
-    """The qdiscs this kernel offers for shaping, in order of preference: ``netem``, ``tbf``.
+    """The shapers this machine offers, in order of preference: ``netem``, ``tbf``,
+    ``tbf+delayline``.
 
-    netem emulates rate and latency; tbf only the rate (many minimal kernels lack netem).
+    netem emulates rate and latency; tbf only the rate (many minimal kernels lack netem);
+    tbf+delayline adds the latency with TUN devices and :mod:`acco.bench.delayline`.
     """
     return _probe()[1]
 
@@ -284,9 +296,11 @@ class EmulatedCluster:
     adds no delay.
 
     ``shaper``: ``"netem"`` (``tc qdisc ... netem rate BW delay LAT``; ``limit`` sets its queue
-    length in packets), ``"tbf"`` (a token bucket: rate only, the latency is NOT emulated) or
-    ``"auto"`` (netem where the kernel has it, else tbf with a warning when a latency was asked
-    for). :attr:`shaper` and :attr:`latency_emulated` say what was used.
+    length in packets), ``"tbf"`` (a token bucket: rate only, the latency is NOT emulated),
+    ``"tbf+delayline"`` (tbf for the rate, TUN devices and a user-space delay line instead of
+    the bridge for the latency) or ``"auto"`` (netem where the kernel has it, else
+    tbf+delayline when a latency is asked for, else tbf, with a warning when the latency cannot
+    be emulated). :attr:`shaper` and :attr:`latency_emulated` say what was used.
 
     >>> with EmulatedCluster(2, bandwidth="100mbit") as c:      # doctest: +SKIP
     ...     p = c.popen(0, ["python", "worker.py"], env={"MASTER_ADDR": c.addr(0), ...})
@@ -313,16 +327,22 @@ class EmulatedCluster:
         shapers = available_shapers()
         if shaper == "auto":
             shaper = shapers[0]
-        elif shaper not in ("netem", "tbf"):
-            raise ValueError(f"unknown shaper {shaper!r} (netem, tbf or auto)")
+            if shaper == "tbf" and latency is not None and "tbf+delayline" in shapers:
+                shaper = "tbf+delayline"
+        elif shaper not in ("netem", "tbf", "tbf+delayline"):
+            raise ValueError(f"unknown shaper {shaper!r} (netem, tbf, tbf+delayline or auto)")
         elif shaper not in shapers:
             raise RuntimeError(f"the {shaper} qdisc is not available in this kernel (have: {shapers})")
         if bandwidth is not None:
             parse_rate(bandwidth)  # fail early on a typo
-        #: "netem" or "tbf"
+        if latency is not None:
+            delayline.parse_time(latency)
+        if shaper == "tbf+delayline" and latency is None:
+            shaper = "tbf"  # nothing to delay: the bridge is cheaper
+        #: "netem", "tbf" or "tbf+delayline"
         self.shaper = shaper
-        #: whether ``latency`` is really added (tbf cannot delay packets)
-        self.latency_emulated = latency is not None and shaper == "netem"
+        #: whether ``latency`` is really added (tbf alone cannot delay packets)
+        self.latency_emulated = latency is not None and shaper in ("netem", "tbf+delayline")
         if latency is not None and not self.latency_emulated:
             warnings.warn(
                 f"EmulatedCluster: the netem qdisc is not available, links are shaped with tbf to "
@@ -342,6 +362,8 @@ class EmulatedCluster:
         if not 0 <= self.subnet <= 255:
             raise ValueError("subnet must be in 0..255")
         self._procs: list[subprocess.Popen] = []
+        #: the delay line's process (shaper tbf+delayline), else None
+        self.delay_proc: subprocess.Popen | None = None
         self._created: list[str] = []
         self._closed = False  # no more popen()
         self._done = False  # teardown finished
@@ -362,6 +384,9 @@ class EmulatedCluster:
         _run(["ip", "netns", "add", name])
 
     def _build(self, limit: int | None) -> None:
+        if self.shaper == "tbf+delayline":
+            self._build_delayline()
+            return
         br = self.bridge_ns
         self._add_ns(br)
         _run(["ip", "-n", br, "link", "add", "b0", "type", "bridge"])
@@ -379,6 +404,33 @@ class EmulatedCluster:
             qdisc = self._qdisc_args(limit)
             if qdisc:
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc])
+
+    def _build_delayline(self) -> None:
+        """Host i's interface is the TUN device ``v{i}``, served by a delay line that runs in the
+        (otherwise empty) bridge namespace; tbf shapes each device's egress."""
+        self._add_ns(self.bridge_ns)
+        for ns in self.host_ns:
+            self._add_ns(ns)
+        links = [f"{self.ifname(i)}={ns}" for i, ns in enumerate(self.host_ns)]
+        self.delay_proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.bridge_ns, sys.executable, "-m", "acco.bench.delayline",
+             "--delay", str(self.latency), "--subnet", f"10.77.{self.subnet}", *links],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._procs.append(self.delay_proc)
+        ready, _, _ = select.select([self.delay_proc.stdout], [], [], _CMD_TIMEOUT)
+        line = self.delay_proc.stdout.readline().strip() if ready else ""
+        if line != "ready":
+            self.delay_proc.kill()
+            err = self.delay_proc.stderr.read().strip().splitlines()
+            raise RuntimeError(f"the delay line did not start: {err[-1] if err else 'no answer in time'}")
+        for i, ns in enumerate(self.host_ns):
+            dev = self.ifname(i)
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])
+            _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(delayline.MTU), "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.bandwidth is not None:
+                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                      *_tbf_args(self.bandwidth)])
 
     def _qdisc_args(self, limit: int | None) -> list[str]:
         if self.shaper == "tbf":
