@@ -15,7 +15,8 @@ from pathlib import Path
 
 from acco.metrics import plot_runs
 
-RUNS = {"acco": ["train=acco"], "ddp": ["train=ddp"]}  # their configs: 2 per round vs 4 per update
+# Same effective batch: acco 2 micro-batches per round (two rounds per update), ddp 4 per update.
+RUNS = {"acco": ["train=acco", "train.n_grad_accumulation=2"], "ddp": ["train=ddp", "train.n_grad_accumulation=4"]}
 
 
 def main(argv: list[str] | None = None) -> int:

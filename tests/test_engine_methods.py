@@ -142,25 +142,29 @@ class Reference:
             loss_sum += loss.item()
         return total, loss_sum
 
-    def _step(self, model, opt, theta, mean_grad, batch):
+    def _step(self, model, opt, theta, mean_grad, lr):
         vector_to_parameters(theta.clone(), model.parameters())
         offset = 0
         for p in model.parameters():
             p.grad = mean_grad[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         for group in opt.param_groups:
-            group["lr"] = learning_rate(self.cfg, self.samples, batch)
+            group["lr"] = lr
         opt.step()
         return parameters_to_vector(model.parameters()).detach().clone()
 
     def commit(self, theta, grad_sum, batch):
-        theta = self._step(self.model, self.opt, theta, grad_sum / batch, batch)
+        lr = learning_rate(self.cfg, self.samples, batch)
+        theta = self._step(self.model, self.opt, theta, grad_sum / batch, lr)
         self.samples += batch
         return theta
 
-    def trial(self, theta, grad_sum, batch):
+    def trial(self, theta, grad_sum, batch, update_batch):
+        """Opt_trial: the step of the update it estimates (that update's LR, for update_batch
+        micro-batches), on copies: the optimizer itself is left as it was."""
         model, opt = copy.deepcopy((self.model, self.opt))
-        return self._step(model, opt, theta, grad_sum / batch, batch)
+        lr = learning_rate(self.cfg, self.samples, update_batch)
+        return self._step(model, opt, theta, grad_sum / batch, lr)
 
     def ddp(self, updates: int, counts=None):
         theta = self.theta()
@@ -179,7 +183,7 @@ def reference_acco(ref: Reference, updates: int) -> torch.Tensor:
     n_est = len(chunk)
     for _ in range(updates):
         # estimate round: theta~_{t+1} = Opt_trial(theta_t, g~_t); meanwhile g_t at theta_t
-        theta_est = ref.trial(theta, g_est, n_est)
+        theta_est = ref.trial(theta, g_est, n_est, update_batch=n_est + sum(ref.counts))
         chunk = ref.next_chunk()
         g, loss = ref.grad_sum(theta, chunk)
         # update round: theta_{t+1} = Opt(theta_t, (g~_t + g_t) / N); meanwhile g~_{t+1} at theta~_{t+1}

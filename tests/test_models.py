@@ -204,7 +204,16 @@ def test_flops_per_token_formula():
 def test_configs_compose_with_hydra():
     from hydra import compose, initialize_config_dir
 
+    import acco.conf  # noqa: F401  (the resolvers)
+
     with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
         cfg = compose(overrides=["+model=gptneo-125m", "model.pretrained=/some/local/copy"])
     assert cfg.model.name == "gptneo-125m" and cfg.model.pretrained == "/some/local/copy"
     assert model_config(cfg.model).vocab_size == 50257
+    # a pretrained model brings its own tokenizer, unless one is named
+    assert cfg.model.tokenizer == "/some/local/copy"
+    with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+        plain = compose(overrides=["+model=gptneo-125m"])
+        named = compose(overrides=["+model=tiny", "model.pretrained=/p", "model.tokenizer=/tok"])
+    assert plain.model.tokenizer == "EleutherAI/gpt-neo-125M"
+    assert named.model.tokenizer == "/tok"

@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             from acco.bench.convergence import run_convergence
 
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+            if args.data == "synthetic":
+                print("[acco-bench] the TinyStories slice (../shared/data) is not here: running on the synthetic "
+                      "corpus; pass --data PATH for real text", flush=True)
             s = _settings(args, bandwidth=args.bandwidth, latency=None, eval_step=args.eval_step)
             conv = run_convergence(s, seeds, Path(args.out), closeness=not args.no_closeness,
                                    closeness_only=args.closeness_only,

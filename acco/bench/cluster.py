@@ -38,6 +38,13 @@ from pathlib import Path
 from acco.bench import netns
 
 ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco")
+COMM_MEASURES = {
+    "ddp": "time inside the comm round (reduce-scatter, optimizer step, all-gather), computation waiting",
+    "torch-ddp": "ZeroRedundancyOptimizer's step and parameter broadcast only: DDP's bucketed all-reduce "
+                 "runs inside backward and is counted in compute_s_per_update",
+    "acco": "the comm thread's busy time for both rounds of an update (estimate and update)",
+    "overlapped": "the comm thread's busy time for the update's round",
+}
 OVERLAPPED = ("dpu", "wp", "acco")
 # A comm-bound default (measured on the 2-core VM, see BENCHMARKS.md): GPT-Neo "tiny" widened to
 # 1.1M parameters, micro-batches of 8 x 96 tokens, 4 per worker per update, 100 Mbit/s links:
@@ -151,11 +158,6 @@ class BenchSettings:
             o.append(f"train.slowdown={self.slow_worker[1]}")
         o += list(self.extra)
         return o
-
-    def network_procs(self) -> list[subprocess.Popen]:
-        """Processes that carry the emulated network (the delay line), if any."""
-        proc = self.cluster.delay_proc if self.cluster is not None else None
-        return [proc] if proc is not None else []
 
     def describe(self) -> dict:
         d = asdict(self)
@@ -555,6 +557,8 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
         "tokens_per_s": tokens_ps,
         "compute_s_per_update": compute,
         "comm_s_per_update": comm,
+        # what comm_s_per_update measures, per method (torch-ddp's all-reduce runs inside backward)
+        "comm_s_measures": COMM_MEASURES.get(summary.get("method"), COMM_MEASURES["overlapped"]),
         "wait_s_per_update": wait,
         "overlap_efficiency": eff,
         "final_eval_loss": final_eval,

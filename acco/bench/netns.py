@@ -13,7 +13,7 @@ inside the host namespaces directly, so no interface name can collide with the m
 addresses (``10.77.N.0/24``) exist only inside the namespaces this module made.
 
 Everything is removed by :meth:`EmulatedCluster.close` (idempotent), which also runs on leaving
-the ``with`` block, on SIGTERM/SIGINT and at interpreter exit. :func:`cleanup_stale` removes what
+the ``with`` block, on SIGTERM/SIGINT/SIGHUP and at interpreter exit. :func:`cleanup_stale` removes what
 a crashed (SIGKILLed) run left behind. Needs root and iproute2 (``ip``, ``tc``);
 :func:`netns_unavailable_reason` says why it cannot run here.
 
@@ -263,7 +263,7 @@ def _install_handlers() -> None:
         _atexit_registered = True
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers can only be set from the main thread; atexit still covers exit
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         if sig in _prev_handlers:
             continue
         try:

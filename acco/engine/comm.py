@@ -92,7 +92,9 @@ class CommRound:
         weight = sum(row[WEIGHT] for row in per_worker)
         micro_batches = [int(row[MICRO_BATCHES]) for row in per_worker]
         batch = sum(micro_batches)
-        lr = learning_rate(self.cfg, self.samples, batch)
+        # A trial estimates the update that follows it, which adds as many micro-batches again
+        # (exactly so with a fixed batch): during warm-up it takes that update's LR, not a smaller one.
+        lr = learning_rate(self.cfg, self.samples, batch if commit else 2 * batch)
         if self.recv_shard is not self.grad_shard:
             self.grad_shard.copy_(self.recv_shard)
         if weight > 0:
