@@ -6,12 +6,16 @@
                              its model and gradient accumulator hold), data position and RNG state
         model/               the committed model in save_pretrained form, for users
 
-Every worker writes its own file into checkpoint-N.tmp/; once all have (a barrier), rank 0
-renames the folder. A crash mid-save leaves only a .tmp folder behind and the previous
-checkpoint valid. Plain torch.save files, one per worker, rather than torch.distributed.checkpoint:
-the state is a handful of flat 1-D tensors whose resharding is a concatenation and a slice
-(done in DecoupledEngine.load_state_dict), and a resume must also bring back each worker's
-partial gradient accumulator, which is per-worker state that DCP's resharding has no meaning for.
+Every worker writes its own file into checkpoint-N.tmp/; once all have, rank 0 renames the
+folder. A crash mid-save leaves only a .tmp folder behind (removed by the next save) and the
+previous checkpoint valid. The workers wait for each other on the rendezvous store with a long
+timeout, not with a barrier: writing a large model's shards may take longer than the short
+collective timeout that detects dead workers.
+
+Plain torch.save files, one per worker, rather than torch.distributed.checkpoint: the state is
+a handful of flat 1-D tensors whose resharding is a concatenation and a slice (done in
+DecoupledEngine.load_state_dict), and a resume must also bring back each worker's partial
+gradient accumulator, which is per-worker state that DCP's resharding has no meaning for.
 """
 
 from __future__ import annotations
@@ -20,13 +24,23 @@ import json
 import os
 import re
 import shutil
+import zipfile
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from acco.engine import CheckpointError
+from acco.engine.comm import MICRO_BATCHES
 from acco.launch import after_rank0
+
+# How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
+SAVE_TIMEOUT_S = 3600.0
+META_KEYS = ("step", "samples", "method", "world_size", "numel")
+# Train settings a resume may change, but rarely should: each difference gets a warning.
+RESUME_KEYS = ("method_name", "n_grad_accumulation", "batch_size", "max_length", "learning_rate", "nb_steps_tot")
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -44,54 +58,111 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve(spec: str, output_dir: str | Path) -> Path:
-    """`latest` (the newest complete checkpoint in output_dir) or a checkpoint folder."""
-    if spec == "latest":
+def resolve(spec: str | bool, output_dir: str | Path) -> Path:
+    """`latest` (the newest complete checkpoint in output_dir) or a checkpoint folder; True means
+    `latest`, as in transformers.Trainer.train(resume_from_checkpoint=True)."""
+    if spec is True or spec == "latest":
         found = list_checkpoints(output_dir)
         if not found:
             raise CheckpointError(f"resume_from_checkpoint=latest: no complete checkpoint in {output_dir}")
         return found[-1]
-    folder = Path(spec)
+    folder = Path(os.path.expanduser(str(spec)))
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
     if not (folder / "meta.json").is_file():
         raise CheckpointError(f"{folder} is not a complete checkpoint (no meta.json)")
     return folder
 
 
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
+_save_calls = [0]
+
+
+def _all_written(key: str, rank: int, world_size: int) -> None:
+    """Rank 0 returns once every other rank has called this with `key` (each sets its own store
+    key); the others return at once. The store's wait has a long timeout, unlike a barrier."""
+    if world_size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        store.set(f"{key}/{rank}", "written")
+    else:
+        store.wait([f"{key}/{r}" for r in range(1, world_size)], timedelta(seconds=SAVE_TIMEOUT_S))
 
 
 def save(output_dir, step: int, worker_state: dict, meta: dict, rank: int, world_size: int, save_model, keep: int | None):
     """Write checkpoint-`step` atomically. `save_model(folder)` writes the model (rank 0)."""
     out = Path(output_dir)
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(world_size)
-    torch.save(worker_state, rank_file(tmp, rank, world_size))
-    _barrier(world_size)  # every worker's shard is on disk
+    _save_calls[0] += 1  # every rank saves the same checkpoints in the same order: unique keys
+    key = f"acco/checkpoint/{_save_calls[0]}/{final.resolve()}"
 
-    def finish():  # rank 0 alone, while the others wait without the collective timeout
+    def prepare():  # rank 0: a fresh .tmp folder; those of saves that crashed go too
+        for stale in out.glob("checkpoint-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    after_rank0(prepare, key=f"{key}/prepare", slow_timeout_s=SAVE_TIMEOUT_S)
+    torch.save(worker_state, rank_file(tmp, rank, world_size))
+    _all_written(f"{key}/written", rank, world_size)
+
+    def finish():  # rank 0 alone, once every shard is on disk; the others wait on the store
         save_model(tmp / "model")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        if keep is not None and keep > 0:
+        if keep:  # None: keep all (TrainArgs checks that it is None or >= 1)
             for old in list_checkpoints(out)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    after_rank0(finish, key=f"checkpoint/{final.resolve()}")
+    after_rank0(finish, key=f"{key}/finish", slow_timeout_s=SAVE_TIMEOUT_S)
     return final
 
 
 def load_meta(folder: Path) -> dict:
     try:
-        return json.loads((folder / "meta.json").read_text())
+        meta = json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder}: unreadable meta.json ({e})") from e
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise CheckpointError(f"{folder}: meta.json lacks {', '.join(missing)}")
+    return meta
+
+
+def already_completed(folder: Path, meta: dict, nb_steps_tot: int) -> str | None:
+    """The line to print when the checkpoint has already consumed the budget (a resumed run
+    would train one update more and overwrite the finished run's outputs), else None."""
+    if int(meta["samples"]) < nb_steps_tot:
+        return None
+    return (
+        f"{folder.name} already completed the budget of {nb_steps_tot} micro-batches (update {meta['step']}, "
+        f"{meta['samples']} micro-batches); nothing to do (raise train.nb_steps_tot to train further)"
+    )
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """One line per key train setting that differs from the one the checkpoint was written with."""
+    return [
+        f"resuming with train.{k}={current.get(k)!r}, the checkpoint was written with {saved[k]!r}"
+        for k in RESUME_KEYS
+        if k in saved and saved[k] != current.get(k)
+    ]
+
+
+def check_files(folder: Path, meta: dict) -> None:
+    """Every worker's file is there and whole, without reading a tensor: a zip's directory sits at
+    its end, so a truncated file fails to open."""
+    world_size = int(meta["world_size"])
+    for r in range(world_size):
+        path = rank_file(folder, r, world_size)
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: missing {path.name} (written by {world_size} workers)")
+        try:
+            with zipfile.ZipFile(path):
+                pass
+        except (OSError, zipfile.BadZipFile) as e:
+            raise CheckpointError(f"{path}: corrupted checkpoint file ({type(e).__name__}: {e})") from e
 
 
 def load_worker(folder: Path, rank: int, world_size: int) -> dict:
@@ -104,23 +175,55 @@ def load_worker(folder: Path, rank: int, world_size: int) -> dict:
         raise CheckpointError(f"{path}: corrupted checkpoint file ({type(e).__name__}: {e})") from e
 
 
-def all_finite(tensors, device, world_size: int) -> bool:
-    """Whether every worker's tensors are finite (one small all-reduce)."""
+def floating_tensors(state, name: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) for every floating-point tensor in a nested state (dicts, lists)."""
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point():
+            yield name, state
+    elif isinstance(state, Mapping):
+        for k, v in state.items():
+            yield from floating_tensors(v, f"{name}.{k}" if name else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from floating_tensors(v, f"{name}.{i}" if name else str(i))
+
+
+def non_finite(state, device, world_size: int) -> list[str]:
+    """[] when every floating tensor of every worker's `state` is finite; else this worker's
+    offending names (or a note that another worker has them). One all-reduced flag; the tensors
+    are summed up on their device, with no host sync per tensor."""
+    tensors = list(floating_tensors(state))
     bad = torch.zeros(1, device=device)
-    for t in tensors:
-        if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
-            bad += 1
+    for _, t in tensors:
+        bad += (~torch.isfinite(t)).any().to(device=device, dtype=bad.dtype)
     if world_size > 1:
         dist.all_reduce(bad)
-    return bad.item() == 0
+    if bad.item() == 0:
+        return []
+    return [name for name, t in tensors if not torch.isfinite(t).all()] or ["(on another worker)"]
+
+
+def rewind(data: dict, n: int) -> dict:
+    """A MicroBatchStream state moved back by `n` micro-batches (read ahead, not yet computed)."""
+    per_epoch = data["num_samples"] // data["global_batch_size"]
+    epoch, position = divmod(data["epoch"] * per_epoch + data["position"] - n, per_epoch)
+    return {**data, "epoch": epoch, "position": position}
 
 
 def data_position(old_states: list[dict], batch_size: int, world_size: int, batches_per_epoch: int) -> dict:
-    """Where a stream of `world_size` workers resumes so as to skip the samples the old run read."""
+    """Where a stream of `world_size` workers resumes so as to skip the samples the old run committed.
+
+    Each old worker's stream also counts the micro-batches in its gradient accumulator (acco's
+    next payload, computed during the last round): resharding drops the accumulator, so those
+    samples were never committed and must be read again.
+    """
     read = 0
     for s in old_states:
-        d = s["data"]
+        d, engine = s["data"], s["engine"]
         old_bpe = d["num_samples"] // d["global_batch_size"]
-        read += (d["epoch"] * old_bpe + d["position"]) * (d["global_batch_size"] // len(old_states))
+        pending = 0
+        if engine.get("accumulator") is not None:
+            pending = int(engine["accumulator_stats"][MICRO_BATCHES])
+        read += (d["epoch"] * old_bpe + d["position"] - pending) * (d["global_batch_size"] // len(old_states))
     position = read // (batch_size * world_size)
     return {"epoch": position // batches_per_epoch, "position": position % batches_per_epoch}

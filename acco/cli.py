@@ -13,6 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import acco.conf  # noqa: F401  (registers the resolvers the model configs use)
 from acco.launch import after_rank0, dist_env, launch_local, self_command
 
 
@@ -27,25 +28,60 @@ def local_nproc(setting) -> int:
 
 
 def load_corpus(data: DictConfig):
-    """Documents (pretraining) or instruction records (fine-tuning), as the data config says."""
-    from acco.data import load_documents, load_records, synthetic_corpus
+    """Documents (pretraining) or instruction records (fine-tuning), as the data config says.
+
+    Documents from table files or the Hub are a memory-mapped `datasets.Dataset`, not a list:
+    an openwebtext-sized corpus then costs each worker next to no memory. Rank 0 loads first, so
+    that a Hub dataset is downloaded and converted once; the others then open that copy.
+    """
+    from acco.data import load_records, open_documents, synthetic_corpus
 
     if data.name == "synthetic":
         return synthetic_corpus(int(data.n_docs), seed=0)
-    if data.format == "instruct":
-        return load_records(data.path)
-    return load_documents(data.path, text_column=data.text_column)
+
+    def load():
+        if data.format == "instruct":
+            return load_records(data.path)
+        return open_documents(data.path, text_column=data.text_column)
+
+    corpus = after_rank0(load, key="corpus")
+    return corpus if corpus is not None else load()
 
 
-def prepare_tokenizer(cfg: DictConfig, corpus):
-    """Rank 0 trains or loads the tokenizer and saves it with the run; the others load that copy."""
+def split_corpus(corpus, args):
+    """(train, eval) documents or records, eval None when train.eval is off.
+
+    The eval split is carved here, by document and from train.seed, rather than by the trainer
+    from packed blocks: the BPE tokenizer can then be trained on the training split only, and no
+    document is cut between the two splits. Both are index views of `corpus`, not copies of it.
+    """
+    from acco.data import is_hf_dataset, split_train_eval
+
+    if not args.eval:
+        return corpus, None
+    train_idx, eval_idx = split_train_eval(len(corpus), args.eval_fraction, args.seed)
+    if is_hf_dataset(corpus):
+        return corpus.select(train_idx.numpy()), corpus.select(eval_idx.numpy())
+    return [corpus[i] for i in train_idx.tolist()], [corpus[i] for i in eval_idx.tolist()]
+
+
+def prepare_tokenizer(cfg: DictConfig, train_corpus):
+    """Rank 0 trains (on the training split only) or loads the tokenizer and saves it with the
+    run; the others load that copy. A trained BPE is cached in train.cache_dir, keyed by the
+    training texts and vocab_size, so that the next run on the same data reuses it."""
     from acco.data import format_alpaca, load_tokenizer
 
     saved = Path(cfg.train.output_dir) / "tokenizer"
 
     def build():
-        texts = corpus if cfg.data.format == "pretrain" else ["".join(format_alpaca(r)) for r in corpus]
-        load_tokenizer(cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved)
+        if cfg.data.format == "pretrain":
+            texts = train_corpus
+        else:
+            texts = ["".join(format_alpaca(r)) for r in train_corpus]
+        load_tokenizer(
+            cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved,
+            cache_dir=cfg.train.get("cache_dir") or None, text_column=cfg.data.text_column,
+        )  # fmt: skip
 
     after_rank0(build, key=f"tokenizer/{saved.resolve()}")
     return load_tokenizer(str(saved))
@@ -65,8 +101,8 @@ def train_from_config(cfg: DictConfig) -> dict:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-    corpus = load_corpus(cfg.data)
-    tokenizer = prepare_tokenizer(cfg, corpus)
+    train_corpus, eval_corpus = split_corpus(load_corpus(cfg.data), args)
+    tokenizer = prepare_tokenizer(cfg, train_corpus)
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
     model = build_model(
         cfg.model,
@@ -77,10 +113,11 @@ def train_from_config(cfg: DictConfig) -> dict:
         pad_token_id=tokenizer.pad_token_id,
     )
     trainer = DecoupledTrainer(
-        model=model, tokenizer=tokenizer, train_dataset=corpus, text_column_name=cfg.data.text_column, args=args
-    )
+        model=model, tokenizer=tokenizer, train_dataset=train_corpus, eval_dataset=eval_corpus,
+        text_column_name=cfg.data.text_column, args=args,
+    )  # fmt: skip
     summary = trainer.train()
-    if rank == 0:
+    if rank == 0 and not summary.get("nothing_to_do"):
         print(
             f"done: {summary['method']} {summary['samples']} micro-batches, final eval loss "
             f"{summary['final_eval_loss']}, {summary['tokens_per_s']:,.0f} tokens/s, outputs in {out}",
@@ -90,8 +127,22 @@ def train_from_config(cfg: DictConfig) -> dict:
     return summary
 
 
+def _preflight_finds_nothing_to_do(cfg: DictConfig, world_size: int, env: dict | None) -> bool:
+    """Check the inputs (InputError), before anything is written; True, after one line from rank
+    0, when the checkpoint to resume has already completed the budget."""
+    from acco.validate import AlreadyCompleted, preflight
+
+    try:
+        preflight(cfg, world_size=world_size)
+    except AlreadyCompleted as done:
+        if env is None or env["rank"] == 0:
+            print(done, flush=True)
+        return True
+    return False
+
+
 def run(cfg: DictConfig) -> int:
-    from acco.validate import InputError, preflight
+    from acco.validate import InputError
 
     try:
         nproc = local_nproc(cfg.launch.nproc)
@@ -99,12 +150,14 @@ def run(cfg: DictConfig) -> int:
         raise InputError(str(e)) from e
     env = dist_env()
     if env is None and nproc > 1:
-        preflight(cfg, world_size=nproc)  # bad input fails here, before any worker starts
+        if _preflight_finds_nothing_to_do(cfg, nproc, env):  # bad input fails here, before any worker starts
+            return 0
         # As torchrun does: workers sharing a machine must not each spin up a thread per core.
         threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
         return launch_local(nproc, self_command(), env_extra={**threads, "ACCO_PREFLIGHT_DONE": "1"})
     if not os.environ.get("ACCO_PREFLIGHT_DONE"):  # torchrun, srun or one process: check here
-        preflight(cfg, world_size=env["world_size"] if env else 1)
+        if _preflight_finds_nothing_to_do(cfg, env["world_size"] if env else 1, env):
+            return 0
     train_from_config(cfg)
     return 0
 

@@ -6,7 +6,9 @@
   timeout of minutes rather than torch's 30-minute default, or a one-process group when there is
   no launcher, so that collectives always work.
 - ``launch_local(nproc, argv)`` is the launcher of a plain ``python main.py``: it starts ``nproc``
-  copies of the command with torchrun's variables set and stops all of them as soon as one fails.
+  copies of the command with torchrun's variables set and stops all of them as soon as one fails,
+  blaming the root cause: a worker that crashed, else the rank that the others found had stopped
+  (see ``report_lost_ranks``), rather than whichever worker happened to exit first.
   Typical use at the top of an entry point::
 
       if dist_env() is None and nproc > 1:
@@ -24,13 +26,16 @@ a second, one line naming the rank, whole process trees killed, signals forwarde
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -40,9 +45,11 @@ __all__ = [
     "DEFAULT_PORT",
     "dist_env",
     "expand_nodelist",
+    "every_rank_at",
     "free_port",
     "init_distributed",
     "launch_local",
+    "report_lost_ranks",
     "self_command",
 ]
 
@@ -138,7 +145,11 @@ def dist_env() -> dict | None:
             "master_port": int(env.get("MASTER_PORT", DEFAULT_PORT)),
         }
     world_s = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
-    if "SLURM_PROCID" in env and world_s:
+    # Only a task of an srun step is one of the job's ranks. The batch script itself (and an
+    # salloc shell) also has SLURM_PROCID=0 and SLURM_NTASKS=N, but no step: there a plain
+    # `python main.py` starts its own local workers instead of waiting for N-1 peers.
+    in_step = "SLURM_STEP_NUM_TASKS" in env or env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).isdigit()
+    if "SLURM_PROCID" in env and world_s and in_step:
         rank, world = int(env["SLURM_PROCID"]), int(world_s)
         nodelist = (
             env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
@@ -190,7 +201,7 @@ def _device_for(local_rank: int, use_cuda: bool):
     return device
 
 
-def init_distributed(timeout_s: float = 60, backend: str | None = None):
+def init_distributed(timeout_s: float = 30, backend: str | None = None):
     """Join (or create) the default process group; returns ``(rank, world_size, local_rank, device)``.
 
     - An existing process group is reused as it is.
@@ -208,7 +219,10 @@ def init_distributed(timeout_s: float = 60, backend: str | None = None):
         rank, world = dist.get_rank(), dist.get_world_size()
         env = dist_env()
         local_rank = env["local_rank"] if env else 0
-        return rank, world, local_rank, _device_for(local_rank, dist.get_backend() == "nccl")
+        # get_backend() is "undefined" when the user let torch pick, or "cpu:gloo,cuda:nccl"
+        backend_name = str(dist.get_backend())
+        use_cuda = torch.cuda.is_available() and ("nccl" in backend_name or backend_name == "undefined")
+        return rank, world, local_rank, _device_for(local_rank, use_cuda)
 
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -256,6 +270,37 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+# A worker that fails because a peer died or stalled writes what it found (which rank stopped)
+# into this folder before it exits, so that the launcher blames that rank (acco.engine.progress).
+FAILURE_DIR_ENV = "ACCO_FAILURE_DIR"
+# When the first worker to fail only lost a peer, how long the launcher waits for the other exits
+# before blaming: a dead peer makes its neighbours fail at once, and its own exit is the answer.
+_ROOT_CAUSE_WAIT_S = 1.0
+
+
+def report_lost_ranks(rank: int, lost: list[int], message: str) -> None:
+    """Tell acco's local launcher, when there is one, that this worker fails because ranks `lost`
+    died or stalled (empty: unknown which), with the line that says so."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, f"rank{rank}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "lost": lost, "message": message}, f)
+        os.replace(path + ".tmp", path)  # the launcher never reads half a report
+    except OSError:
+        pass  # the launcher then blames the first exit, as it would without reports
+
+
+def _lost_report(folder: str, rank: int) -> dict | None:
+    try:
+        with open(os.path.join(folder, f"rank{rank}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -263,6 +308,25 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _root_cause(failed: dict[int, int], folder: str, procs: list[subprocess.Popen]) -> tuple[str, int]:
+    """The line that blames the failure explaining the others, and the exit code to return.
+
+    `failed` maps rank -> exit code, in the order the workers exited. A worker that failed on its
+    own (no lost-peer report) is the cause, one killed by a signal (OOM killer, segfault) first;
+    else every failure is a lost peer, and what the survivors found is relayed."""
+    reports = {rank: r for rank in failed if (r := _lost_report(folder, rank)) is not None}
+    crashed = [rank for rank in failed if rank not in reports]
+    named = [r for r in reports.values() if r["lost"]]
+    if crashed or not named:
+        rank = min(crashed or failed, key=lambda r: failed[r] >= 0)  # signals first, then exit order
+        line = f"rank {rank} (pid {procs[rank].pid}) {_describe(failed[rank])}"
+    else:
+        rank = named[0]["rank"]
+        line = f"{named[0]['message']} (reported by rank {rank}, which {_describe(failed[rank])})"
+    code = failed[rank]
+    return line, code if code > 0 else 128 - code
 
 
 def launch_local(
@@ -274,9 +338,12 @@ def launch_local(
     """Run ``nproc`` local workers of ``argv`` (torchrun's variables set, master 127.0.0.1 on a
     free port) and wait for them.
 
-    Returns 0 when every worker exits 0. As soon as one exits otherwise, one line naming its rank
-    and exit code goes to stderr, the others get SIGTERM and, after ``grace_s`` seconds, SIGKILL;
-    the return value is that worker's code (128 + signal number when it was killed). SIGINT and
+    Returns 0 when every worker exits 0. As soon as one exits otherwise, one line naming the rank
+    at fault goes to stderr, the others get SIGTERM and, after ``grace_s`` seconds, SIGKILL; the
+    return value is the exit code of the worker blamed (128 + signal number when it was killed).
+    The rank at fault is the worker that failed, unless it failed only because a peer died or
+    stalled: it then reported the lost rank (``report_lost_ranks``), the launcher waits a moment
+    for a worker that failed on its own and, if none did, relays that report. SIGINT and
     SIGTERM received by the launcher are forwarded to the workers, which get ``grace_s`` seconds
     before SIGKILL (a second signal kills them at once); the launcher then returns 128 + signal
     number. Each worker runs in its own process group, killed whole at the end, so nothing is left
@@ -286,7 +353,9 @@ def launch_local(
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     base = dict(os.environ)
     base.update({k: str(v) for k, v in (env_extra or {}).items()})
+    report_dir = tempfile.mkdtemp(prefix="acco-launch-")
     base.update(
+        {FAILURE_DIR_ENV: report_dir},
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         WORLD_SIZE=str(nproc),
@@ -327,18 +396,25 @@ def launch_local(
                 continue
             running -= 1
             if code != 0:
+                failed = {rank: code}
+                if _lost_report(report_dir, rank) is not None:  # it only lost a peer: wait a moment
+                    deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
+                    while running and time.monotonic() < deadline:
+                        try:
+                            rank, code = exits.get(timeout=max(0.0, deadline - time.monotonic()))
+                        except queue.Empty:
+                            break
+                        running -= 1
+                        if code != 0:
+                            failed[rank] = code
+                line, result = _root_cause(failed, report_dir, procs)
                 alive = sum(p.returncode is None for p in procs)
-                print(
-                    f"acco.launch: rank {rank} (pid {procs[rank].pid}) {_describe(code)}; "
-                    f"stopping the other {alive} worker(s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                result = code if code > 0 else 128 - code
+                print(f"acco.launch: {line}; stopping the other {alive} worker(s)", file=sys.stderr, flush=True)
                 break
         return result
     finally:
         _stop(procs, grace_s, terminate=not forwarded)
+        shutil.rmtree(report_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -361,10 +437,10 @@ def _stop(procs: list[subprocess.Popen], grace_s: float, terminate: bool = True)
         p.wait()
 
 
-# --------------------------------------------------------------------------- rank 0's slow work
+# --------------------------------------------------------------------------- slow one-off work
 
 
-_after_rank0_calls = [0]
+_after_rank0_calls = [0]  # also numbers every_rank_at's keys
 
 
 def after_rank0(work, key: str, slow_timeout_s: float = 3600.0):
@@ -391,3 +467,23 @@ def after_rank0(work, key: str, slow_timeout_s: float = 3600.0):
     else:
         store.wait([key], timedelta(seconds=slow_timeout_s))
     return result
+
+
+def every_rank_at(key: str, slow_timeout_s: float = 3600.0) -> None:
+    """A barrier on the rendezvous store, with `slow_timeout_s` instead of the collective timeout.
+
+    For the end of per-rank one-off work whose duration may differ between ranks by more than the
+    collective timeout (tokenizing the data, building or loading the model): the first collective
+    after it would otherwise fail on the ranks that finished early. A rank that dies meanwhile is
+    handled by the launcher (local, torchrun, srun), which stops the others.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    _after_rank0_calls[0] += 1
+    key = f"acco/every_rank_at/{_after_rank0_calls[0]}/{key}"
+    store = dist.distributed_c10d._get_default_store()
+    if store.add(key, 1) == dist.get_world_size():  # the last rank to arrive opens the gate
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"], timedelta(seconds=slow_timeout_s))

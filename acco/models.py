@@ -27,6 +27,8 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+import acco.conf  # noqa: F401  (model configs loaded straight from their YAML use its resolver)
+
 __all__ = [
     "ARCHS",
     "ModelError",

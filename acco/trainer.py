@@ -16,13 +16,16 @@ import dataclasses
 import math
 import os
 import shutil
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,13 +36,18 @@ from acco.data import (
     IGNORE_INDEX,
     DataError,
     MicroBatchStream,
+    Rows,
+    blocks_of,
     eval_batches,
+    is_hf_dataset,
     pack_documents,
+    pad_token_ids,
     split_train_eval,
+    token_stream,
     tokenize_instructions,
 )
-from acco.engine import ConfigError, EngineConfig, build_engine
-from acco.launch import after_rank0, init_distributed
+from acco.engine import ConfigError, EngineConfig, build_engine, progress
+from acco.launch import after_rank0, every_rank_at, init_distributed
 from acco.metrics import RunLog
 
 
@@ -70,14 +78,14 @@ class TrainArgs:
     save: bool = True  # the final model (save_pretrained) and a final checkpoint
     save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
     save_total_limit: int | None = None  # keep only the newest checkpoints
-    resume_from_checkpoint: str | None = None  # a checkpoint folder, or "latest" in output_dir
+    resume_from_checkpoint: str | bool | None = None  # a checkpoint folder, or "latest" (true) in output_dir
     overwrite_output_dir: bool = False
     output_dir: str = "outputs/run"
     seed: int = 0
     log_step: int = 10
     slowdown: float = 1.0  # benchmarks: this worker sleeps (slowdown - 1) x its compute time
     cache_dir: str = DEFAULT_CACHE_DIR
-    timeout_s: float = 60.0  # collectives give up after this long: a dead or stalled worker
+    timeout_s: float = 30.0  # collectives give up after this long: a dead or stalled worker
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "nb_steps_tot", "n_grad_accumulation", "max_length", "eval_step", "log_step"):
@@ -86,6 +94,13 @@ class TrainArgs:
                 raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
         if self.save_step < 0:
             raise ConfigError(f"train.save_step must be >= 0, got {self.save_step!r}")
+        limit = self.save_total_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(f"train.save_total_limit must be null (keep all) or a positive integer, got {limit!r}")
+        if self.resume_from_checkpoint is True:  # transformers' convention: the newest checkpoint
+            self.resume_from_checkpoint = "latest"
+        elif self.resume_from_checkpoint is False or self.resume_from_checkpoint == "":
+            self.resume_from_checkpoint = None
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate!r}")
         if self.slowdown < 1:
@@ -111,13 +126,54 @@ class TrainArgs:
         elif not isinstance(args, Mapping):
             args = {k: v for k, v in vars(args).items() if not k.startswith("_")}
         names = {f.name for f in dataclasses.fields(cls)}
+        args = _drop_seed_only_keys(dict(args))
         unknown = sorted(set(args) - names)
         if unknown:
             raise ConfigError(f"unknown train key(s): {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-        return cls(**args)
+        return cls(**_numbers_from_strings(cls, args))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_mapping(dataclasses.asdict(self))
+
+
+# Keys of the seed repository's train configs (the paper's Listing 1) that acco does not need:
+# accepted so those configs run unchanged, with one warning; a real typo still fails.
+_SEED_ONLY_KEYS = {
+    "group_by_length": False, "dataloader_num_workers": None, "dataloader_pin_memory": None,
+    "dataloader_persistent_workers": None, "label_smoothing_factor": 0, "run_baseline_ddp": None,
+    "run_expe_slow": False, "const_len_batch": False, "finetune": None, "gradient_accumulation_steps": None,
+}
+
+
+def _numbers_from_strings(cls, args: dict) -> dict:
+    """YAML 1.1 (PyYAML) reads ``6e-4`` as a string: turn such strings into the field's number."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    for key, value in args.items():
+        kind = types[key].split("|")[0].strip()
+        if isinstance(value, str) and kind in ("int", "float"):
+            try:
+                number = float(value)
+            except ValueError:
+                raise ConfigError(f"train.{key} must be a number, got {value!r}") from None
+            args[key] = int(number) if kind == "int" and number.is_integer() else number
+    return args
+
+
+def _drop_seed_only_keys(args: dict) -> dict:
+    """Remove the seed's keys that have no effect here; refuse those whose value would change
+    the training if it were honoured (label smoothing, length grouping, ...)."""
+    seen = [k for k in _SEED_ONLY_KEYS if k in args]
+    for key in seen:
+        value, neutral = args.pop(key), _SEED_ONLY_KEYS[key]
+        if neutral is not None and value not in (None, neutral):
+            raise ConfigError(f"train.{key}={value!r} is not supported by acco (only {neutral!r})")
+        if key == "run_baseline_ddp" and value and args.get("method_name", "ddp") != "ddp":
+            raise ConfigError("train.run_baseline_ddp=true conflicts with method_name="
+                              f"{args.get('method_name')!r}: set method_name=ddp instead")
+    if seen:
+        warnings.warn(f"ignoring the seed's train key(s) {', '.join(seen)}: they have no effect in acco",
+                      stacklevel=3)
+    return args
 
 
 def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +233,8 @@ def _inject_fault_after(step: int, rank: int) -> None:
         return
     if fault["mode"] == "exit":
         os._exit(17)  # dies as a killed process would: no clean-up, no message
-    if fault["mode"] == "hang":
+    if fault["mode"] == "hang":  # tests time the detection from this line
+        print(f"acco: test fault: rank {rank} hangs after update {step}", file=sys.stderr, flush=True)
         threading.Event().wait()  # stalls forever, holding its sockets open
 
 
@@ -217,9 +274,13 @@ class DecoupledTrainer:
         self.engine = None
         self.train_data = self._prepare(train_dataset) if train_dataset is not None else None
         if eval_dataset is not None:
-            self.eval_data = self._prepare(eval_dataset)
+            try:
+                self.eval_data = self._prepare(eval_dataset)
+            except DataError as e:
+                raise DataError(f"the eval set: {e} (give more eval data, raise train.eval_fraction "
+                                "or set train.eval=false)") from e
         elif self.train_data is not None and self.args.eval:
-            train_idx, eval_idx = split_train_eval(len(self._rows(self.train_data)), self.args.eval_fraction, self.args.seed)
+            train_idx, eval_idx = split_train_eval(len(self.train_data), self.args.eval_fraction, self.args.seed)
             self.train_data, self.eval_data = self._select(self.train_data, train_idx), self._select(self.train_data, eval_idx)
         else:
             self.eval_data = None
@@ -227,65 +288,107 @@ class DecoupledTrainer:
     # ---- data ---------------------------------------------------------------------------
 
     def _prepare(self, dataset):
-        """Tensors the stream can slice: packed blocks for text, masked prompts for instructions."""
-        if isinstance(dataset, torch.Tensor) or (
-            isinstance(dataset, Mapping) and all(isinstance(v, torch.Tensor) for v in dataset.values())
+        """What the streams read: `Rows` of packed blocks (text), masked prompts (instructions)
+        or padded token ids (pre-tokenized); with a data collator, the examples themselves."""
+        arrays = torch.Tensor | np.ndarray
+        if isinstance(dataset, Rows | arrays) or (
+            isinstance(dataset, Mapping) and all(isinstance(v, arrays) for v in dataset.values())
         ):
-            return dataset
+            return dataset if isinstance(dataset, Rows) else Rows(dataset)
         if self.data_collator is not None:
-            return list(dataset)  # examples, collated per micro-batch
-        if self.tokenizer is None:
-            raise DataError("a tokenizer (or processing_class) is needed to tokenize the dataset")
-        columns = getattr(dataset, "column_names", None)
+            # Examples, read one by one and collated per micro-batch.
+            return dataset if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") else list(dataset)
         first = dataset[0] if len(dataset) else None
         if isinstance(first, str):
-            return pack_documents(list(dataset), self.tokenizer, self.args.max_length, self.args.cache_dir)
-        columns = columns or (list(first) if isinstance(first, Mapping) else [])
+            return Rows(self._pack(dataset if isinstance(dataset, list) else list(dataset)))
+        columns = getattr(dataset, "column_names", None) or (list(first) if isinstance(first, Mapping) else [])
         if self.text_column_name in columns:
-            docs = dataset[self.text_column_name] if not isinstance(dataset, list) else [r[self.text_column_name] for r in dataset]
-            return pack_documents(list(docs), self.tokenizer, self.args.max_length, self.args.cache_dir)
+            docs = dataset if is_hf_dataset(dataset) else [r[self.text_column_name] for r in dataset]
+            return Rows(self._pack(docs))
         if "instruction" in columns and "output" in columns:
             records = list(dataset) if isinstance(dataset, list) else dataset.to_list()
-            return tokenize_instructions(records, self.tokenizer, self.args.max_length)
+            return Rows(tokenize_instructions(records, self._need_tokenizer(), self.args.max_length))
+        if "input_ids" in columns:  # pre-tokenized (run_clm.py's output): a tokenizer only pads
+            pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+            return Rows(pad_token_ids(dataset, self.args.max_length, pad))
         raise DataError(
-            f"dataset has neither a {self.text_column_name!r} column nor instruction/output columns (has {columns})"
+            f"dataset has neither a {self.text_column_name!r} column, instruction/output columns nor "
+            f"input_ids (has {columns})"
         )
 
-    def _rows(self, data):
-        return data if not isinstance(data, Mapping) else next(iter(data.values()))
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise DataError("a tokenizer (or processing_class) is needed to tokenize the dataset")
+        return self.tokenizer
+
+    def _pack(self, docs) -> np.ndarray:
+        """Packed blocks, memory-mapped: rank 0 tokenizes the corpus into the cache while the other
+        ranks wait, then every rank maps the cache file (a rank that cannot see it, its cache
+        folder being on another machine's disk, tokenizes for itself)."""
+        tokenizer, cache = self._need_tokenizer(), self.args.cache_dir or None
+        if cache is None:
+            return pack_documents(docs, tokenizer, self.args.max_length, None, self.text_column_name)
+        stream = after_rank0(lambda: token_stream(docs, tokenizer, cache, self.text_column_name), key="packing")
+        if stream is None:  # not rank 0
+            stream = token_stream(docs, tokenizer, cache, self.text_column_name)
+        return blocks_of(stream, self.args.max_length)
 
     def _select(self, data, idx: torch.Tensor):
-        if isinstance(data, list):
-            return [data[i] for i in idx.tolist()]
-        if isinstance(data, Mapping):
-            return {k: v[idx] for k, v in data.items()}
-        return data[idx]
+        """Rows `idx` of `data`, as an index view (no copy)."""
+        if isinstance(data, Rows):
+            return data.select(idx)
+        return torch.utils.data.Subset(data, idx.tolist())
+
+    def _collate(self, examples: list) -> dict:
+        batch = dict(self.data_collator(examples))
+        if "labels" not in batch:  # a padding-only collator: every real token is a target
+            labels = batch["input_ids"].clone()
+            if "attention_mask" in batch:
+                labels[batch["attention_mask"] == 0] = IGNORE_INDEX
+            batch["labels"] = labels
+        return batch
 
     def _stream(self, data, batch_size: int):
         """(this worker's resumable MicroBatchStream, the iterator of its micro-batches)."""
-        if self.data_collator is None:
+        if isinstance(data, Rows):
             stream = MicroBatchStream(data, batch_size, self.rank, self.world_size, self.args.seed)
             return stream, stream
         index = MicroBatchStream(torch.arange(len(data)), batch_size, self.rank, self.world_size, self.args.seed)
-        return index, (self.data_collator([data[i] for i in b["input_ids"].tolist()]) for b in index)
+        return index, (self._collate([data[i] for i in b["input_ids"].tolist()]) for b in index)
 
     # ---- training -------------------------------------------------------------------------
 
-    def train(self, resume_from_checkpoint: str | None = None) -> dict:
-        """Train to the budget; `resume_from_checkpoint` (a checkpoint folder or "latest") continues
-        a run exactly on the same world size, or from the same samples on another one."""
+    @progress.names_lost_ranks
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
+        """Train to the budget; `resume_from_checkpoint` (a checkpoint folder, or "latest" / True for
+        the newest in output_dir; default train.resume_from_checkpoint) continues a run exactly on
+        the same world size, or from the same samples on another one."""
         args = self.args
         if self.train_data is None:
             raise DataError("DecoupledTrainer.train() needs a train_dataset")
-        resume = resume_from_checkpoint or args.resume_from_checkpoint
+        # Ranks may finish their own setup (tokenizing, building the model) far apart: wait for
+        # all of them on the store, as the collective timeout is meant for stalls in training.
+        every_rank_at("setup")
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = args.resume_from_checkpoint
+        folder = meta = None
+        if resume_from_checkpoint:  # True means "latest" (transformers.Trainer's convention)
+            folder = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
+            meta = checkpoint.load_meta(folder)
+            done = checkpoint.already_completed(folder, meta, args.nb_steps_tot)
+            if done:  # checked before anything is written: the finished run stays as it is
+                if self.rank == 0:
+                    print(done, flush=True)
+                return {"method": args.method_name, "world_size": self.world_size, "step": int(meta["step"]),
+                        "samples": int(meta["samples"]), "nothing_to_do": True}  # fmt: skip
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        if not resume:
+        if folder is None:
             self._clear_old_checkpoints(out)
         position, batches = self._stream(self.train_data, args.batch_size)
         self.model.train()
         self.engine = build_engine(self.model, args.engine_config())
-        resumed_step = self._resume(resume, position) if resume else None
+        resumed_step = self._resume(folder, meta, position) if folder is not None else None
         loss_fn = _with_fault_injection(causal_lm_loss, self.rank)
         stream = _OnDevice(iter(batches), self.device, args.slowdown)
         log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step, resumed_step)
@@ -342,10 +445,23 @@ class DecoupledTrainer:
         return {"flops_per_token": per_token, "mfu": per_worker / peak if peak else None}
 
     def _checkpoint(self, record, position) -> Path:
+        progress.mark(f"the checkpoint of update {record.step}")  # names a rank that misses it
         state = self.engine.state_dict()
-        if not checkpoint.all_finite([state.get("master"), state["params"]], self.device, self.world_size):
-            raise FloatingPointError(f"parameters are not finite at update {record.step}; no checkpoint written")
-        worker = {"engine": state, "data": position.state_dict(), "rng": torch.get_rng_state()}
+        # Every floating tensor (master, moments, parameters, acco's accumulator and its stats,
+        # torch-ddp's optimizer state ...) of every worker, one all-reduced flag: a checkpoint
+        # never holds NaN or inf, the last good one stays the newest.
+        bad = checkpoint.non_finite(state, self.device, self.world_size)
+        if bad:
+            raise FloatingPointError(
+                f"the training state holds NaN or inf at update {record.step} (rank {self.rank}: "
+                f"{', '.join(bad[:6])}); no checkpoint written"
+            )
+        data = position.state_dict()
+        if state.get("fetched_ahead"):  # torch-ddp has read the next update's micro-batches
+            data = checkpoint.rewind(data, state["fetched_ahead"])
+        worker = {"engine": state, "data": data, "rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            worker["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         meta = {
             "step": record.step,
             "samples": record.samples,
@@ -360,9 +476,7 @@ class DecoupledTrainer:
             self._write_model, self.args.save_total_limit,
         )  # fmt: skip
 
-    def _resume(self, spec: str, position) -> int:
-        folder = checkpoint.resolve(spec, self.args.output_dir)
-        meta = checkpoint.load_meta(folder)
+    def _resume(self, folder: Path, meta: dict, position) -> int:
         old_world = int(meta["world_size"])
         same_world = old_world == self.world_size
         mine = checkpoint.load_worker(folder, self.rank if same_world else 0, old_world)
@@ -375,15 +489,20 @@ class DecoupledTrainer:
         if exact:
             position.load_state_dict(mine["data"])
             torch.set_rng_state(mine["rng"])
+            if self.device.type == "cuda" and "cuda_rng" in mine:
+                torch.cuda.set_rng_state(mine["cuda_rng"], self.device)
         else:
             position.load_state_dict(
                 checkpoint.data_position(old_states, self.args.batch_size, self.world_size, position.batches_per_epoch)
             )
         if self.rank == 0:
+            for change in checkpoint.config_changes(meta.get("train") or {}, dataclasses.asdict(self.args)):
+                print(f"acco: warning: {change}", file=sys.stderr, flush=True)
             how = "exactly" if exact else f"from {old_world} workers, resharded to {self.world_size}"
             print(f"resuming {how} from {folder} (update {meta['step']}, {meta['samples']} micro-batches)", flush=True)
         return int(meta["step"])
 
+    @progress.names_lost_ranks
     @torch.no_grad()
     def evaluate(self, eval_dataset=None) -> dict:
         """Mean next-token loss over the eval set, split across workers: {"eval_loss", "eval_perplexity"}."""
@@ -396,7 +515,8 @@ class DecoupledTrainer:
         was_training = self.model.training
         self.model.eval()
         with committed:
-            for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size)):
+            collate = None if isinstance(data, Rows) else self._collate
+            for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size, collate)):
                 if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
                     break
                 batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -405,6 +525,7 @@ class DecoupledTrainer:
                 totals[1] += tokens
         self.model.train(was_training)
         if self.world_size > 1:
+            progress.mark(f"the evaluation after update {self.engine.step if self.engine else 0}")
             dist.all_reduce(totals)
         loss = (totals[0] / totals[1]).item()
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}

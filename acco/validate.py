@@ -27,7 +27,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["InputError", "check_output_dir", "check_overrides", "one_line_error", "preflight"]
+__all__ = [
+    "AlreadyCompleted",
+    "InputError",
+    "check_output_dir",
+    "check_overrides",
+    "check_resume",
+    "one_line_error",
+    "preflight",
+]
 
 # The data is tokenized in preflight only while its size alone cannot tell whether it fills one
 # global batch: while an upper bound on its samples is below this many global batches.
@@ -39,6 +47,11 @@ RUN_MARKERS = ("summary.json", "metrics.jsonl")
 
 class InputError(ValueError):
     """A bad input found before training: the message is one line naming the key and the value."""
+
+
+class AlreadyCompleted(Exception):
+    """Not an error: the checkpoint to resume has already consumed train.nb_steps_tot. The message
+    is the one line to print; the run then exits 0 without writing anything."""
 
 
 def one_line_error(e: BaseException, limit: int = 1000) -> str:
@@ -306,12 +319,15 @@ def check_model_fits(model: Mapping, pretrained_config: Any, vocab_size: int, wh
         _fail(f"model config: {one_line_error(e)}", e)
 
 
-def _load_tokenizer(spec: str):
+def _load_tokenizer(spec: str, pretrained: str | None = None):
     from acco.data import DataError, load_tokenizer
 
     try:
         return load_tokenizer(spec)
     except DataError as e:
+        if pretrained and spec == pretrained:  # the default: the pretrained model's own tokenizer
+            _fail(f"model.pretrained {pretrained!r} has no tokenizer ({one_line_error(e)}): "
+                  "name one with model.tokenizer=PATH_OR_HUB_NAME", e)
         _fail(f"model.tokenizer: {one_line_error(e)}", e)
 
 
@@ -342,7 +358,7 @@ def _as_workers_load_it(tokenizer):
 
 def load_corpus(data: Mapping):
     """Documents or instruction records, as the workers will load them."""
-    from acco.data import DataError, load_documents, load_records, synthetic_corpus
+    from acco.data import DataError, load_records, open_documents, synthetic_corpus
 
     fmt = data.get("format", "pretrain")
     if fmt not in ("pretrain", "instruct"):
@@ -355,7 +371,8 @@ def load_corpus(data: Mapping):
     try:
         if fmt == "instruct":
             return load_records(str(path))
-        return load_documents(str(path), text_column=data.get("text_column") or "text")
+        # memory-mapped as the workers open it: an openwebtext-sized corpus is not read into a list
+        return open_documents(str(path), text_column=data.get("text_column") or "text")
     except DataError as e:
         _fail(f"data.path: {one_line_error(e)}", e)
     except OSError as e:  # unreadable file or folder
@@ -363,25 +380,33 @@ def load_corpus(data: Mapping):
         _fail(f"data.path: cannot read {str(where)!r}: {e.strerror or one_line_error(e)}", e)
 
 
-def _train_split(n: int, args) -> int:
-    if not args.eval:
-        return n
-    return n - max(1, round(n * args.eval_fraction))
+def _text_bytes(docs, text_column: str) -> int:
+    """UTF-8 bytes of the documents; for a memory-mapped Dataset its Arrow size (no reading)."""
+    from acco.data import is_hf_dataset
+
+    if is_hf_dataset(docs):
+        return docs.data.nbytes
+    return sum(len(d.encode("utf-8")) for d in docs)
 
 
 def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: int) -> None:
-    """The training split (after the eval split) holds at least one global batch."""
+    """The training split holds at least one global batch. The split is by document, from
+    train.seed, as the workers make it (acco.cli.split_corpus)."""
+    from acco.cli import split_corpus
     from acco.data import DataError, format_alpaca, pack_documents, tokenize_instructions
 
     data = cfg["data"]
     need = args.batch_size * world_size
     instruct = data.get("format") == "instruct"
+    text_column = data.get("text_column") or "text"
+    train_fraction = (1 - args.eval_fraction) if args.eval else 1.0
     if instruct:
-        upper = len(corpus)
-    else:  # a byte-level BPE never gives more tokens than UTF-8 bytes, and one eos per document
-        upper = (sum(len(d.encode("utf-8")) for d in corpus) + len(corpus)) // args.max_length
-    if _train_split(upper, args) >= EXACT_CHECK_MARGIN * need:
-        return  # plenty, whatever the tokenizer does
+        typical = len(corpus) * train_fraction
+    else:  # one token per 2 bytes (+ one eos per document): with the margin, safe up to 20 bytes/token
+        typical = (_text_bytes(corpus, text_column) / 2 + len(corpus)) * train_fraction / args.max_length
+    if typical >= EXACT_CHECK_MARGIN * need:
+        return  # plenty for any real tokenizer: the exact count below would tokenise it all
+    corpus, _ = split_corpus(corpus, args)
 
     if tokenizer is None:  # bpe: train it as rank 0 will (the corpus is small here)
         texts = ["".join(format_alpaca(r)) for r in corpus] if instruct else corpus
@@ -394,19 +419,82 @@ def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: 
             n = len(tokenize_instructions(corpus, tokenizer, args.max_length)["input_ids"])
             what = f"{n} instruction examples of train.max_length {args.max_length}"
         else:
-            n = len(pack_documents(corpus, tokenizer, args.max_length, args.cache_dir))
+            n = len(pack_documents(corpus, tokenizer, args.max_length, args.cache_dir, text_column))
             what = f"{n} blocks of train.max_length {args.max_length}"
     except DataError as e:
         _fail(f"{source}: {one_line_error(e)}", e)
-    n_train = _train_split(n, args)
-    split = (
-        f", {n_train} after the eval split (train.eval_fraction {args.eval_fraction})" if args.eval else ""
-    )
-    if n_train < need:
+    split = f" in its training split (train.eval_fraction {args.eval_fraction})" if args.eval else ""
+    if n < need:
         _fail(
             f"dataset too small: {source} gives {what}{split}, fewer than one global batch of "
             f"train.batch_size {args.batch_size} x {world_size} worker(s) = {need}"
         )
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _model_numel(
+    model: Mapping, pretrained_config: Any, tokenizer, folder: Path, max_length: int
+) -> int | None:
+    """Trainable parameters of the model the workers will build, counted on the meta device
+    (nothing allocated); None when it cannot be told here."""
+    import torch
+
+    from acco.models import build_model, count_parameters
+
+    try:
+        with torch.device("meta"):
+            if pretrained_config is not None:
+                from transformers import AutoModelForCausalLM
+
+                built = AutoModelForCausalLM.from_config(pretrained_config)
+            else:
+                if tokenizer is not None:
+                    vocab = len(tokenizer)
+                else:  # bpe, trained by the workers: the vocabulary the checkpoint's model was built for
+                    import json
+
+                    vocab = json.loads((folder / "model" / "config.json").read_text()).get("vocab_size")
+                built = build_model(dict(model), vocab_size=vocab, max_length=max_length)
+    except Exception:  # the model checks above report a bad model config; the workers re-check the size
+        return None
+    return count_parameters(built, trainable_only=True)
+
+
+def check_resume(args, model: Mapping, pretrained_config: Any, tokenizer, world_size: int) -> None:
+    """``train.resume_from_checkpoint`` names a complete checkpoint that this run can continue:
+    meta.json and every worker's file present and whole, the same method, a model of the same
+    size. Raises ``AlreadyCompleted`` when the checkpoint has consumed the budget already."""
+    spec = args.resume_from_checkpoint
+    if not spec:
+        return
+    from acco import checkpoint
+    from acco.engine import CheckpointError
+
+    key = f"train.resume_from_checkpoint={spec}"
+    try:
+        folder = checkpoint.resolve(spec, os.path.expanduser(str(args.output_dir)))
+        meta = checkpoint.load_meta(folder)
+        checkpoint.check_files(folder, meta)
+    except CheckpointError as e:
+        _fail(f"{key}: {one_line_error(e)}", e)
+    if meta["method"] != args.method_name:
+        _fail(f"{key}: {folder} was written by method {meta['method']!r}, this run is {args.method_name!r}")
+    if args.method_name == "torch-ddp" and int(meta["world_size"]) != world_size:
+        _fail(
+            f"{key}: {folder} was written by {meta['world_size']} workers, this run has {world_size}; "
+            "torch-ddp resumes only on the world size it was saved with"
+        )
+    numel = _model_numel(model, pretrained_config, tokenizer, folder, args.max_length)
+    if numel is not None and numel != int(meta["numel"]):
+        _fail(
+            f"{key}: {folder} holds a model of {int(meta['numel']):,} parameters, "
+            f"model {model.get('name') or model.get('pretrained') or '?'!r} has {numel:,}"
+        )
+    done = checkpoint.already_completed(folder, meta, args.nb_steps_tot)
+    if done:
+        raise AlreadyCompleted(done)
 
 
 # --------------------------------------------------------------------------- all together
@@ -442,8 +530,9 @@ def preflight(cfg: DictConfig, world_size: int | None = None) -> None:
             _fail(f"model.vocab_size must be an integer above 257 for model.tokenizer=bpe, got {vocab!r}")
         check_model_fits(model, pretrained_config, vocab, "model.tokenizer=bpe (model.vocab_size)")
     else:
-        tokenizer = _load_tokenizer(spec)
+        tokenizer = _load_tokenizer(spec, model.get("pretrained"))
         check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {spec!r}")
+    check_resume(args, model, pretrained_config, tokenizer, world_size)
 
     corpus = load_corpus(resolved["data"])
     check_fills_global_batch(resolved, args, corpus, tokenizer, world_size)

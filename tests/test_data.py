@@ -12,27 +12,36 @@ import os
 import re
 from collections import Counter
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
 
+import acco.data.packing
+import acco.data.tokenizer
 from acco.data import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
     DataError,
     MicroBatchStream,
+    Rows,
+    bos_to_prepend,
     eval_batches,
     format_alpaca,
     load_documents,
     load_records,
     load_tokenizer,
+    open_documents,
     pack_documents,
+    pad_token_ids,
     split_train_eval,
     synthetic_corpus,
     tokenize_instructions,
+    tokenizer_fingerprint,
     unigram_entropy,
 )
 
@@ -76,6 +85,20 @@ def byte_tok():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token="<pad>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="module")
+def bos_tok():
+    """byte_tok's ids plus a bos (258) that the tokenizer puts in front of every text, as Llama 3's does."""
+    vocab = {EOT: 0, **{ch: b + 1 for b, ch in _bytes_to_unicode().items()}, "<pad>": 257, "<bos>": 258}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 258)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token=EOT, pad_token="<pad>",
                                    clean_up_tokenization_spaces=False)
 
 
@@ -188,6 +211,50 @@ def test_tokenizer_errors(tmp_path):
         load_tokenizer("bpe", train_texts=["a b"], vocab_size=100)
 
 
+def test_bpe_is_cached_by_training_texts_and_vocab_size(tmp_path, monkeypatch, corpus):
+    cache = str(tmp_path / "cache")
+    texts = corpus[:100]
+    first = load_tokenizer("bpe", train_texts=texts, vocab_size=400, cache_dir=cache, save_dir=str(tmp_path / "run1"))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the BPE was trained again")
+
+    with monkeypatch.context() as m:
+        m.setattr(acco.data.tokenizer, "train_bpe", no_training)
+        again = load_tokenizer("bpe", train_texts=list(texts), vocab_size=400, cache_dir=cache,
+                               save_dir=str(tmp_path / "run2"))
+        assert again(corpus[200])["input_ids"] == first(corpus[200])["input_ids"]
+        assert (again.eos_token_id, again.pad_token_id) == (first.eos_token_id, first.pad_token_id)
+        assert (tmp_path / "run2" / "tokenizer.json").exists()  # still saved with the run
+        for other_texts, vocab_size in [(corpus[:99], 400), (texts, 420)]:
+            with pytest.raises(AssertionError, match="trained again"):
+                load_tokenizer("bpe", train_texts=other_texts, vocab_size=vocab_size, cache_dir=cache)
+    # A datasets.Dataset (read batch by batch) trains the same BPE as the list of its texts.
+    from_dataset = load_tokenizer("bpe", train_texts=Dataset.from_dict({"text": texts}), vocab_size=400)
+    from_list = load_tokenizer("bpe", train_texts=texts, vocab_size=400)
+    assert from_dataset.backend_tokenizer.to_str() == from_list.backend_tokenizer.to_str()
+
+
+def test_bos_is_prepended_when_the_tokenizer_adds_it(bos_tok, byte_tok, bpe):
+    assert bos_tok("Hi")["input_ids"] == [258, *byte_ids("Hi")]  # the fixture behaves as Llama 3's
+    assert bos_to_prepend(bos_tok) == 258
+    # bpe has a bos token but does not add it; byte_tok has none.
+    assert bpe.bos_token_id is not None and bos_to_prepend(bpe) is None and bos_to_prepend(byte_tok) is None
+
+    blocks = pack_documents(["ab", "c"], bos_tok, max_length=7, cache_dir=None)
+    assert blocks.tolist() == [[258, *byte_ids("ab"), 0, 258, *byte_ids("c"), 0]]
+
+    rec = {"instruction": "Hi", "input": "", "output": "Yo"}
+    p = byte_ids(ALPACA_PROMPT_NO_INPUT.format(instruction="Hi"))
+    out = tokenize_instructions([rec], bos_tok, len(p) + 5)  # bos, prompt, "Yo", eos, one pad
+    assert out["input_ids"][0].tolist() == [258, *p, *byte_ids("Yo"), 0, 257]
+    assert out["labels"][0].tolist() == [-100] * (len(p) + 1) + byte_ids("Yo") + [0, -100]
+    # Whether bos is added changes the packed tokens, so it is part of the cache key.
+    no_bos = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(bos_tok.backend_tokenizer.to_str()),
+                                     eos_token=EOT, pad_token="<pad>")
+    assert tokenizer_fingerprint(no_bos) != tokenizer_fingerprint(bos_tok)
+
+
 # ---------------------------------------------------------------- loading documents and records
 
 def write_jsonl(path, rows):
@@ -263,6 +330,27 @@ def test_load_documents_errors(tmp_path):
         load_documents(str(tmp_path / "nothing"))
 
 
+def test_open_documents_keeps_tables_memory_mapped(tmp_path):
+    cache = str(tmp_path / "hf-cache")
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "alpha", "id": 1}, {"text": "beta", "id": 2}])
+    pq.write_table(pa.table({"text": ["gamma"]}), tmp_path / "b.parquet")
+    one = open_documents(str(tmp_path / "a.jsonl"), cache_dir=cache)
+    assert isinstance(one, Dataset) and one.column_names == ["text"] and list(one["text"]) == ["alpha", "beta"]
+    (tmp_path / "tables").mkdir()
+    for name in ("a.jsonl", "b.parquet"):
+        os.replace(tmp_path / name, tmp_path / "tables" / name)
+    both = open_documents(str(tmp_path / "tables"), cache_dir=cache)
+    assert list(both["text"]) == ["alpha", "beta", "gamma"]
+    (tmp_path / "s.txt").write_text("one\n\ntwo\n")
+    assert open_documents(str(tmp_path / "s.txt")) == ["one", "two"]  # plain text stays a list
+
+    with pytest.raises(DataError, match="no column 'body'"):
+        open_documents(str(tmp_path / "tables"), text_column="body", cache_dir=cache)
+    write_jsonl(tmp_path / "n.jsonl", [{"text": 1}])
+    with pytest.raises(DataError, match="not strings"):
+        open_documents(str(tmp_path / "n.jsonl"), cache_dir=cache)
+
+
 def test_load_records(tmp_path):
     cache = str(tmp_path / "hf-cache")
     rows = [
@@ -292,7 +380,7 @@ def test_pack_documents_exact_stream(tmp_path, byte_tok):
     # Stream: a b <eos> c <eos> d e f g <eos>  (10 tokens) -> 3 blocks of 3, last token dropped.
     stream = byte_ids("ab") + [0] + byte_ids("c") + [0] + byte_ids("defg") + [0]
     blocks = pack_documents(docs, byte_tok, max_length=3, cache_dir=None)
-    assert blocks.dtype == torch.long and blocks.shape == (3, 3)
+    assert blocks.dtype == np.uint16 and blocks.shape == (3, 3)  # widened per micro-batch only
     assert blocks.flatten().tolist() == stream[:9]
     assert pack_documents(docs, byte_tok, max_length=5, cache_dir=None).tolist() == [stream[:5], stream[5:]]
     with pytest.raises(DataError, match="fewer than one block of max_length 11"):
@@ -318,7 +406,7 @@ def test_pack_documents_cache_hit_skips_tokenizer(tmp_path, monkeypatch, bpe, co
     docs = corpus[:30]
     first = pack_documents(docs, bpe, max_length=32, cache_dir=str(cache))
     files = os.listdir(cache)
-    assert len(files) == 1 and files[0].endswith(".safetensors")
+    assert len(files) == 1 and files[0].endswith(".npy")
     # Same special ids as `bpe`, other merges: only the tokenizer's serialization tells them apart.
     other_tok = load_tokenizer("bpe", train_texts=corpus[:50], vocab_size=300)
     assert (other_tok.eos_token_id, other_tok.pad_token_id) == (bpe.eos_token_id, bpe.pad_token_id)
@@ -328,16 +416,61 @@ def test_pack_documents_cache_hit_skips_tokenizer(tmp_path, monkeypatch, bpe, co
         raise AssertionError("the tokenizer was called although the result is cached")
 
     with monkeypatch.context() as m:
-        m.setattr(type(bpe), "__call__", no_tokenizing)
+        m.setattr(acco.data.packing, "_encode", no_tokenizing)
         second = pack_documents(docs, bpe, max_length=32, cache_dir=str(cache))
-        assert torch.equal(first, second) and second.dtype == torch.long
+        assert np.array_equal(first, second)
+        # The cache holds the token stream: another block length reuses it.
+        assert np.array_equal(pack_documents(docs, bpe, max_length=16, cache_dir=str(cache))[:2].flatten(), first[0])
         # Anything that changes the result changes the key, so these must tokenize (and fail here).
-        for changed_docs, tok, max_length in [(docs, bpe, 16), (edited, bpe, 32), (docs, other_tok, 32)]:
+        for changed_docs, tok in [(edited, bpe), (docs, other_tok)]:
             with pytest.raises(AssertionError, match="tokenizer was called"):
-                pack_documents(changed_docs, tok, max_length=max_length, cache_dir=str(cache))
+                pack_documents(changed_docs, tok, max_length=32, cache_dir=str(cache))
 
     assert pack_documents(docs, other_tok, max_length=32, cache_dir=str(cache)).shape != first.shape  # fewer merges
     assert len(os.listdir(cache)) == 2  # the other tokenizer got its own entry
+
+
+def test_pack_documents_cache_is_one_flat_memory_mapped_array(tmp_path, bpe, corpus):
+    blocks = pack_documents(corpus[:30], bpe, max_length=32, cache_dir=str(tmp_path))
+    (cached,) = tmp_path.glob("*.npy")
+    stream = np.load(cached, mmap_mode="r")
+    assert stream.ndim == 1 and stream.dtype == np.uint16  # a 600-token vocabulary fits in 16 bits
+    assert isinstance(blocks, np.memmap) and blocks.shape == (len(stream) // 32, 32)  # a view of the file
+    assert np.array_equal(blocks.flatten(), stream[: blocks.size])
+
+    class WideTokenizer:  # a vocabulary above 65536 ids needs int32
+        eos_token_id, bos_token_id = 69_999, None
+
+        def __len__(self):
+            return 70_000
+
+        def __call__(self, texts, **kwargs):
+            return {"input_ids": [[66_000 + len(t)] for t in texts]}
+
+    wide = pack_documents(["ab", "c"], WideTokenizer(), max_length=2, cache_dir=None)
+    assert wide.dtype == np.int32 and wide.tolist() == [[66_002, 69_999], [66_001, 69_999]]
+
+
+def test_pack_documents_from_a_dataset(tmp_path, monkeypatch, bpe, corpus):
+    docs = corpus[:30]
+    texts = docs[:10] + ["", None, "  "] + docs[10:]
+    dataset = Dataset.from_dict({"text": texts, "id": list(range(len(texts)))})
+    blocks = pack_documents(dataset, bpe, max_length=32, cache_dir=str(tmp_path))
+    # Empty and missing texts are skipped and other columns ignored, as for a list of documents.
+    assert np.array_equal(blocks, pack_documents(docs, bpe, max_length=32, cache_dir=None))
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    with monkeypatch.context() as m:
+        m.setattr(acco.data.packing, "_encode", no_tokenizing)
+        # The key is datasets' fingerprint: the same content hits the cache, other content does not.
+        same = Dataset.from_dict({"text": texts, "id": list(range(len(texts)))})
+        assert np.array_equal(pack_documents(same, bpe, max_length=32, cache_dir=str(tmp_path)), blocks)
+        with pytest.raises(AssertionError, match="tokenized again"):
+            pack_documents(dataset.select(range(20)), bpe, max_length=32, cache_dir=str(tmp_path))
+    with pytest.raises(DataError, match="int, not a string"):
+        pack_documents(["a", 1], bpe, max_length=2, cache_dir=None)
 
 
 # ---------------------------------------------------------------- instruction data
@@ -527,3 +660,50 @@ def test_eval_batches_fixed_order_and_complete():
     assert sorted(sum(shards, [])) == list(range(10)) and shards[1] == [1, 4, 7]
     with pytest.raises(DataError):
         eval_batches(data, 0)
+
+
+def test_rows_select_is_an_index_view_and_take_widens_to_int64():
+    blocks = np.arange(40, dtype=np.uint16).reshape(10, 4)
+    rows = Rows(blocks)
+    sub = rows.select(torch.tensor([9, 7, 5, 3])).select([3, 0])  # rows 3 and 9
+    assert len(sub) == 2 and sub.columns["input_ids"] is blocks  # no tokens copied
+    batch = sub.take([1, 0])
+    assert batch["input_ids"].dtype == torch.long and ids_of(batch) == [36, 12]
+    assert torch.equal(batch["labels"], batch["input_ids"])
+    # A stream over a selection reads the selected rows only.
+    evens = MicroBatchStream(rows.select(np.arange(0, 10, 2)), batch_size=5)
+    assert sorted(ids_of(next(evens))) == [0, 8, 16, 24, 32]
+    assert [ids_of(b) for b in eval_batches(rows.select([4, 1, 2]), 2)] == [[16, 4], [8]]
+
+
+def test_eval_batches_collates_examples_per_rank():
+    examples = [{"input_ids": [i] * (i % 3 + 1)} for i in range(7)]
+
+    def collate(chunk):
+        return {"input_ids": torch.tensor([e["input_ids"][0] for e in chunk])}
+
+    shards = [[b["input_ids"].tolist() for b in eval_batches(examples, 2, r, 2, collate=collate)] for r in range(2)]
+    assert shards == [[[0, 2], [4, 6]], [[1, 3], [5]]]
+
+
+def test_pretokenized_rows_are_padded_and_checked():
+    dataset = Dataset.from_dict({
+        "input_ids": [[5, 6, 7], [8, 9]], "attention_mask": [[1, 1, 1], [1, 1]], "labels": [[-100, 6, 7], [8, 9]],
+    })  # fmt: skip
+    out = pad_token_ids(dataset, max_length=4, pad_token_id=0)
+    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]  # padded to the longest row
+    assert out["labels"].tolist() == [[-100, 6, 7], [8, 9, -100]]  # the user's -100 kept
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+    as_list = pad_token_ids(rows, max_length=4, pad_token_id=0)
+    assert all(np.array_equal(as_list[k], out[k]) for k in out)
+    # run_clm.py's blocks: equal lengths and no labels: labels = input_ids, nothing to pad.
+    blocks = pad_token_ids(Dataset.from_dict({"input_ids": [[1, 2], [3, 4]]}), max_length=2, pad_token_id=None)
+    assert set(blocks) == {"input_ids", "labels"} and blocks["labels"].tolist() == [[1, 2], [3, 4]]
+
+    with pytest.raises(DataError, match="example 0 has 3 tokens, more than max_length 2"):
+        pad_token_ids(dataset, max_length=2, pad_token_id=0)
+    with pytest.raises(DataError, match="example 1: labels has 1 values, input_ids 2"):
+        pad_token_ids([{"input_ids": [1], "labels": [1]}, {"input_ids": [2, 3], "labels": [2]}], 4, 0)
+    with pytest.raises(DataError, match="pad token"):
+        pad_token_ids(dataset, max_length=4, pad_token_id=None)

@@ -175,8 +175,13 @@ def test_pretrained_model_checked_from_its_config_alone(tmp_path, tokenizer_dir,
         "train.max_length=32",
     )
     assert f"model.tokenizer '{tokenizer_dir}' has 400 tokens, more than the 100 rows of the embedding" in msg
-    msg = preflight_error(tmp_path, f"model.pretrained={pretrained_dir}", "train.max_length=32")
+    msg = preflight_error(tmp_path, f"model.pretrained={pretrained_dir}", "train.max_length=32",
+                          "model.tokenizer=bpe")
     assert "model.tokenizer=bpe (model.vocab_size) has 2048 tokens, more than the 100 rows" in msg
+    # by default a pretrained model's tokenizer is the one saved with it
+    msg = preflight_error(tmp_path, f"model.pretrained={pretrained_dir}", "train.max_length=32")
+    assert msg.startswith(f"model.pretrained '{pretrained_dir}' has no tokenizer (")
+    assert msg.endswith("name one with model.tokenizer=PATH_OR_HUB_NAME")
 
 
 def test_dataset_smaller_than_one_global_batch(tmp_path, tokenizer_dir):
@@ -184,7 +189,7 @@ def test_dataset_smaller_than_one_global_batch(tmp_path, tokenizer_dir):
     assert msg.startswith("dataset too small: data.n_docs gives")
     assert "fewer than one global batch of train.batch_size 8 x 2 worker(s) = 16" in msg
 
-    cached = set((tmp_path / "cache").glob("packed-*.safetensors"))
+    cached = set((tmp_path / "cache").glob("tokens-v2-*.npy"))
     text = tmp_path / "short.txt"
     text.write_text("\n\n".join(synthetic_corpus(10, seed=1)))
     msg = preflight_error(
@@ -192,12 +197,12 @@ def test_dataset_smaller_than_one_global_batch(tmp_path, tokenizer_dir):
     )
     assert msg.startswith(f"dataset too small: data.path '{text}' gives") and "= 64" in msg
     # the blocks packed here went to the cache, where the workers will find them
-    assert len(set((tmp_path / "cache").glob("packed-*.safetensors")) - cached) == 1
+    assert len(set((tmp_path / "cache").glob("tokens-v2-*.npy")) - cached) == 1
 
     data = write_jsonl(tmp_path / "ft.jsonl", [ALPACA] * 12)
     msg = preflight_error(tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}", "train.batch_size=4",
                           "launch.nproc=4", "train.max_length=128")  # fmt: skip
-    assert "12 instruction examples" in msg and "11 after the eval split" in msg and "= 16" in msg
+    assert "11 instruction examples" in msg and "in its training split" in msg and "= 16" in msg
 
 
 def test_output_dir_that_cannot_be_written(tmp_path, monkeypatch):
@@ -315,14 +320,18 @@ def test_cli_hub_tokenizer_that_cannot_be_found_offline(tmp_path):
 
 
 def test_cli_worker_side_error_stays_short(tmp_path):
-    """A corpus that preflight cannot size cheaply (64-byte words that the BPE learns as single
+    """A corpus that preflight cannot size cheaply (128-byte words that the BPE learns as single
     tokens): the workers find it too small, one line per rank plus the launcher's."""
-    words = ["x" * 63 + "y", "z" * 63 + "w"]
+    words = ["x" * 127 + "y", "z" * 127 + "w"]
     text = tmp_path / "long-words.txt"
-    text.write_text("\n\n".join(" ".join(words * 8) for _ in range(20)))
-    proc = cli(tmp_path, "data=text", f"data.path={text}", "model.vocab_size=400")
+    text.write_text("\n\n".join(" ".join(words * 8) for _ in range(14)))
+    proc = cli(tmp_path, "data=text", f"data.path={text}", "model.vocab_size=400", "train.eval=false")
     lines = error_lines(proc)
     assert 1 <= len(lines) <= 2, proc.stderr
     assert all(line.startswith("acco: error: [rank ") for line in lines)
     assert all("fewer than one global batch" in line for line in lines), lines
+    # with an eval split: its one document is shorter than a block, and the message says so
+    lines = error_lines(cli(tmp_path, "data=text", f"data.path={text}", "model.vocab_size=400"))
+    assert lines and all("the eval set: the corpus gives" in line and "train.eval_fraction" in line
+                         for line in lines), lines
     assert sum("acco.launch: rank" in line for line in proc.stderr.splitlines()) == 1, proc.stderr

@@ -110,6 +110,7 @@ def test_dist_env_torchrun(no_launcher):
 
 def test_dist_env_slurm(no_launcher):
     for k, v in dict(
+        SLURM_STEP_ID="0",
         SLURM_PROCID="5",
         SLURM_NTASKS="8",
         SLURM_LOCALID="1",
@@ -136,6 +137,19 @@ def test_dist_env_slurm(no_launcher):
     no_launcher.setenv("MASTER_PORT", "31000")
     env = dist_env()
     assert (env["master_addr"], env["master_port"]) == ("10.1.1.1", 31000)
+
+
+def test_slurm_batch_script_is_not_a_rank(no_launcher):
+    """The batch script (no srun step) has SLURM_PROCID=0 and SLURM_NTASKS=N too: a plain
+    `python main.py` there must launch its own workers, not wait for N-1 peers that never come."""
+    for k, v in dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu[07-08]",
+                     SLURM_TASKS_PER_NODE="4(x2)").items():
+        no_launcher.setenv(k, v)
+    assert dist_env() is None
+    no_launcher.setenv("SLURM_STEP_ID", "batch")
+    assert dist_env() is None
+    no_launcher.setenv("SLURM_STEP_ID", "3")
+    assert dist_env()["world_size"] == 8
 
 
 # --------------------------------------------------------------------------- init_distributed
@@ -197,6 +211,7 @@ def test_init_distributed_under_slurm(tmp_path):
             [sys.executable, script, str(tmp_path)],
             env=clean_env(
                 dict(
+                    SLURM_STEP_ID="0",
                     SLURM_PROCID=str(r),
                     SLURM_NTASKS="2",
                     SLURM_LOCALID=str(r),
@@ -256,6 +271,47 @@ def test_launch_local_first_failure_stops_all(tmp_path, capfd):
         assert wait_dead(pid, timeout=5), f"process {pid} outlived the launcher"
 
 
+LOST_PEER = """
+    import os, signal, sys, time
+    from acco.launch import report_lost_ranks
+
+    rank, scenario = int(os.environ["RANK"]), sys.argv[1]
+    if scenario == "stall" and rank != 2:  # rank 2 stalls; the others time out, rank 1 first
+        time.sleep(0.2 * rank)
+        report_lost_ranks(rank, [2], f"rank 2 stopped responding (died or stalled): seen by rank {rank}")
+        sys.exit(1)
+    ready = os.path.join(sys.argv[2], "rank1-started") if scenario == "crash" else ""
+    if scenario == "crash" and rank == 0:  # rank 0 loses its peer and happens to exit first...
+        while not os.path.exists(ready):
+            time.sleep(0.01)
+        report_lost_ranks(0, [1], "rank 1 stopped responding (died or stalled)")
+        sys.exit(1)
+    if scenario == "crash" and rank == 1:  # ...but rank 1 was killed, a moment later
+        open(ready, "w").close()
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+"""
+
+
+def test_launcher_relays_the_lost_rank_that_the_survivors_found(tmp_path, capfd):
+    script = write_script(tmp_path, "lost_peer.py", LOST_PEER)
+    start = time.monotonic()
+    code = launch_local(4, [sys.executable, script, "stall"], env_extra={"PYTHONPATH": REPO}, grace_s=2)
+    err = capfd.readouterr().err
+    assert code == 1 and time.monotonic() - start < 10
+    blamed = [line for line in err.splitlines() if line.startswith("acco.launch:")]
+    assert len(blamed) == 1 and blamed[0].startswith("acco.launch: rank 2 stopped responding"), err
+
+
+def test_launcher_prefers_a_crashed_worker_to_one_that_lost_its_peer(tmp_path, capfd):
+    script = write_script(tmp_path, "lost_peer.py", LOST_PEER)
+    code = launch_local(2, [sys.executable, script, "crash", str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2)
+    err = capfd.readouterr().err
+    assert code == 128 + signal.SIGKILL
+    assert "acco.launch: rank 1 (pid" in err and "killed by signal SIGKILL" in err, err
+
+
 BLOCKER = """
     import os, signal, sys
     print(f"ready {os.environ['RANK']} {os.getpid()}", flush=True)
@@ -310,3 +366,51 @@ def test_self_command():
 
     cmd = self_command()
     assert cmd[0] == sys.executable and len(cmd) >= 2
+
+
+# --------------------------------------------------------------------------- naming the lost rank
+
+
+def _explain_after_marks(rank, world, marks, report_dir):
+    import torch.distributed as dist
+
+    from acco.engine import progress
+
+    for i in range(marks[rank]):
+        progress.mark(f"update {i + 1}")
+    dist.barrier()  # every rank has marked
+
+    @progress.names_lost_ranks
+    def collective():
+        raise RuntimeError("Timed out waiting 30000ms for recv operation to complete")
+
+    @progress.names_lost_ranks
+    def computation():  # not a communication failure: never blamed on another rank
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    os.environ["ACCO_FAILURE_DIR"] = report_dir
+    try:
+        computation()
+    except progress.LostWorkerError:
+        return "a local error was blamed on another rank", None, False
+    except RuntimeError:
+        pass
+    try:
+        collective()
+    except progress.LostWorkerError as e:
+        return str(e), e.lost, (Path(report_dir) / f"rank{rank}.json").exists()
+    except RuntimeError as e:
+        return str(e), None, (Path(report_dir) / f"rank{rank}.json").exists()
+
+
+def test_a_failed_collective_names_the_ranks_behind_this_one(tmp_path):
+    from distributed import run_distributed
+
+    results = run_distributed(_explain_after_marks, 4, [3, 1, 2, 1], str(tmp_path))
+    message, lost, reported = results[0]
+    assert lost == [1, 3] and reported  # not rank 2: merely behind rank 0, ahead of the lost ones
+    assert message == ("ranks 1 and 3 stopped responding (died or stalled): their last progress was "
+                       "update 1; rank 0 reached update 3")
+    assert results[2][1] == [1, 3]
+    message, lost, reported = results[1]  # rank 1 is among the lost: its error is left as it was
+    assert lost is None and not reported and message.startswith("Timed out")

@@ -10,12 +10,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from distributed import free_port
+from distributed import free_port, run_distributed
 from omegaconf import OmegaConf
 
-from acco.data import load_tokenizer, synthetic_corpus
+from acco.data import DataError, load_tokenizer, synthetic_corpus
 from acco.engine import EngineConfig, build_engine
 from acco.models import build_model
 from acco.trainer import DecoupledTrainer, causal_lm_loss
@@ -214,3 +215,121 @@ def test_cli_fine_tunes_on_alpaca_records(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == "acco" and summary["samples"] >= 32
     assert math.isfinite(summary["final_eval_loss"])
+
+
+# A plain dict (no Hydra interpolation to resolve), smaller than tiny: these tests are about data.
+SMALL = dict(name="small", arch="gpt_neo", hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64,
+             window_size=64, pretrained=None)
+
+
+def _small_run(tmp_path, **overrides) -> dict:
+    return {**dict(method_name="ddp", batch_size=4, nb_steps_tot=4, max_length=32, eval_step=1, learning_rate=2e-3,
+                   output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False), **overrides}
+
+
+def test_data_collator_examples_train_and_evaluate(tmp_path):
+    from transformers import DataCollatorForLanguageModeling
+
+    docs = synthetic_corpus(120)
+    tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
+    # Examples of 10 to 29 tokens: the collator pads each batch.
+    rows = [{"input_ids": tokenizer(d)["input_ids"][: 10 + i % 20]} for i, d in enumerate(docs)]
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=rows, data_collator=collator,
+                               args=_small_run(tmp_path, method_name="acco", eval_batch_size=5))
+    # The eval loss is the mean over all target tokens of the eval examples, whatever the batching.
+    eval_rows = [rows[i] for i in trainer.eval_data.indices]
+    loss_sum = tokens = 0.0
+    with torch.no_grad():
+        for row in eval_rows:
+            s, n = causal_lm_loss(model.eval(), collator([row]))
+            loss_sum, tokens = loss_sum + s.item(), tokens + n.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(loss_sum / tokens, rel=1e-5)
+    summary = trainer.train()  # evaluates after every update (this raised TypeError before)
+    assert summary["samples"] == 4 and math.isfinite(summary["final_eval_loss"])
+
+
+def test_pretokenized_dataset_needs_no_collator(tmp_path):
+    from datasets import Dataset
+
+    docs = synthetic_corpus(120)
+    tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
+    ids = tokenizer("".join(docs))["input_ids"][: 32 * 40]
+    blocks = [ids[i : i + 32] for i in range(0, len(ids), 32)]  # run_clm.py's group_texts output
+    ds = Dataset.from_dict({"input_ids": blocks, "attention_mask": [[1] * 32] * 40, "labels": blocks})
+    trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=ds, args=_small_run(tmp_path))
+    assert len(trainer.train_data) + len(trainer.eval_data) == 40
+    batch = trainer.train_data.take([0, 1])
+    assert batch["input_ids"].dtype == torch.long and batch["input_ids"].shape == (2, 32)
+    assert trainer.train()["samples"] == 4
+    with pytest.raises(DataError, match="more than max_length 16"):
+        DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=ds,
+                         args=_small_run(tmp_path, max_length=16))
+
+
+def _prepare_on_rank(rank, world_size, tokenizer_dir, cache):
+    """Builds a trainer on text documents; counts the batches of documents this rank tokenized."""
+    import acco.data.packing as packing
+
+    calls = []
+    encode = packing._encode
+    packing._encode = lambda texts, tokenizer: calls.append(len(texts)) or encode(texts, tokenizer)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
+    trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=synthetic_corpus(200),
+                               args=dict(max_length=32, batch_size=2, cache_dir=cache, seed=5))
+    columns = trainer.train_data.columns
+    return {
+        "tokenized": len(calls),
+        "memory_mapped": isinstance(columns["input_ids"], np.memmap),
+        "train": trainer.train_data.take(range(len(trainer.train_data)))["input_ids"],
+        "eval_index": trainer.eval_data.index,
+    }
+
+
+def test_rank0_tokenizes_once_and_the_others_map_its_cache(tmp_path):
+    load_tokenizer("bpe", train_texts=synthetic_corpus(200), vocab_size=300, save_dir=str(tmp_path / "tok"))
+    first, second = run_distributed(_prepare_on_rank, 2, str(tmp_path / "tok"), str(tmp_path / "cache"))
+    assert first["tokenized"] > 0 and second["tokenized"] == 0
+    assert first["memory_mapped"] and second["memory_mapped"]
+    assert torch.equal(first["train"], second["train"])  # the same blocks and split on every rank
+    assert np.array_equal(first["eval_index"], second["eval_index"])
+    assert len(list((tmp_path / "cache").glob("*.npy"))) == 1
+
+
+def test_cli_bpe_trains_on_the_training_split_only_and_is_cached(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    import acco.data.tokenizer as tokenizer_module
+    from acco import cli
+    from acco.trainer import TrainArgs
+
+    docs = synthetic_corpus(200)
+    args = TrainArgs(eval_fraction=0.1, seed=3)
+    train_docs, eval_docs = cli.split_corpus(docs, args)
+    assert len(eval_docs) == 20 and sorted(train_docs + eval_docs) == sorted(docs)
+    as_dataset = cli.split_corpus(Dataset.from_dict({"text": docs}), args)
+    assert [list(part["text"]) for part in as_dataset] == [train_docs, eval_docs]
+    assert cli.split_corpus(docs, TrainArgs(eval=False)) == (docs, None)
+
+    trained_on = []
+    train_bpe = tokenizer_module.train_bpe
+    def recording_train_bpe(texts, *args, **kwargs):
+        trained_on.append(list(texts))
+        return train_bpe(texts, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_module, "train_bpe", recording_train_bpe)
+    cfg = OmegaConf.create({
+        "train": {"output_dir": str(tmp_path / "run1"), "cache_dir": str(tmp_path / "cache")},
+        "data": {"format": "pretrain", "text_column": "text"},
+        "model": {"tokenizer": "bpe", "vocab_size": 400},
+    })  # fmt: skip
+    first = cli.prepare_tokenizer(cfg, train_docs)
+    assert trained_on == [train_docs]  # not the eval documents
+    cfg.train.output_dir = str(tmp_path / "run2")
+    second = cli.prepare_tokenizer(cfg, train_docs)
+    assert len(trained_on) == 1  # the second run reuses the cached BPE
+    assert (tmp_path / "run2" / "tokenizer" / "tokenizer.json").exists()  # and saves it with the run
+    assert second(docs[0])["input_ids"] == first(docs[0])["input_ids"]

@@ -2,7 +2,7 @@
 
     docs = load_documents("stories.txt")            # or synthetic_corpus(2000)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=8192)
-    blocks = pack_documents(docs, tokenizer, max_length=256)
+    blocks = pack_documents(docs, tokenizer, max_length=256)   # uint16/int32, memory-mapped
     for batch in MicroBatchStream(blocks, batch_size=8, rank=rank, world_size=world_size):
         loss = model(**batch).loss
 """
@@ -15,11 +15,12 @@ from .instruct import (
     format_alpaca,
     tokenize_instructions,
 )
-from .loader import MicroBatchStream, as_columns, eval_batches, split_train_eval
-from .packing import DEFAULT_CACHE_DIR, pack_documents, packing_cache_key
+from .loader import MicroBatchStream, Rows, as_columns, eval_batches, split_train_eval
+from .packing import DEFAULT_CACHE_DIR, blocks_of, pack_documents, packing_cache_key, token_stream
 from .synthetic import synthetic_corpus, unigram_entropy
-from .text import load_documents, load_records
-from .tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_fingerprint, train_bpe
+from .text import corpus_fingerprint, is_hf_dataset, load_documents, load_records, open_documents
+from .tokenized import pad_token_ids
+from .tokenizer import EOS_TOKEN, bos_to_prepend, load_tokenizer, tokenizer_fingerprint, train_bpe
 
 __all__ = [
     "ALPACA_PROMPT",
@@ -29,16 +30,24 @@ __all__ = [
     "IGNORE_INDEX",
     "DataError",
     "MicroBatchStream",
+    "Rows",
     "as_columns",
+    "blocks_of",
+    "bos_to_prepend",
+    "corpus_fingerprint",
     "eval_batches",
     "format_alpaca",
+    "is_hf_dataset",
     "load_documents",
     "load_records",
     "load_tokenizer",
+    "open_documents",
     "pack_documents",
     "packing_cache_key",
+    "pad_token_ids",
     "split_train_eval",
     "synthetic_corpus",
+    "token_stream",
     "tokenize_instructions",
     "tokenizer_fingerprint",
     "train_bpe",

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from .errors import DataError
+from .tokenizer import bos_to_prepend
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def format_alpaca(record: dict) -> tuple[str, str]:
 def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> dict[str, torch.Tensor]:
     """Tensors `input_ids`, `labels`, `attention_mask`, each [n, max_length] (int64).
 
+    A tokenizer that adds bos itself (Llama 3) gets it in front of each example, unlabelled.
     Sequences longer than `max_length` are cut at the end. An example whose prompt alone fills
     `max_length` would have no labelled token at all (a zero-token loss is NaN), so it is dropped
     with a warning: n is the number of examples kept.
@@ -62,12 +64,15 @@ def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> di
     # Batched calls: the fast tokenizer encodes a list in parallel in Rust.
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False, verbose=False)["input_ids"]
     response_ids = tokenizer(list(responses), add_special_tokens=False, verbose=False)["input_ids"]
+    bos = bos_to_prepend(tokenizer)
+    head = [] if bos is None else [bos]
 
     rows_ids, rows_labels, rows_mask = [], [], []
     n_dropped = 0
     for p, r in zip(prompt_ids, response_ids):
+        p = head + list(p)
         target = list(r) + [eos]
-        ids = (list(p) + target)[:max_length]
+        ids = (p + target)[:max_length]
         labels = ([IGNORE_INDEX] * len(p) + target)[:max_length]
         if all(label == IGNORE_INDEX for label in labels):
             n_dropped += 1

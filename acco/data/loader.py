@@ -15,11 +15,15 @@ each global batch. So:
 
 Ranks may consume micro-batches at different rates (ACCO lets fast workers accumulate more);
 each rank still only reads its own slices, so shards stay disjoint.
+
+Datasets are `Rows`: columns (torch tensors or numpy arrays, memory-mapped ones included) seen
+through an index array. The train/eval split and the shards select indices, never tokens; a
+micro-batch reads its rows and widens them to int64 only when it is taken.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -48,14 +52,17 @@ def split_train_eval(n: int, eval_fraction: float, seed: int) -> tuple[torch.Ten
     return train_idx, eval_idx
 
 
-def as_columns(data: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model inputs of a dataset as equally long tensors: input_ids, labels[, attention_mask].
+Array = torch.Tensor | np.ndarray
 
-    A single tensor is packed blocks: its labels are its input_ids (causal LMs shift labels
-    inside the model). A dict without labels gets labels = input_ids too. Other keys are left
-    out, so a batch can be passed to `model(**batch)` as it is.
+
+def as_columns(data: Array | Mapping[str, Array]) -> dict[str, Array]:
+    """The model inputs of a dataset as equally long arrays: input_ids, labels[, attention_mask].
+
+    A single tensor or array is packed blocks: its labels are its input_ids (causal LMs shift
+    labels inside the model). A dict without labels gets labels = input_ids too. Other keys are
+    left out, so a batch can be passed to `model(**batch)` as it is.
     """
-    if isinstance(data, torch.Tensor):
+    if isinstance(data, torch.Tensor | np.ndarray):
         columns = {"input_ids": data, "labels": data}
     else:
         if "input_ids" not in data:
@@ -64,19 +71,58 @@ def as_columns(data: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, tor
         columns.setdefault("labels", columns["input_ids"])
     n = len(columns["input_ids"])
     for key, value in columns.items():
-        if not isinstance(value, torch.Tensor):
-            raise DataError(f"dataset column {key!r} is a {type(value).__name__}, not a torch.Tensor")
+        if not isinstance(value, torch.Tensor | np.ndarray):
+            raise DataError(f"dataset column {key!r} is a {type(value).__name__}, not a torch.Tensor or numpy array")
         if len(value) != n:
             raise DataError(f"dataset columns differ in length: input_ids has {n} rows, {key} has {len(value)}")
     return columns
 
 
+class Rows:
+    """A dataset's columns seen through an optional index array: row i is row index[i].
+
+    `select` composes index arrays (a split or a shard costs 8 bytes a row, whatever the rows
+    hold); `take` reads rows and returns them as int64 tensors.
+    """
+
+    def __init__(self, data: Array | Mapping[str, Array], index: np.ndarray | None = None):
+        self.columns = as_columns(data)
+        self.index = index
+        self._n = len(self.columns["input_ids"]) if index is None else len(index)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def select(self, idx: torch.Tensor | np.ndarray | Sequence[int]) -> Rows:
+        idx = np.asarray(idx, dtype=np.int64)
+        rows = Rows.__new__(Rows)
+        rows.columns, rows.index, rows._n = self.columns, idx if self.index is None else self.index[idx], len(idx)
+        return rows
+
+    def take(self, idx: torch.Tensor | np.ndarray | Sequence[int]) -> dict[str, torch.Tensor]:
+        idx = np.asarray(idx, dtype=np.int64)
+        if self.index is not None:
+            idx = self.index[idx]
+        return {key: _read(value, idx) for key, value in self.columns.items()}
+
+
+def _read(column: Array, idx: np.ndarray) -> torch.Tensor:
+    if isinstance(column, torch.Tensor):
+        return column[torch.from_numpy(idx)].long()
+    # Fancy indexing reads just these rows, also from a memory-mapped file.
+    return torch.from_numpy(column[idx].astype(np.int64))
+
+
+def as_rows(data: Rows | Array | Mapping[str, Array]) -> Rows:
+    return data if isinstance(data, Rows) else Rows(data)
+
+
 class MicroBatchStream:
-    """Infinite, resumable iterator over this rank's micro-batches (dicts of tensors)."""
+    """Infinite, resumable iterator over this rank's micro-batches (dicts of int64 tensors)."""
 
     def __init__(
         self,
-        data: torch.Tensor | Mapping[str, torch.Tensor],
+        data: Rows | Array | Mapping[str, Array],
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
@@ -88,8 +134,8 @@ class MicroBatchStream:
             raise DataError(f"rank must be in [0, {world_size}), got {rank}")
         if seed < 0:
             raise DataError(f"seed must be >= 0, got {seed}")
-        self.columns = as_columns(data)
-        self.num_samples = len(self.columns["input_ids"])
+        self.rows = as_rows(data)
+        self.num_samples = len(self.rows)
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         if self.num_samples < self.global_batch_size:
             raise DataError(
@@ -138,7 +184,7 @@ class MicroBatchStream:
         self.position += 1
         if self.position == self.batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        return {key: value[idx] for key, value in self.columns.items()}
+        return self.rows.take(idx)
 
     def state_dict(self) -> dict[str, int]:
         """Where the stream is, plus what must match for the position to mean the same data."""
@@ -168,26 +214,32 @@ class MicroBatchStream:
 
 
 def eval_batches(
-    data: torch.Tensor | Mapping[str, torch.Tensor],
+    data,
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
+    collate: Callable[[list], Mapping[str, torch.Tensor]] | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Every sample once, in dataset order, in batches of `batch_size` (the last may be smaller).
 
     With `world_size > 1` rank r evaluates samples r, r + world_size, ...; the ranks' losses
-    must then be combined weighted by their token counts.
+    must then be combined weighted by their token counts. With `collate` (a data collator),
+    `data` is a sequence of examples and each batch is `collate` of a list of them.
     """
     if batch_size < 1:
         raise DataError(f"batch_size must be >= 1, got {batch_size}")
     if not 0 <= rank < world_size:
         raise DataError(f"rank must be in [0, {world_size}), got {rank}")
-    columns = as_columns(data)
-    # Checked above, outside the generator, so errors show at the call and not at first use.
-    return _eval_iter(columns, batch_size, torch.arange(rank, len(columns["input_ids"]), world_size))
+    # Checked here, outside the generator, so errors show at the call and not at first use.
+    if collate is None:
+        data = as_rows(data)
+    return _eval_iter(data, batch_size, np.arange(rank, len(data), world_size), collate)
 
 
-def _eval_iter(columns: dict[str, torch.Tensor], batch_size: int, idx: torch.Tensor):
+def _eval_iter(data, batch_size: int, idx: np.ndarray, collate):
     for start in range(0, len(idx), batch_size):
         chunk = idx[start : start + batch_size]
-        yield {key: value[chunk] for key, value in columns.items()}
+        if collate is None:
+            yield data.take(chunk)
+        else:
+            yield dict(collate([data[i] for i in chunk.tolist()]))

@@ -1,113 +1,189 @@
 """Packing documents into fixed-length blocks for causal-LM pretraining, with a disk cache.
 
-Every document is followed by the eos token, all documents are concatenated into one token
-stream, and the stream is cut into rows of `max_length` (the last partial row is dropped). No
-padding is needed, so every position of every block is a training target, as in GPT-2,
-nanoGPT and the ACCO paper's runs.
+Every document is followed by the eos token (and preceded by bos when the tokenizer adds one
+itself, as Llama 3's does), all documents are concatenated into one token stream, and the
+stream is cut into rows of `max_length` (the last partial row is dropped). No padding is needed,
+so every position of every block is a training target, as in GPT-2, nanoGPT and the ACCO paper.
 
-Tokenizing a large corpus takes minutes, so the result is cached on disk under a key that
-covers everything that determines it: the documents' content, the tokenizer (its full
-serialization and special ids) and `max_length`.
+The stream is built for corpora the size of openwebtext (9B tokens): it is written chunk by
+chunk to a flat .npy file of uint16 (int32 for vocabularies above 65536) and read back
+memory-mapped, so no process holds the corpus in memory; the blocks are a reshaped view of that
+file and rows are widened to int64 only when a micro-batch takes them (`loader.Rows`).
+
+The cache key covers the documents' content (`corpus_fingerprint`) and the tokenizer (its full
+serialization and special ids), not `max_length`: one tokenization serves every block length.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import logging
 import os
+import struct
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
 
 from .errors import DataError
-from .tokenizer import tokenizer_fingerprint
+from .text import corpus_fingerprint, is_hf_dataset
+from .tokenizer import bos_to_prepend, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = "~/.cache/acco"
-_FORMAT_VERSION = "packed-v1"  # bump when the packing rule changes, to invalidate old caches
+_FORMAT_VERSION = "tokens-v2"  # bump when the stream rule changes, to invalidate old caches
 _TOKENIZE_BATCH = 1000
+_HEADER_BYTES = 128  # room kept for the .npy header, written once the token count is known
+_MAP_PROCESSES_FROM = 100_000  # documents; below this, worker processes cost more than they save
 
 
 def pack_documents(
-    docs: list[str],
+    docs,
     tokenizer,
     max_length: int,
     cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
-) -> torch.Tensor:
-    """Token blocks of shape [n_blocks, max_length] (int64) from `docs`.
+    text_column: str = "text",
+) -> np.ndarray:
+    """Token blocks [n_blocks, max_length] of uint16 or int32, a view of `token_stream`.
 
-    `cache_dir=None` turns the cache off. The cache file is written atomically, so several
-    processes (ranks on one node) may pack the same corpus at once.
+    `docs` is a list of strings or a `datasets.Dataset` with `text_column`. With a cache the
+    blocks are memory-mapped from it; `cache_dir=None` builds them in memory.
     """
     if max_length < 1:
         raise DataError(f"max_length must be >= 1, got {max_length}")
-    if tokenizer.eos_token_id is None:
-        raise DataError("packing needs a tokenizer with an eos token (use acco.data.load_tokenizer)")
+    return blocks_of(token_stream(docs, tokenizer, cache_dir, text_column), max_length)
 
-    cache_file = None
-    if cache_dir is not None:
-        key = packing_cache_key(docs, tokenizer, max_length)
-        cache_file = Path(cache_dir).expanduser() / f"{_FORMAT_VERSION}-{key[:32]}.safetensors"
-        if cache_file.exists():
-            log.info("packed tokens loaded from cache %s", cache_file)
-            return load_file(cache_file)["blocks"].long()
 
-    stream = _token_stream(docs, tokenizer)
+def blocks_of(stream: np.ndarray, max_length: int) -> np.ndarray:
+    """The stream cut into rows of `max_length`, the partial last row dropped (a view, no copy)."""
     n_blocks = len(stream) // max_length
     if n_blocks == 0:
-        raise DataError(
-            f"{len(docs)} documents give {len(stream)} tokens, fewer than one block of max_length {max_length}"
-        )
-    # Keep int32 until the end: half the memory of int64 for a large corpus.
-    blocks = torch.from_numpy(stream[: n_blocks * max_length].reshape(n_blocks, max_length))
-
-    if cache_file is not None:
-        _save_atomically(blocks, cache_file)
-    return blocks.long()
+        raise DataError(f"the corpus gives {len(stream)} tokens, fewer than one block of max_length {max_length}")
+    return stream[: n_blocks * max_length].reshape(n_blocks, max_length)
 
 
-def packing_cache_key(docs: list[str], tokenizer, max_length: int) -> str:
-    """A sha256 over the documents' content, the tokenizer fingerprint and max_length."""
+def token_stream(
+    docs,
+    tokenizer,
+    cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
+    text_column: str = "text",
+) -> np.ndarray:
+    """All documents' tokens, each document as [bos] tokens eos, as one flat array.
+
+    Empty and missing texts are skipped. The cache file is written atomically, so processes
+    that share a cache may build the same entry at once; the trainer lets rank 0 build it while
+    the others wait (`acco.launch.after_rank0`).
+    """
+    if tokenizer.eos_token_id is None:
+        raise DataError("packing needs a tokenizer with an eos token (use acco.data.load_tokenizer)")
+    dtype = np.dtype("<u2") if len(tokenizer) <= 1 << 16 else np.dtype("<i4")
+    chunks = functools.partial(_encoded_chunks, docs, tokenizer, text_column, dtype)
+    if cache_dir is None:
+        stream = np.concatenate([np.zeros(0, dtype), *chunks()])
+        if len(stream) == 0:
+            raise DataError("no tokens to pack: every document is empty")
+        return stream
+
+    key = packing_cache_key(docs, tokenizer, text_column)
+    path = Path(cache_dir).expanduser() / f"{_FORMAT_VERSION}-{key[:32]}.npy"
+    if path.exists():
+        log.info("token stream loaded from cache %s", path)
+    else:
+        _write_npy(path, chunks(), dtype)
+    return np.load(path, mmap_mode="r")
+
+
+def packing_cache_key(docs, tokenizer, text_column: str = "text") -> str:
+    """A sha256 over the documents' content and the tokenizer's fingerprint."""
     h = hashlib.sha256()
-    h.update(f"{_FORMAT_VERSION} max_length={max_length} n_docs={len(docs)}\n".encode())
+    h.update(f"{_FORMAT_VERSION}\n".encode())
+    h.update(corpus_fingerprint(docs, text_column).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
-    for doc in docs:
-        data = doc.encode("utf-8")
-        # Length-prefixed, so that ["ab", "c"] and ["a", "bc"] get different keys.
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
     return h.hexdigest()
 
 
-def _token_stream(docs: list[str], tokenizer) -> np.ndarray:
-    """All documents' tokens, each document followed by eos, as one int32 array."""
-    eos = np.array([tokenizer.eos_token_id], dtype=np.int32)
-    pieces = []
+def _encode(texts, tokenizer) -> list[list[int]]:
+    """[bos] tokens eos of every non-empty text; a non-string is a DataError."""
+    kept = []
+    for text in texts:
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise DataError(f"a document is a {type(text).__name__}, not a string")
+        if text.strip():
+            kept.append(text)
+    # add_special_tokens=False: we add bos/eos ourselves, once per document. verbose=False
+    # silences the "longer than model_max_length" warning: the stream is cut by us.
+    ids = tokenizer(kept, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    bos = bos_to_prepend(tokenizer)
+    head = [] if bos is None else [bos]
+    return [head + row + [tokenizer.eos_token_id] for row in ids]
+
+
+def _encode_batch(batch: dict, tokenizer, text_column: str) -> dict:
+    return {"ids": _encode(batch[text_column], tokenizer)}
+
+
+def _encoded_chunks(docs, tokenizer, text_column: str, dtype: np.dtype):
+    """The stream in flat pieces, so that no piece holds more than a batch of documents."""
+    if is_hf_dataset(docs):
+        yield from _dataset_chunks(docs, tokenizer, text_column, dtype)
+        return
     for start in range(0, len(docs), _TOKENIZE_BATCH):
-        batch = docs[start : start + _TOKENIZE_BATCH]
-        # add_special_tokens=False: some tokenizers would add bos/eos themselves; we add eos
-        # once per document. verbose=False silences the "longer than model_max_length" warning,
-        # which does not apply since we cut the stream ourselves.
-        encoded = tokenizer(batch, add_special_tokens=False, return_attention_mask=False, verbose=False)
-        for ids in encoded["input_ids"]:
-            pieces.append(np.asarray(ids, dtype=np.int32))
-            pieces.append(eos)
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+        rows = _encode(docs[start : start + _TOKENIZE_BATCH], tokenizer)
+        yield np.fromiter(itertools.chain.from_iterable(rows), dtype, count=sum(map(len, rows)))
 
 
-def _save_atomically(blocks: torch.Tensor, path: Path) -> None:
+def _dataset_chunks(docs, tokenizer, text_column: str, dtype: np.dtype):
+    import datasets
+    import pyarrow.compute as pc
+
+    if text_column not in docs.column_names:
+        raise DataError(f"dataset has no column {text_column!r} (columns: {', '.join(docs.column_names)})")
+    # Dataset.map tokenizes in worker processes on a large corpus and keeps its result in
+    # datasets' own cache next to the corpus (in memory for an in-memory dataset).
+    encoded = docs.select_columns([text_column]).map(
+        _encode_batch,
+        fn_kwargs={"tokenizer": tokenizer, "text_column": text_column},
+        batched=True,
+        batch_size=_TOKENIZE_BATCH,
+        remove_columns=[text_column],  # rows of empty texts disappear
+        features=datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype.name))}),
+        num_proc=min(os.cpu_count() or 1, 16) if len(docs) >= _MAP_PROCESSES_FROM else None,
+        desc="tokenizing",
+    )
+    for table in encoded.with_format("arrow").iter(batch_size=100 * _TOKENIZE_BATCH):
+        yield pc.list_flatten(table.column("ids")).to_numpy().astype(dtype, copy=False)
+
+
+def _write_npy(path: Path, chunks, dtype: np.dtype) -> None:
+    """Stream `chunks` into a 1-D .npy file, atomically (readers never see a partial file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
     try:
-        save_file({"blocks": blocks.contiguous()}, tmp)
-        os.replace(tmp, path)  # readers see the old state or the whole new file, never half
+        with os.fdopen(fd, "wb") as f:
+            f.seek(_HEADER_BYTES)  # the header holds the length, known only at the end
+            n = 0
+            for chunk in chunks:
+                f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+                n += len(chunk)
+            if n == 0:
+                raise DataError("no tokens to pack: every document is empty")
+            f.seek(0)
+            f.write(_npy_header(dtype, n))
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    log.info("packed tokens cached in %s", path)
+    log.info("token stream (%d tokens) cached in %s", n, path)
+
+
+def _npy_header(dtype: np.dtype, n: int) -> bytes:
+    """A version 1.0 .npy header for a 1-D array of `n` items, padded to `_HEADER_BYTES`."""
+    fields = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n,)}
+    body = repr(fields).ljust(_HEADER_BYTES - 10 - 1) + "\n"  # 10: magic, version, length
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")

@@ -8,8 +8,10 @@ the file (and the line or record where we can tell).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 from .errors import LOCAL_SUFFIXES, DataError, looks_like_local_path, one_line
@@ -51,6 +53,67 @@ def load_documents(
     if not docs:
         raise DataError(f"{spec}: no documents (every text is empty)")
     return docs
+
+
+def open_documents(
+    path_or_name: str | os.PathLike, text_column: str = "text", cache_dir: str | None = None
+):
+    """The corpus of `load_documents`, without reading it into memory where it can be avoided.
+
+    Table data (.jsonl/.json/.parquet, folders of only those, Hub datasets) comes back as a
+    `datasets.Dataset` with the one column `text_column`: Arrow keeps it memory-mapped on disk,
+    so an openwebtext-sized corpus costs every worker next to no memory, and packing tokenizes
+    it with `Dataset.map`. Empty and missing texts are skipped when tokenizing. Anything with
+    .txt files is read by `load_documents` into a list of strings.
+    """
+    spec = os.fspath(path_or_name)
+    sources = _sources(spec)
+    if any(isinstance(s, Path) and s.suffix == ".txt" for s in sources):
+        return load_documents(spec, text_column, cache_dir)
+    import datasets
+
+    tables = []
+    for source in sources:
+        rows = _load_table(source, cache_dir)
+        if text_column not in rows.column_names:
+            raise DataError(
+                f"{_where(source)} has no column {text_column!r} (columns: {', '.join(rows.column_names)})"
+            )
+        if getattr(rows.features[text_column], "dtype", None) not in ("string", "large_string"):
+            raise DataError(
+                f"{_where(source)}: column {text_column!r} holds {rows.features[text_column]}, not strings"
+            )
+        tables.append(rows.select_columns([text_column]))
+    corpus = tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
+    if len(corpus) == 0:
+        raise DataError(f"{spec}: no documents")
+    return corpus
+
+
+def is_hf_dataset(data) -> bool:
+    """True for a `datasets.Dataset` (checked without importing datasets, which is slow)."""
+    module = sys.modules.get("datasets")
+    return module is not None and isinstance(data, module.Dataset)
+
+
+def corpus_fingerprint(docs, text_column: str = "text") -> str:
+    """A sha256 that changes whenever the documents' content does, for cache keys.
+
+    A `datasets.Dataset` has its own fingerprint, derived by `datasets` from the source files
+    and every transform since: hashing it instead of the texts keeps a cache lookup instant on a
+    large corpus. A list is hashed text by text.
+    """
+    h = hashlib.sha256()
+    if is_hf_dataset(docs):
+        h.update(f"dataset {docs._fingerprint} column={text_column}".encode())
+        return h.hexdigest()
+    h.update(f"texts n={len(docs)}\n".encode())
+    for doc in docs:
+        data = doc.encode("utf-8")
+        # Length-prefixed, so that ["ab", "c"] and ["a", "bc"] get different keys.
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
 
 
 def load_records(path_or_name: str | os.PathLike, cache_dir: str | None = None) -> list[dict]:

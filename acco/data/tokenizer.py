@@ -9,26 +9,35 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
 
 from .errors import DataError, looks_like_local_path, one_line
+from .text import corpus_fingerprint, is_hf_dataset
+
+log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
+_BPE_VERSION = "bpe-v1"  # bump when train_bpe changes, to invalidate cached tokenizers
 
 # Files that mark a folder written by `save_pretrained` (or a Hub snapshot).
 _TRANSFORMERS_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def train_bpe(texts: list[str], vocab_size: int = 8192) -> PreTrainedTokenizerFast:
+def train_bpe(texts, vocab_size: int = 8192, text_column: str = "text") -> PreTrainedTokenizerFast:
     """Train a GPT-2 style byte-level BPE on `texts` (as the ACCO paper did on TinyStories).
 
+    `texts`: a list of strings or a `datasets.Dataset` with `text_column` (read batch by batch).
     Byte-level means every string can be encoded (no unknown token) and decoding gives the
     original text back exactly.
     """
-    if not texts:
+    if not len(texts):
         raise DataError("cannot train a BPE tokenizer: no training texts were given")
     n_bytes = len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size <= n_bytes:
@@ -45,7 +54,7 @@ def train_bpe(texts: list[str], vocab_size: int = 8192) -> PreTrainedTokenizerFa
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.train_from_iterator(_text_batches(texts, text_column), trainer=trainer, length=len(texts))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS_TOKEN,
@@ -57,16 +66,30 @@ def train_bpe(texts: list[str], vocab_size: int = 8192) -> PreTrainedTokenizerFa
     )
 
 
+def _text_batches(texts, text_column: str):
+    """Lists of strings for `train_from_iterator`, without reading a whole Dataset into memory."""
+    if is_hf_dataset(texts):
+        for batch in texts.select_columns([text_column]).iter(batch_size=1000):
+            yield [t for t in batch[text_column] if t]
+    else:
+        for start in range(0, len(texts), 1000):
+            yield list(texts[start : start + 1000])
+
+
 def load_tokenizer(
     spec: str,
-    train_texts: list[str] | None = None,
+    train_texts=None,
     vocab_size: int = 8192,
     save_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    text_column: str = "text",
 ) -> PreTrainedTokenizerFast:
     """Return a fast tokenizer with an eos token (and pad = eos when it has no pad token).
 
     `spec` is one of:
-    - "bpe": train a byte-level BPE of `vocab_size` on `train_texts`;
+    - "bpe": train a byte-level BPE of `vocab_size` on `train_texts` (a list of strings or a
+      `datasets.Dataset` with `text_column`); with `cache_dir`, a BPE trained on the same texts
+      with the same `vocab_size` before is loaded from there instead of trained again;
     - a folder written by `save_pretrained` (tokenizer.json / tokenizer_config.json);
     - a folder with only the GPT-2 files vocab.json + merges.txt;
     - otherwise a Hugging Face Hub name such as "EleutherAI/gpt-neo-125M".
@@ -75,7 +98,7 @@ def load_tokenizer(
     if spec == "bpe":
         if train_texts is None:
             raise DataError('tokenizer "bpe" needs train_texts to train on')
-        tokenizer = train_bpe(train_texts, vocab_size)
+        tokenizer = _cached_bpe(train_texts, vocab_size, cache_dir, text_column)
     elif os.path.isdir(spec):
         tokenizer = _load_folder(spec)
     elif os.path.exists(spec) or looks_like_local_path(spec):
@@ -92,6 +115,42 @@ def load_tokenizer(
     return tokenizer
 
 
+def _cached_bpe(texts, vocab_size: int, cache_dir, text_column: str) -> PreTrainedTokenizerFast:
+    """train_bpe, cached under a key of the training texts' fingerprint and vocab_size."""
+    if cache_dir is None:
+        return train_bpe(texts, vocab_size, text_column)
+    key = hashlib.sha256(
+        f"{_BPE_VERSION} vocab_size={vocab_size} {corpus_fingerprint(texts, text_column)}".encode()
+    ).hexdigest()
+    folder = Path(cache_dir).expanduser() / "tokenizers" / f"{_BPE_VERSION}-{key[:32]}"
+    if folder.is_dir():
+        log.info("BPE tokenizer loaded from cache %s", folder)
+        return _load_folder(str(folder))
+    tokenizer = train_bpe(texts, vocab_size, text_column)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=folder.parent, prefix=f"{folder.name}.tmp")
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, folder)  # atomic: a reader sees no folder or a complete one
+    except OSError:  # another process cached the same tokenizer first; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def bos_to_prepend(tokenizer) -> int | None:
+    """The bos id when the tokenizer adds bos to every text itself (Llama 3 does), else None.
+
+    Packing and instruction data tokenize with add_special_tokens=False, to place eos
+    themselves; they put this bos back in front of each document or example, so that a
+    pretrained model sees its inputs start as they did in its pretraining.
+    """
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    ids = tokenizer("x", add_special_tokens=True, verbose=False)["input_ids"]
+    return bos if ids[:1] == [bos] else None
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash that changes whenever the token ids this tokenizer produces could change.
 
@@ -105,7 +164,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:  # a slow (pure Python) tokenizer has no serialization: use its vocabulary
         h.update(type(tokenizer).__name__.encode())
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(f"eos={tokenizer.eos_token_id} pad={tokenizer.pad_token_id}".encode())
+    h.update(f"eos={tokenizer.eos_token_id} pad={tokenizer.pad_token_id} bos={bos_to_prepend(tokenizer)}".encode())
     return h.hexdigest()
 
 

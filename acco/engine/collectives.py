@@ -112,7 +112,8 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group)
     except RuntimeError as e:  # timeout or closed connection: say which peers were involved
         raise RuntimeError(
             f"ring exchange failed (receiving from rank {prv}, sending to rank {nxt}): a worker died or "
-            f"stalled. {str(e).splitlines()[0] if str(e) else ''}"
+            f"stalled, not necessarily one of these (in a ring every rank waits on its neighbour). "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
         ) from e
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from acco.engine import collectives
+from acco.engine import collectives, progress
 from acco.engine.config import EngineConfig
 from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
@@ -80,8 +80,10 @@ class CommRound:
 
     def run(self, payload: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, commit: bool) -> RoundResult:
         start = time.perf_counter()
+        # If this round times out, the ranks that never marked it are the ones that stopped.
+        progress.mark(f"update {self.step + 1} ({'commit' if commit else 'trial'} round)")
         if self.world_size > 1:
-            # The ring first: when a peer has died or stalled, its error names that peer.
+            # The ring first: when a peer has died or stalled, its error names the ring neighbours.
             collectives.reduce_scatter(self.recv_shard, payload, group=self.group)
             collectives.all_gather_small(self.stats_all, stats, group=self.group)
         else:

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from acco.engine import collectives
+from acco.engine import collectives, progress
 from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, backward_and_count, new_stats
 from acco.engine.config import EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, world_of
@@ -58,6 +58,7 @@ class TorchDDPEngine:
         self.samples = 0
         self.step = 0
         self.wall_time_offset = self.last_wall_time = 0.0
+        self.fetched_ahead = 0  # micro-batches taken from the stream for the next update, not computed yet
 
     def _autocast(self):
         if not self.cfg.use_mixed_precision:
@@ -71,6 +72,7 @@ class TorchDDPEngine:
             if batch is _END:
                 break
             taken.append(batch)
+        self.fetched_ahead = len(taken)
         return taken
 
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
@@ -83,16 +85,22 @@ class TorchDDPEngine:
         # and whether everyone has them travels with the statistics all-reduce.
         upcoming = self._take(batches, n)
         ready = torch.tensor([float(len(upcoming) < n)], device=self.device)
+        progress.mark("the start of training")
         dist.all_reduce(ready, group=self.group)
         exhausted = ready.item() > 0
         while not exhausted:
             start = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=False)
             self.stats.zero_()
+            # Progress marks before each collective: DDP's buffer broadcast in the first forward,
+            # then its gradient all-reduce in the last backward (a rank may stall in between).
+            progress.mark(f"update {self.step + 1} (start)")
             for k, batch in enumerate(upcoming):
                 sync = k == n - 1
                 with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
                     out = loss_fn(self.ddp, batch)
+                if sync:
+                    progress.mark(f"update {self.step + 1} (gradient all-reduce)")
                 backward_and_count(out, self.stats)
             compute_s = time.perf_counter() - start
             start = time.perf_counter()
@@ -144,6 +152,9 @@ class TorchDDPEngine:
             "wall_time": self.last_wall_time,
             "params": torch.cat([p.flatten() for p in params]),
             "optimizer": self.optimizer.optim.state_dict(),  # this rank's ZeRO shard
+            # run() has already read the next update's micro-batches when it yields: the data
+            # position saved beside this state must be moved back by that many (exact resume).
+            "fetched_ahead": self.fetched_ahead,
         }
 
     def load_state_dict(self, state: dict, all_states=None) -> bool:

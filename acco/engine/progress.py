@@ -1,0 +1,162 @@
+"""Which rank stopped? Every rank's progress on the rendezvous store, read when a collective fails.
+
+A collective that times out (or loses a connection) only tells a rank which peer it was waiting
+for, and in a ring every rank waits on a neighbour: the rank that times out first is usually a
+healthy one. To name the rank that really stopped, each rank calls :func:`mark` just before it
+enters a collective phase (a comm round, an evaluation's all-reduce, a checkpoint). ``mark``
+bumps a counter and writes ``"<counter> <label>"`` under ``acco/progress/<rank>`` on the c10d
+store that ``init_process_group`` rendezvoused on: one small store write per phase, from whichever
+thread runs the phase, never a device sync.
+
+Every rank runs the same phases in the same order, so the counters line up across ranks. When a
+collective fails, :func:`explain` reads every rank's counter and names the ranks furthest behind:
+they never reached the collective that the others are stuck in, so they are the ones that died or
+stalled (``rank 2 stopped responding (died or stalled): its last progress was update 3 (commit
+round); rank 0 reached update 4 (trial round)``). Not every rank merely behind this one: a
+broadcast lets some ranks through while others still wait on the lost one, so healthy ranks may be
+one mark apart. If this rank is itself among the furthest behind, its error is its own and
+nothing is said about the others.
+
+:func:`names_lost_ranks` wraps the functions that run collectives (training, evaluation) so that
+such a failure leaves them as a :class:`LostWorkerError` with that line, which is all a user of
+torchrun or srun sees, and tells acco's local launcher too (``acco.launch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["LostWorkerError", "explain", "mark", "names_lost_ranks"]
+
+_KEY = "acco/progress/{}"
+_lock = threading.Lock()  # the main thread and the comm thread both mark
+_count = 0
+_label = "nothing yet"
+
+# After a failure, how long ranks that are behind get to catch up before they are named: a rank
+# that died makes its neighbours fail at once, while another healthy rank may still be computing.
+SETTLE_S = 2.0
+# Reading the record must not hang on a store whose host is frozen.
+_READ_TIMEOUT = timedelta(seconds=5)
+
+
+class LostWorkerError(RuntimeError):
+    """A collective failed because other ranks died or stalled; ``lost`` names them (empty when
+    the progress record could not be read)."""
+
+    def __init__(self, message: str, lost: list[int]):
+        super().__init__(message)
+        self.lost = lost
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def mark(label: str) -> None:
+    """Record that this rank reached `label` ("update 7 (trial round)"): call it just before a
+    collective phase that every rank runs. Nothing happens in a one-process run."""
+    global _count, _label
+    if _world() == 1:
+        return
+    with _lock:
+        _count += 1
+        _label = label
+        dist.distributed_c10d._get_default_store().set(_KEY.format(dist.get_rank()), f"{_count} {label}")
+
+
+def _read(store, rank: int) -> tuple[int, str]:
+    key = _KEY.format(rank)
+    if not store.check([key]):
+        return 0, "nothing yet"  # it never reached a collective phase
+    count, label = store.get(key).decode().split(" ", 1)
+    return int(count), label
+
+
+def _furthest_behind(settle_s: float) -> dict[int, str]:
+    """{rank: last label} of the ranks furthest behind, if behind this one, once every rank had
+    `settle_s` to catch up; {} when this rank is among the furthest behind."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(_READ_TIMEOUT)  # the run is ending: the store is used for nothing else now
+    me, deadline = dist.get_rank(), time.monotonic() + settle_s
+    while True:
+        others = {rank: _read(store, rank) for rank in range(_world()) if rank != me}
+        lowest = min(count for count, _ in others.values())
+        if lowest >= _count:
+            return {}
+        if time.monotonic() >= deadline:
+            return {rank: label for rank, (count, label) in others.items() if count == lowest}
+        time.sleep(0.25)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+# Words of the errors that gloo, nccl, the c10d store and acco's ring raise when a peer is gone
+# (plain RuntimeErrors, mostly): an error of this rank's own (out of memory, a bad shape) must not
+# become "rank N stopped responding" because a slower healthy rank had not caught up yet.
+_COMM_WORDS = ("gloo", "nccl", "ring exchange", "timed out", "timeout", "connection", "closed by peer",
+               "pair closure", "store")
+
+
+def _is_comm_failure(error: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", ())  # nccl's and the store's errors, in recent torch
+    return isinstance(error, dist_error) or any(w in str(error).lower() for w in _COMM_WORDS)
+
+
+def explain(error: BaseException, settle_s: float = SETTLE_S) -> LostWorkerError | None:
+    """A LostWorkerError naming the ranks furthest behind when `error`, a failed collective, was
+    caused by them; None when it is not a communication failure, or no rank is behind this one
+    (the error is this rank's own, or the ranks stopped inside the same collective, which the
+    record cannot tell apart)."""
+    if _world() == 1 or _count == 0 or not _is_comm_failure(error):
+        return None
+    first_line = (str(error).splitlines() or [""])[0]
+    try:
+        behind = _furthest_behind(settle_s)
+    except Exception:  # the store is gone: it lives in rank 0's process unless torchrun hosts it
+        return LostWorkerError(
+            f"{first_line} (which rank stopped is unknown: the progress record on the rendezvous store "
+            "cannot be read, its host has exited)",
+            lost=[],
+        )
+    if not behind:
+        return None
+    lost = sorted(behind)  # all at the same mark: one label says where they stopped
+    whose = "its" if len(lost) == 1 else "their"
+    return LostWorkerError(
+        f"{_ranks(lost)} stopped responding (died or stalled): {whose} last progress was "
+        f"{behind[lost[0]]}; rank {dist.get_rank()} reached {_label}",
+        lost=lost,
+    )
+
+
+def names_lost_ranks(fn):
+    """Decorator for a function that runs collectives: a failure caused by ranks that died or
+    stalled leaves it as a LostWorkerError naming them (see :func:`explain`), also reported to
+    acco's local launcher, which then blames them rather than the first worker that exited."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LostWorkerError:
+            raise  # already explained by an inner call
+        except RuntimeError as e:  # what gloo, nccl, the store and the ring raise
+            lost = explain(e)
+            if lost is None:
+                raise
+            from acco.launch import report_lost_ranks
+
+            report_lost_ranks(dist.get_rank(), lost.lost, str(lost))
+            raise lost from e
+
+    return wrapper
