@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from acco.engine import EngineConfig, build_engine
-from acco.engine.optim import learning_rate
 
 MICRO_BATCH = 4
 
@@ -68,9 +68,21 @@ def stream(kind: str, rank: int, world: int):
         yield micro_batch(kind, j * world + rank)
 
 
+def reference_lr(cfg: EngineConfig, samples_before: int, batch: int) -> float:
+    """The schedule, written out: linear warm-up over `warmup` micro-batches counting this
+    update's batch, then cosine decay from the samples before it to `nb_steps_tot`."""
+    if samples_before < cfg.warmup:
+        return cfg.learning_rate * min(1.0, (samples_before + batch) / cfg.warmup)
+    progress = min(1.0, (samples_before - cfg.warmup) / (cfg.nb_steps_tot - cfg.warmup))
+    return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def config(**kw) -> EngineConfig:
     base = dict(
         learning_rate=2e-2,
+        # An eps near the gradients' size makes AdamW sensitive to their scale: a wrong
+        # normalisation (N) then changes the parameters instead of cancelling out.
+        adam_eps=1e-2,
         weight_decay=0.1,
         adam_beta1=0.9,
         adam_beta2=0.95,
@@ -154,7 +166,7 @@ class Reference:
         return parameters_to_vector(model.parameters()).detach().clone()
 
     def commit(self, theta, grad_sum, batch):
-        lr = learning_rate(self.cfg, self.samples, batch)
+        lr = reference_lr(self.cfg, self.samples, batch)
         theta = self._step(self.model, self.opt, theta, grad_sum / batch, lr)
         self.samples += batch
         return theta
@@ -163,7 +175,7 @@ class Reference:
         """Opt_trial: the step of the update it estimates (that update's LR, for update_batch
         micro-batches), on copies: the optimizer itself is left as it was."""
         model, opt = copy.deepcopy((self.model, self.opt))
-        lr = learning_rate(self.cfg, self.samples, update_batch)
+        lr = reference_lr(self.cfg, self.samples, update_batch)
         return self._step(model, opt, theta, grad_sum / batch, lr)
 
     def ddp(self, updates: int, counts=None):
@@ -176,7 +188,9 @@ class Reference:
         return theta
 
 
-def reference_acco(ref: Reference, updates: int) -> torch.Tensor:
+def reference_acco(ref: Reference, updates: int, sequential_updates: int = 0) -> torch.Tensor:
+    """`sequential_updates` (n_warmup_steps) first updates run as ddp on both rounds' micro-batches."""
+    ref.ddp(sequential_updates, [2 * n for n in ref.counts])
     theta = ref.theta()
     chunk = ref.next_chunk()
     g_est, loss_est = ref.grad_sum(theta, chunk)  # warm start: g~_0 at theta_0
@@ -267,27 +281,46 @@ def test_methods_equal_their_references(kind, world):
 
 
 def test_unequal_counts_give_the_count_weighted_mean():
-    """Worker 0 accumulates 3 micro-batches per round, worker 1 only 1: every gradient counts once."""
+    """Worker 0 accumulates 3 micro-batches per round, worker 1 only 1: every gradient counts once,
+    for every method (acco: 3 and 1 per round; also with 2 sequential warm-up updates)."""
     updates = 5
     budget = 4 * updates
-    per_rank = [
-        [config(method="ddp", n_grad_accumulation=3, nb_steps_tot=budget), config(method="ddp", n_grad_accumulation=1, nb_steps_tot=budget)],
-        [config(method="dpu", n_grad_accumulation=3, nb_steps_tot=budget), config(method="dpu", n_grad_accumulation=1, nb_steps_tot=budget)],
-    ]
-    (ddp, ddp_rec), (dpu, dpu_rec) = run_distributed(run_engine, 2, "mlp", per_rank)[0]
+
+    def per_rank(method, **kw):
+        return [config(method=method, n_grad_accumulation=n, nb_steps_tot=budget, **kw) for n in (3, 1)]
+
+    cfgs = [per_rank("ddp"), per_rank("torch-ddp"), per_rank("dpu"),
+            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget) for n in (3, 1)],
+            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, n_warmup_steps=2) for n in (3, 1)]]  # fmt: skip
+    (ddp, ddp_rec), (tddp, tddp_rec), (dpu, _), (acco, acco_rec), (acco_w, acco_w_rec) = run_distributed(
+        run_engine, 2, "mlp", cfgs
+    )[0]
     assert [r.micro_batches for r in ddp_rec] == [[3, 1]] * updates
-    expected = Reference("mlp", per_rank[0][0], 2, [3, 1]).ddp(updates)
+    assert [r.micro_batches for r in tddp_rec] == [[3, 1]] * updates
+    ref = Reference("mlp", cfgs[0][0], 2, [3, 1])
+    expected = ref.ddp(updates)
     assert_close(ddp, expected, "ddp with counts 3 and 1")
-    expected = reference_delayed(Reference("mlp", per_rank[1][0], 2, [3, 1]), updates, predict=False)
+    assert_close(tddp, expected, "torch-ddp with counts 3 and 1")
+    assert_close(torch.tensor([r.loss for r in tddp_rec]), torch.tensor(ref.losses), "torch-ddp losses")
+    expected = reference_delayed(Reference("mlp", cfgs[2][0], 2, [3, 1]), updates, predict=False)
     assert_close(dpu, expected, "dpu with counts 3 and 1")
+    assert [r.micro_batches for r in acco_rec] == [[6, 2]] * updates
+    ref = Reference("mlp", cfgs[3][0], 2, [3, 1])
+    assert_close(acco, reference_acco(ref, updates), "acco with counts 3 and 1")
+    assert_close(torch.tensor([r.loss for r in acco_rec]), torch.tensor(ref.losses), "acco losses")
+    # n_warmup_steps: two ddp updates of both rounds' micro-batches, then acco from its warm start.
+    assert [r.micro_batches for r in acco_w_rec] == [[6, 2]] * updates
+    ref = Reference("mlp", cfgs[4][0], 2, [3, 1])
+    assert_close(acco_w, reference_acco(ref, updates - 2, sequential_updates=2), "acco after 2 ddp updates")
+    assert not torch.allclose(acco_w, acco, atol=1e-4)
     # Averaging per worker first (the mistake this guards against) would give something else.
-    wrong = Reference("mlp", per_rank[0][0], 2, [3, 1])
+    wrong = Reference("mlp", cfgs[0][0], 2, [3, 1])
     theta = wrong.theta()
     chunk = wrong.next_chunk()
     g0, _ = wrong.grad_sum(theta, chunk[:3])
     g1, _ = wrong.grad_sum(theta, chunk[3:])
     per_worker_mean = wrong.commit(theta, (g0 / 3 + g1) / 2 * 4, 4)
-    first = Reference("mlp", per_rank[0][0], 2, [3, 1]).ddp(1)
+    first = Reference("mlp", cfgs[0][0], 2, [3, 1]).ddp(1)
     assert not torch.allclose(per_worker_mean, first, atol=1e-5)
 
 

@@ -61,10 +61,14 @@ def test_trial_step_equals_commit_and_leaves_state_bit_identical():
     opt.trial(grad.clone(), lr=7e-3, out=out)
     for name, value in opt.state_tensors().items():
         assert torch.equal(value, snapshot[name]), f"trial step changed {name}"
-    assert opt.step_count == 3
+    assert opt.step_count == 3 == int(opt.state_tensors()["step"])
+    opt.trial(grad.clone(), lr=0.0, out=out)  # lr 0 (end of a linear schedule) moves nothing
+    assert torch.equal(out, master)
+    opt.trial(grad.clone(), lr=7e-3, out=out)
     opt.commit(grad.clone(), lr=7e-3)
     torch.testing.assert_close(out, master, rtol=1e-6, atol=1e-7)
     assert not torch.allclose(snapshot["master"], master)
+    assert opt.step_count == 4 == int(opt.state_tensors()["step"])
 
 
 def test_commit_matches_torch_adamw():

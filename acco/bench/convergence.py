@@ -174,10 +174,12 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
         now = snapshot()
         for key, t in opt.state_tensors().items():
             t.copy_(state[key])
+        opt.restore_step(int(state["step"]))
         out = torch.empty_like(master)
         opt.trial(g.clone(), lr, out=out)
         for key, t in opt.state_tensors().items():
             t.copy_(now[key])
+        opt.restore_step(int(now["step"]))
         return out
 
     def closeness(u: torch.Tensor, v: torch.Tensor) -> float:

@@ -262,7 +262,7 @@ class DecoupledEngine:
             )
         opt = self.comm.optimizer
         self.comm.samples, self.comm.step = int(state["samples"]), int(state["step"])
-        opt.opt.state[opt.master]["step"].fill_(self.comm.step)
+        opt.restore_step(self.comm.step)
         self.wall_time_offset = float(state["wall_time"])
         exact = state["world_size"] == self.world_size and state["rank"] == self.rank
         if exact:

@@ -58,6 +58,7 @@ class ShardedAdamW:
         state["exp_avg"] = torch.zeros_like(master)
         state["exp_avg_sq"] = torch.zeros_like(master)
         self._work = torch.empty_like(master)  # trial-step workspace, allocated once
+        self._steps = 0  # host copy of the step count: a trial step reads it without a device sync
 
     @property
     def exp_avg(self) -> torch.Tensor:
@@ -69,7 +70,12 @@ class ShardedAdamW:
 
     @property
     def step_count(self) -> int:
-        return int(self.opt.state[self.master]["step"].item())
+        return self._steps
+
+    def restore_step(self, step: int) -> None:
+        """Set the step count (resume, or a restored snapshot of the state tensors)."""
+        self.opt.state[self.master]["step"].fill_(step)
+        self._steps = step
 
     def commit(self, grad: torch.Tensor, lr: float) -> None:
         """One real AdamW step: master, moments and step count advance."""
@@ -77,14 +83,18 @@ class ShardedAdamW:
         self.opt.param_groups[0]["lr"] = lr
         self.opt.step()
         self.master.grad = None
+        self._steps += 1
 
     def trial(self, grad: torch.Tensor, lr: float, out: torch.Tensor) -> None:
         """Write what commit(grad, lr) would make of the master shard into `out`; change no state.
 
         `grad` is used as scratch space and is clobbered.
         """
-        step = self.step_count + 1
-        b1, b2, lr = self.beta1, self.beta2, lr
+        if lr == 0.0:  # AdamW moves nothing at lr 0 (and the folded form below divides by lr)
+            out.copy_(self.master)
+            return
+        step = self._steps + 1
+        b1, b2 = self.beta1, self.beta2
         step_size = lr / (1 - b1**step)
         # AdamW: p' = p (1 - lr wd) - step_size m' / (sqrt(v') / sqrt(1 - b2^t) + eps), with
         # m' = lerp(m, g, 1 - b1) and v' = b2 v + (1 - b2) g^2. Eight passes over the shard: v' is
