@@ -40,7 +40,10 @@ from acco.launch import after_rank0
 SAVE_TIMEOUT_S = 3600.0
 META_KEYS = ("step", "samples", "method", "world_size", "numel")
 # Train settings a resume may change, but rarely should: each difference gets a warning.
-RESUME_KEYS = ("method_name", "n_grad_accumulation", "batch_size", "max_length", "learning_rate", "nb_steps_tot")
+RESUME_KEYS = ("n_grad_accumulation", "learning_rate", "nb_steps_tot")
+# Settings that decide which samples the data position points at: a resume must keep them
+# (batch_size may change only with the world size, where the position is converted by samples).
+DATA_KEYS = ("seed", "max_length", "batch_size")
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -150,19 +153,29 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     ]
 
 
+def data_changes(saved: dict, current: dict, same_world_size: bool) -> list[str]:
+    """The data settings that differ from the checkpoint's, such that a resume would read other
+    samples than the interrupted run (repeating some, skipping others)."""
+    keys = DATA_KEYS if same_world_size else tuple(k for k in DATA_KEYS if k != "batch_size")
+    return [f"train.{k}={current.get(k)!r} (the checkpoint has {saved[k]!r})" for k in keys if k in saved and saved[k] != current.get(k)]
+
+
 def check_files(folder: Path, meta: dict) -> None:
-    """Every worker's file is there and whole, without reading a tensor: a zip's directory sits at
-    its end, so a truncated file fails to open."""
+    """Every worker's file is there and whole: a truncated file has no zip directory (it sits at
+    the end), and a damaged one fails the CRC-32 that torch.save records for every entry
+    (damaged but finite values would otherwise resume silently)."""
     world_size = int(meta["world_size"])
     for r in range(world_size):
         path = rank_file(folder, r, world_size)
         if not path.is_file():
             raise CheckpointError(f"{folder}: missing {path.name} (written by {world_size} workers)")
         try:
-            with zipfile.ZipFile(path):
-                pass
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()
         except (OSError, zipfile.BadZipFile) as e:
             raise CheckpointError(f"{path}: corrupted checkpoint file ({type(e).__name__}: {e})") from e
+        if damaged is not None:
+            raise CheckpointError(f"{path}: corrupted checkpoint file (entry {damaged} fails its CRC check)")
 
 
 def load_worker(folder: Path, rank: int, world_size: int) -> dict:

@@ -479,6 +479,9 @@ class DecoupledTrainer:
     def _resume(self, folder: Path, meta: dict, position) -> int:
         old_world = int(meta["world_size"])
         same_world = old_world == self.world_size
+        changed = checkpoint.data_changes(meta.get("train") or {}, dataclasses.asdict(self.args), same_world)
+        if changed:
+            raise checkpoint.CheckpointError(f"{folder}: cannot resume with {', '.join(changed)}: other samples would be read")
         mine = checkpoint.load_worker(folder, self.rank if same_world else 0, old_world)
 
         def every_worker() -> list[dict]:

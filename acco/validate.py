@@ -19,6 +19,7 @@ is probed with a temporary file that is removed at once.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -132,8 +133,8 @@ def _positive_int(value: Any, key: str) -> int:
 
 
 def _positive_number(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        _fail(f"{key} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        _fail(f"{key} must be a positive finite number, got {value!r}")
     return float(value)
 
 
@@ -238,6 +239,8 @@ def _check_writable_dir(path: Path, key: str) -> None:
 
 def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = None) -> Path:
     """``output_dir`` can be written, and holds no earlier run unless asked to resume or overwrite."""
+    if output_dir is None or not str(output_dir).strip():
+        _fail("train.output_dir is empty; give the folder the run writes to")
     out = Path(os.path.expanduser(str(output_dir)))
     _check_writable_dir(out, "train.output_dir")
     if out.is_dir() and not resume and not overwrite:
@@ -491,6 +494,12 @@ def check_resume(args, model: Mapping, pretrained_config: Any, tokenizer, world_
         _fail(
             f"{key}: {folder} holds a model of {int(meta['numel']):,} parameters, "
             f"model {model.get('name') or model.get('pretrained') or '?'!r} has {numel:,}"
+        )
+    changed = checkpoint.data_changes(meta.get("train") or {}, vars(args), int(meta["world_size"]) == world_size)
+    if changed:
+        _fail(
+            f"{key}: {', '.join(changed)}: the run would resume on other samples than those it stopped at; "
+            "keep the checkpoint's values (a changed batch_size resumes only on another world size)"
         )
     done = checkpoint.already_completed(folder, meta, args.nb_steps_tot)
     if done:

@@ -254,7 +254,19 @@ def test_bad_resumes_fail_in_preflight_and_overwrite_nothing(reference, tmp_path
     assert "checkpoint-4 was written by method 'acco', this run is 'ddp'" in line
     line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "model.hidden_size=32"))
     assert "checkpoint-4 holds a model of" in line and "model 'tiny' has" in line
-    (run / "checkpoint-4" / "rank1-of-2.pt").unlink()
+    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "train.seed=5"))
+    assert "train.seed=5 (the checkpoint has 0)" in line and "other samples" in line
+    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "train.batch_size=4"))
+    assert "train.batch_size=4 (the checkpoint has 8)" in line
+    # Damaged in the middle, size unchanged: the values would be finite garbage; the CRC sees it.
+    rank1 = run / "checkpoint-4" / "rank1-of-2.pt"
+    data = bytearray(rank1.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    rank1.write_bytes(bytes(data))
+    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest"))
+    assert "rank1-of-2.pt: corrupted checkpoint file" in line and "CRC" in line
+    rank1.unlink()
     assert "missing rank1-of-2.pt" in one_error_line(cli(run, "train.resume_from_checkpoint=latest"))
     assert (run / "config.yaml").read_bytes() == config and not (run / "tokenizer").exists()
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "config.yaml"]

@@ -142,8 +142,10 @@ def test_instruction_records_without_instruction_or_output(tmp_path):
     [
         ("train.batch_size=0", "train.batch_size must be a positive integer, got 0"),
         ("train.nb_steps_tot=-5", "train.nb_steps_tot must be a positive integer, got -5"),
-        ("train.learning_rate=0", "train.learning_rate must be a positive number, got 0"),
-        ("train.learning_rate=fast", "train.learning_rate must be a positive number, got 'fast'"),
+        ("train.learning_rate=0", "train.learning_rate must be a positive finite number, got 0"),
+        ("train.learning_rate=fast", "train.learning_rate must be a positive finite number, got 'fast'"),
+        ("train.learning_rate=inf", "train.learning_rate must be a positive finite number, got inf"),
+        ("train.output_dir=", "train.output_dir is empty"),
         ("launch.nproc=0", "launch.nproc must be a positive integer, got 0"),
         ("train.scheduler_name=nope", "scheduler"),
         ("train.max_length=1000", "train.max_length 1000 exceeds model.max_position_embeddings 256"),
