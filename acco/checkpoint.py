@@ -26,7 +26,6 @@ import re
 import shutil
 import zipfile
 from collections.abc import Iterator, Mapping
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from acco.engine import CheckpointError
 from acco.engine.comm import MICRO_BATCHES
-from acco.launch import after_rank0
+from acco.launch import after_rank0, wait_on_store
 
 # How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
 SAVE_TIMEOUT_S = 3600.0
@@ -89,7 +88,7 @@ def _all_written(key: str, rank: int, world_size: int) -> None:
     if rank != 0:
         store.set(f"{key}/{rank}", "written")
     else:
-        store.wait([f"{key}/{r}" for r in range(1, world_size)], timedelta(seconds=SAVE_TIMEOUT_S))
+        wait_on_store([f"{key}/{r}" for r in range(1, world_size)], "every worker's checkpoint shard", SAVE_TIMEOUT_S)
 
 
 def save(output_dir, step: int, worker_state: dict, meta: dict, rank: int, world_size: int, save_model, keep: int | None):

@@ -127,17 +127,41 @@ def train_from_config(cfg: DictConfig) -> dict:
     return summary
 
 
+def quiet_progress_bars(rank: int) -> None:
+    """datasets' and transformers' own progress bars only on rank 0 in a terminal: in a log file
+    their carriage returns make a mess, and every rank would print them."""
+    if rank == 0 and sys.stderr.isatty():
+        return
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+
+
 def _preflight_finds_nothing_to_do(cfg: DictConfig, world_size: int, env: dict | None) -> bool:
     """Check the inputs (InputError), before anything is written; True, after one line from rank
     0, when the checkpoint to resume has already completed the budget."""
+    import datasets
+
     from acco.validate import AlreadyCompleted, preflight
 
+    # Preflight reads the data to check it: datasets' own logs ("Failed to load JSON ...") and
+    # bars would only repeat, in other words, the one line we print.
+    verbosity = datasets.logging.get_verbosity()
+    bars = datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
     try:
         preflight(cfg, world_size=world_size)
     except AlreadyCompleted as done:
         if env is None or env["rank"] == 0:
             print(done, flush=True)
         return True
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
     return False
 
 
@@ -149,6 +173,7 @@ def run(cfg: DictConfig) -> int:
     except ValueError as e:
         raise InputError(str(e)) from e
     env = dist_env()
+    quiet_progress_bars(env["rank"] if env else 0)
     if env is None and nproc > 1:
         if _preflight_finds_nothing_to_do(cfg, nproc, env):  # bad input fails here, before any worker starts
             return 0

@@ -217,6 +217,7 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
 
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
+        start_heartbeat(timeout_s)
         env = dist_env()
         local_rank = env["local_rank"] if env else 0
         # get_backend() is "undefined" when the user let torch pick, or "cpu:gloo,cuda:nccl"
@@ -236,10 +237,14 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
     os.environ.setdefault("MASTER_ADDR", env["master_addr"])
     os.environ.setdefault("MASTER_PORT", str(env["master_port"]))
     device = _device_for(env["local_rank"], use_cuda)
-    dist.init_process_group(
-        backend, init_method="env://", rank=env["rank"], world_size=env["world_size"], timeout=timeout
+    # The rendezvous waits as long as a slow node's start-up may take (under srun every rank
+    # checks its inputs first); only the collectives get the short timeout.
+    store, rank, world_size = next(
+        dist.rendezvous("env://", rank=env["rank"], world_size=env["world_size"], timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     )
-    return env["rank"], env["world_size"], env["local_rank"], device
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    start_heartbeat(timeout_s)
+    return rank, world_size, env["local_rank"], device
 
 
 # --------------------------------------------------------------------------- local launcher
@@ -440,7 +445,80 @@ def _stop(procs: list[subprocess.Popen], grace_s: float, terminate: bool = True)
 # --------------------------------------------------------------------------- slow one-off work
 
 
-_after_rank0_calls = [0]  # also numbers every_rank_at's keys
+RENDEZVOUS_TIMEOUT_S = 1800.0  # how long the first rank waits for the last one to start
+
+# Liveness: every rank bumps its counter on the rendezvous store from a daemon thread. The long
+# waits below poll the store and give up as soon as a peer's counter has stood still for the
+# collective timeout: a worker that died (srun does not stop the others by default) or stalled
+# (SIGSTOP, a hung file system) during one-off work ends the run within that timeout, not after
+# the hour that the work itself may take.
+_ALIVE = "acco/alive/{}"
+_heartbeat = {"timeout_s": 30.0, "thread": None}
+
+
+def start_heartbeat(timeout_s: float) -> None:
+    """Start this rank's liveness counter (once per process; nothing in a one-process run)."""
+    import torch.distributed as dist
+
+    _heartbeat["timeout_s"] = float(timeout_s)
+    if _heartbeat["thread"] is not None or dist.get_world_size() == 1:
+        return
+    store, key = dist.distributed_c10d._get_default_store(), _ALIVE.format(dist.get_rank())
+    interval = min(5.0, max(0.5, timeout_s / 6))
+
+    def beat() -> None:
+        try:
+            while True:
+                store.add(key, 1)
+                time.sleep(interval)
+        except Exception:  # the store is gone (its host exited, or the group was destroyed)
+            return
+
+    _heartbeat["thread"] = threading.Thread(target=beat, name="acco-heartbeat", daemon=True)
+    _heartbeat["thread"].start()
+
+
+def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) -> None:
+    """Wait until every key is set on the default store: up to `slow_timeout_s` while all peers
+    are alive, but fail within the collective timeout once one of them stops (LostWorkerError)."""
+    import torch.distributed as dist
+
+    from acco.engine.progress import LostWorkerError
+
+    store, world, me = dist.distributed_c10d._get_default_store(), dist.get_world_size(), dist.get_rank()
+    start = time.monotonic()
+    seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+    delay = 0.005
+    while not store.check(keys):
+        now = time.monotonic()
+        if now - start > slow_timeout_s:
+            raise TimeoutError(f"waited {slow_timeout_s:.0f} s for the other workers ({what})")
+        for rank in range(world):
+            if rank == me:
+                continue
+            count = store.add(_ALIVE.format(rank), 0)  # reads the counter (0 if it never beat)
+            last = seen.get(rank)
+            if last is None or count != last[0]:
+                seen[rank] = (count, now)
+            elif now - last[1] > _heartbeat["timeout_s"]:
+                message = (
+                    f"rank {rank} stopped responding (died or stalled) while the workers waited for {what}: "
+                    f"no sign of life for {now - last[1]:.0f} s (launch.timeout_s={_heartbeat['timeout_s']:g})"
+                )
+                report_lost_ranks(me, [rank], message)
+                raise LostWorkerError(message, lost=[rank])
+        time.sleep(delay)
+        delay = min(0.5, delay * 2)  # quick for short waits, light on the store for long ones
+
+
+# Every rank makes the same calls for a given name in the same order: a count per name makes
+# each key unique, and a call that only some ranks make (save_model on rank 0) shifts no other name.
+_calls: dict[str, int] = {}
+
+
+def _unique(kind: str, key: str) -> str:
+    _calls[kind + key] = _calls.get(kind + key, 0) + 1
+    return f"acco/{kind}/{_calls[kind + key]}/{key}"
 
 
 def after_rank0(work, key: str, slow_timeout_s: float = 3600.0):
@@ -448,24 +526,21 @@ def after_rank0(work, key: str, slow_timeout_s: float = 3600.0):
 
     For one-off work that may take minutes (training a tokenizer, writing a large model): a plain
     barrier would hit the collective timeout, which is kept short so that a dead or stalled worker
-    is noticed quickly. The others wait on the rendezvous store instead, with `slow_timeout_s`.
-    A failure of rank 0 still ends them at once: the launcher (local, torchrun, srun) stops them.
+    is noticed quickly. The others wait on the rendezvous store instead (`wait_on_store`): up to
+    `slow_timeout_s` while rank 0 is alive, within the collective timeout once it is not.
     """
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    # Every rank makes the same calls in the same order: a call count makes each key unique.
-    _after_rank0_calls[0] += 1
-    key = f"acco/after_rank0/{_after_rank0_calls[0]}/{key}"
+    key = _unique("after_rank0", key)
     result = work() if rank == 0 else None
     if world == 1:
         return result
-    store = dist.distributed_c10d._get_default_store()
     if rank == 0:
-        store.set(key, "done")
+        dist.distributed_c10d._get_default_store().set(key, "done")
     else:
-        store.wait([key], timedelta(seconds=slow_timeout_s))
+        wait_on_store([key], f"rank 0's {key.rsplit('/', 1)[-1] or key}", slow_timeout_s)
     return result
 
 
@@ -474,16 +549,15 @@ def every_rank_at(key: str, slow_timeout_s: float = 3600.0) -> None:
 
     For the end of per-rank one-off work whose duration may differ between ranks by more than the
     collective timeout (tokenizing the data, building or loading the model): the first collective
-    after it would otherwise fail on the ranks that finished early. A rank that dies meanwhile is
-    handled by the launcher (local, torchrun, srun), which stops the others.
+    after it would otherwise fail on the ranks that finished early. A rank that dies or stalls
+    meanwhile ends the wait within the collective timeout (`wait_on_store`).
     """
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    _after_rank0_calls[0] += 1
-    key = f"acco/every_rank_at/{_after_rank0_calls[0]}/{key}"
+    key = _unique("every_rank_at", key)
     store = dist.distributed_c10d._get_default_store()
     if store.add(key, 1) == dist.get_world_size():  # the last rank to arrive opens the gate
         store.set(key + "/all", "1")
-    store.wait([key + "/all"], timedelta(seconds=slow_timeout_s))
+    wait_on_store([key + "/all"], f"every worker to finish its {key.rsplit('/', 1)[-1]}", slow_timeout_s)

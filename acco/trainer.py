@@ -387,12 +387,17 @@ class DecoupledTrainer:
             self._clear_old_checkpoints(out)
         position, batches = self._stream(self.train_data, args.batch_size)
         self.model.train()
+        # The log (TensorBoard's import takes seconds on rank 0) exists before the engine, and
+        # every rank starts the clock together: no rank computes while another is still setting up.
+        resumed_step = int(meta["step"]) if folder is not None else None
+        log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step, resumed_step)
         self.engine = build_engine(self.model, args.engine_config())
-        resumed_step = self._resume(folder, meta, position) if folder is not None else None
+        if folder is not None:
+            self._resume(folder, meta, position)
         loss_fn = _with_fault_injection(causal_lm_loss, self.rank)
         stream = _OnDevice(iter(batches), self.device, args.slowdown)
-        log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step, resumed_step)
         log.start_progress(args.nb_steps_tot, self.engine.samples)
+        every_rank_at("start")
         last = summary = None
         try:
             for record in self.engine.run(stream, loss_fn):

@@ -409,14 +409,17 @@ def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: 
         typical = (_text_bytes(corpus, text_column) / 2 + len(corpus)) * train_fraction / args.max_length
     if typical >= EXACT_CHECK_MARGIN * need:
         return  # plenty for any real tokenizer: the exact count below would tokenise it all
-    corpus, _ = split_corpus(corpus, args)
+    source = "data.n_docs" if data.get("name") == "synthetic" else f"data.path {str(data.get('path'))!r}"
+    try:
+        corpus, _ = split_corpus(corpus, args)
+    except DataError as e:
+        _fail(f"{source}: {one_line_error(e)}", e)
 
     if tokenizer is None:  # bpe: train it as rank 0 will (the corpus is small here)
         texts = ["".join(format_alpaca(r)) for r in corpus] if instruct else corpus
         tokenizer = _train_bpe_as_rank0(texts, int(cfg["model"]["vocab_size"]))
     else:
         tokenizer = _as_workers_load_it(tokenizer)
-    source = "data.n_docs" if data.get("name") == "synthetic" else f"data.path {str(data.get('path'))!r}"
     try:
         if instruct:
             n = len(tokenize_instructions(corpus, tokenizer, args.max_length)["input_ids"])

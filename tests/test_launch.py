@@ -1,3 +1,4 @@
+import json
 import os
 import select
 import signal
@@ -231,6 +232,54 @@ def test_init_distributed_under_slurm(tmp_path):
             p.wait()
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text() == f"2 {rank} 3.0"
+
+
+STALL_IN_SETUP = """
+    import json, os, signal, sys, time
+    from pathlib import Path
+    from acco.engine.progress import LostWorkerError
+    from acco.launch import every_rank_at, init_distributed
+
+    out = Path(sys.argv[1])
+    if os.environ["SLURM_PROCID"] == "1":
+        time.sleep(5)  # starts after the collective timeout: the rendezvous must wait for it
+    rank, world, _, _ = init_distributed(timeout_s=2)
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(4)  # slow one-off work, but alive: the others wait for it
+    every_rank_at("setup")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stalls (srun would not stop the others either)
+    start = time.monotonic()
+    try:
+        every_rank_at("tokenizing")
+    except LostWorkerError as e:
+        (out / "lost.json").write_text(json.dumps({"message": str(e), "lost": e.lost, "s": time.monotonic() - start}))
+    os.kill(int((out / "pid1").read_text()), signal.SIGKILL)
+"""
+
+
+def test_a_worker_stalled_in_one_off_work_is_named_within_the_timeout(tmp_path):
+    """Under srun: a late rank is waited for, a slow but live one too; a stalled one is named
+    within the collective timeout (2 s here), not after the hour that one-off work may take."""
+    script = write_script(tmp_path, "stall.py", STALL_IN_SETUP)
+    port = free_port()
+    slurm = dict(SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_JOB_ID="78", SLURM_JOB_NODELIST="localhost",
+                 MASTER_PORT=str(port))  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, script, str(tmp_path)], env=clean_env({**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}))
+        for r in range(2)
+    ]  # fmt: skip
+    try:
+        assert procs[0].wait(timeout=90) == 0
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    lost = json.loads((tmp_path / "lost.json").read_text())
+    assert lost["lost"] == [1] and lost["s"] < 8, lost
+    assert lost["message"].startswith("rank 1 stopped responding (died or stalled) while the workers waited for")
 
 
 FAILING = """
