@@ -237,7 +237,8 @@ def test_data_collator_examples_train_and_evaluate(tmp_path):
     rows = [{"input_ids": tokenizer(d)["input_ids"][: 10 + i % 20]} for i, d in enumerate(docs)]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=rows, data_collator=collator,
-                               args=_small_run(tmp_path, method_name="acco", eval_batch_size=5))
+                               args=_small_run(tmp_path, method_name="acco", eval_batch_size=5,
+                                                             accumulate_while_waiting=False))  # exactly 4 samples
     # The eval loss is the mean over all target tokens of the eval examples, whatever the batching.
     eval_rows = [rows[i] for i in trainer.eval_data.indices]
     loss_sum = tokens = 0.0
