@@ -73,8 +73,9 @@ class RunLog:
             "type": "train",
             "step": record.step,
             "samples": record.samples,
-            "tokens": record.samples * self.tokens_per_micro_batch,
-            "loss": record.loss,
+            "tokens": record.samples * self.tokens_per_micro_batch,  # positions, padding included
+            "target_tokens": record.weight,  # this update's tokens with a label, all workers
+            "loss": record.loss if math.isfinite(record.loss) else None,  # (JSON has no NaN)
             "lr": record.lr,
             "wall_time": record.wall_time,
             "compute_s": record.compute_s,
@@ -91,7 +92,7 @@ class RunLog:
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()  # a killed run keeps its lines up to the last update
         for key in ("loss", "lr", "compute_s", "wait_s", "comm_s"):
-            self._tb.add_scalar(f"train/{key}", line[key], record.samples)
+            self._tb.add_scalar(f"train/{key}", getattr(record, key), record.samples)
         tokens_per_s = line["tokens"] / max(record.wall_time, 1e-9)
         self._tb.add_scalar("train/tokens_per_s", tokens_per_s, record.samples)
         if self._bar is not None:
@@ -149,6 +150,11 @@ class RunLog:
             "final_eval_loss": self.evals[-1]["eval_loss"] if self.evals else None,
             "wall_time_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            # Tokens that carry a label, per second, from the end of the first update: the
+            # figure to compare for fine-tuning, where padding and prompts fill the blocks.
+            "target_tokens_per_s": sum(r.weight for r in recs[1:]) / (recs[-1].wall_time - recs[0].wall_time)
+            if len(recs) > 1 and recs[-1].wall_time > recs[0].wall_time
+            else 0.0,
             "samples_per_s": samples / wall if wall > 0 else 0.0,
             "step_time_s": step_time,
             "compute_s_per_update": compute,

@@ -38,6 +38,7 @@ from acco.data import (
     MicroBatchStream,
     Rows,
     blocks_of,
+    cached_instructions,
     eval_batches,
     is_hf_dataset,
     pack_documents,
@@ -307,7 +308,7 @@ class DecoupledTrainer:
             return Rows(self._pack(docs))
         if "instruction" in columns and "output" in columns:
             records = list(dataset) if isinstance(dataset, list) else dataset.to_list()
-            return Rows(tokenize_instructions(records, self._need_tokenizer(), self.args.max_length))
+            return Rows(self._instructions(records))
         if "input_ids" in columns:  # pre-tokenized (run_clm.py's output): a tokenizer only pads
             pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
             return Rows(pad_token_ids(dataset, self.args.max_length, pad))
@@ -320,6 +321,15 @@ class DecoupledTrainer:
         if self.tokenizer is None:
             raise DataError("a tokenizer (or processing_class) is needed to tokenize the dataset")
         return self.tokenizer
+
+    def _instructions(self, records: list[dict]) -> dict:
+        """Masked instruction examples; with a cache, rank 0 tokenizes them into it while the
+        other ranks wait, then they load that file (or tokenize, if they cannot see it)."""
+        tokenizer, cache, length = self._need_tokenizer(), self.args.cache_dir or None, self.args.max_length
+        if cache is None:
+            return tokenize_instructions(records, tokenizer, length)
+        examples = after_rank0(lambda: cached_instructions(records, tokenizer, length, cache), key="instructions")
+        return examples if examples is not None else cached_instructions(records, tokenizer, length, cache)
 
     def _pack(self, docs) -> np.ndarray:
         """Packed blocks, memory-mapped: rank 0 tokenizes the corpus into the cache while the other

@@ -21,6 +21,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerFast
 
+import acco.data.instruct
 import acco.data.packing
 import acco.data.tokenizer
 from acco.data import (
@@ -30,6 +31,7 @@ from acco.data import (
     MicroBatchStream,
     Rows,
     bos_to_prepend,
+    cached_instructions,
     eval_batches,
     format_alpaca,
     load_documents,
@@ -253,6 +255,24 @@ def test_bos_is_prepended_when_the_tokenizer_adds_it(bos_tok, byte_tok, bpe):
     no_bos = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(bos_tok.backend_tokenizer.to_str()),
                                      eos_token=EOT, pad_token="<pad>")
     assert tokenizer_fingerprint(no_bos) != tokenizer_fingerprint(bos_tok)
+
+
+def test_instruction_examples_are_cached(bpe, tmp_path, monkeypatch):
+    records = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(map(str, range(i)))} for i in range(1, 9)]
+    first = cached_instructions(records, bpe, 256, tmp_path)
+    assert len(list(tmp_path.glob("instruct-v1-*.pt"))) == 1
+
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(acco.data.instruct, "tokenize_instructions", no_tokenizing)
+    again = cached_instructions(records, bpe, 256, tmp_path)
+    for key in ("input_ids", "labels", "attention_mask"):
+        assert torch.equal(again[key], first[key])
+    # Other records or another max_length are another entry.
+    for other, length in ((records[:-1], 256), (records, 250)):
+        with pytest.raises(AssertionError, match="tokenized again"):
+            cached_instructions(other, bpe, length, tmp_path)
 
 
 # ---------------------------------------------------------------- loading documents and records

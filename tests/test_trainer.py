@@ -56,6 +56,7 @@ def test_cli_trains_acco_and_ddp_with_all_outputs(tmp_path):
             assert all(key in x for x in train), key
         assert all(x["micro_batches"] == [2, 2] for x in train)
         assert train[-1]["tokens"] == 160 * 8 * 64
+        assert all(x["target_tokens"] == 4 * 8 * 63 for x in train)  # packed blocks: every next token
         assert [x["step"] for x in evals] == [10, 20, 30, 40]
         assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
         for rank in (0, 1):
@@ -215,6 +216,11 @@ def test_cli_fine_tunes_on_alpaca_records(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == "acco" and summary["samples"] >= 32
     assert math.isfinite(summary["final_eval_loss"])
+    # Throughput in labelled tokens: prompts and padding (most of each 128-token row) do not count.
+    train = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    for x in train:
+        assert 0 < x["target_tokens"] < sum(x["micro_batches"]) * 4 * 128 / 4, x
+    assert 0 < summary["target_tokens_per_s"] < summary["tokens_per_s"] / 4
 
 
 # A plain dict (no Hydra interpolation to resolve), smaller than tiny: these tests are about data.

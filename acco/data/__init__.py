@@ -12,6 +12,7 @@ from .instruct import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
     IGNORE_INDEX,
+    cached_instructions,
     format_alpaca,
     tokenize_instructions,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "corpus_fingerprint",
     "eval_batches",
     "format_alpaca",
+    "cached_instructions",
     "is_hf_dataset",
     "load_documents",
     "load_records",

@@ -8,12 +8,17 @@ concatenated, so the boundary between them is exact whatever the tokenizer merge
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 
 from .errors import DataError
-from .tokenizer import bos_to_prepend
+from .tokenizer import bos_to_prepend, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +97,31 @@ def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> di
         "labels": torch.tensor(rows_labels, dtype=torch.long),
         "attention_mask": torch.tensor(rows_mask, dtype=torch.long),
     }
+
+
+_CACHE_VERSION = "instruct-v1"  # bump when the masking or layout rule changes
+
+
+def cached_instructions(records: list[dict], tokenizer, max_length: int, cache_dir) -> dict[str, torch.Tensor]:
+    """`tokenize_instructions`, computed once per (records, tokenizer, max_length) and kept in
+    `cache_dir`: the next run, and the other ranks, memory-map the file instead of tokenizing
+    again. Written atomically, so ranks sharing a cache never read half a file."""
+    h = hashlib.sha256(f"{_CACHE_VERSION}\n{max_length}\n".encode())
+    h.update(tokenizer_fingerprint(tokenizer).encode())
+    for r in records:  # the fields format_alpaca reads, in a fixed order
+        h.update(json.dumps([r.get("instruction"), r.get("input"), r.get("output")]).encode())
+    path = Path(cache_dir).expanduser() / f"{_CACHE_VERSION}-{h.hexdigest()[:32]}.pt"
+    if path.exists():
+        log.info("instruction examples loaded from cache %s", path)
+        return torch.load(path, mmap=True, weights_only=True)
+    tensors = tokenize_instructions(records, tokenizer, max_length)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return tensors

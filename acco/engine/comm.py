@@ -52,6 +52,7 @@ class RoundResult:
     samples: int  # committed micro-batches over all workers so far (after this round)
     step: int  # committed updates so far (after this round)
     exhausted: bool  # some worker ran out of data
+    weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
     busy_s: float  # wall time of the round, collectives and optimizer
 
 
@@ -126,6 +127,7 @@ class CommRound:
             step=self.step,
             exhausted=any(row[EXHAUSTED] > 0 for row in per_worker),
             busy_s=time.perf_counter() - start,
+            weight=weight,
         )
 
 

@@ -83,6 +83,9 @@ class UpdateRecord:
     wait_s: float = 0.0  # this worker's time waiting for the comm round (idle)
     comm_s: float = 0.0  # comm rounds' busy time for this update (collectives + optimizer step)
     wall_time: float = 0.0  # seconds since the engine's run started
+    # Summed loss weight of this update over all workers: target tokens for a token-normalised
+    # loss (the trainer's), else micro-batches.
+    weight: float = 0.0
 
     @property
     def batch_micro_batches(self) -> int:

@@ -202,6 +202,7 @@ class DecoupledEngine:
             wait_s=wait_s,
             comm_s=comm_s,
             wall_time=self._wall(),
+            weight=result.weight,
         )
 
     def _wall(self) -> float:

@@ -134,6 +134,7 @@ class TorchDDPEngine:
                 wait_s=step_s,
                 comm_s=step_s,
                 wall_time=time.perf_counter() - t0,
+                weight=weight,
             )
             self.last_wall_time = record.wall_time
             yield record
