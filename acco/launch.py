@@ -488,9 +488,17 @@ def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) ->
     store, world, me = dist.distributed_c10d._get_default_store(), dist.get_world_size(), dist.get_rank()
     start = time.monotonic()
     seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
-    delay = 0.005
+    # Polls with `check`, not a blocking `wait`: the store client holds its lock for the whole of
+    # a wait, which would also hold up this rank's own heartbeat. Peers' counters are read once
+    # a second, to stay light on the store with many ranks.
+    delay, next_liveness_check = 0.001, start
     while not store.check(keys):
+        time.sleep(delay)
+        delay = min(0.05, delay * 2)
         now = time.monotonic()
+        if now < next_liveness_check:
+            continue
+        next_liveness_check = now + 1.0
         if now - start > slow_timeout_s:
             raise TimeoutError(f"waited {slow_timeout_s:.0f} s for the other workers ({what})")
         for rank in range(world):
@@ -507,8 +515,6 @@ def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) ->
                 )
                 report_lost_ranks(me, [rank], message)
                 raise LostWorkerError(message, lost=[rank])
-        time.sleep(delay)
-        delay = min(0.5, delay * 2)  # quick for short waits, light on the store for long ones
 
 
 # Every rank makes the same calls for a given name in the same order: a count per name makes
