@@ -245,6 +245,21 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def preflight_error(out: Path, *overrides: str) -> str:
+    """The one-line InputError that the CLI's preflight raises for this run, checked in-process."""
+    from hydra import compose, initialize_config_module
+
+    from acco.validate import InputError, preflight
+
+    base = ["launch.nproc=2", f"train.output_dir={out}", f"train.cache_dir={out.parent / 'cache'}", *RUN]
+    with initialize_config_module(config_module="acco.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*base, *overrides])
+    with pytest.raises(InputError) as info:
+        preflight(cfg)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 def test_bad_resumes_fail_in_preflight_and_overwrite_nothing(reference, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -254,9 +269,10 @@ def test_bad_resumes_fail_in_preflight_and_overwrite_nothing(reference, tmp_path
     assert "checkpoint-4 was written by method 'acco', this run is 'ddp'" in line
     line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "model.hidden_size=32"))
     assert "checkpoint-4 holds a model of" in line and "model 'tiny' has" in line
-    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "train.seed=5"))
+    # (in-process preflight from here on: the same check as the CLI's, without its start-up)
+    line = preflight_error(run, "train.resume_from_checkpoint=latest", "train.seed=5")
     assert "train.seed=5 (the checkpoint has 0)" in line and "other samples" in line
-    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "train.batch_size=4"))
+    line = preflight_error(run, "train.resume_from_checkpoint=latest", "train.batch_size=4")
     assert "train.batch_size=4 (the checkpoint has 8)" in line
     # Damaged in the middle, size unchanged: the values would be finite garbage; the CRC sees it.
     rank1 = run / "checkpoint-4" / "rank1-of-2.pt"
@@ -264,7 +280,7 @@ def test_bad_resumes_fail_in_preflight_and_overwrite_nothing(reference, tmp_path
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     rank1.write_bytes(bytes(data))
-    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest"))
+    line = preflight_error(run, "train.resume_from_checkpoint=latest")
     assert "rank1-of-2.pt: corrupted checkpoint file" in line and "CRC" in line
     rank1.unlink()
     assert "missing rank1-of-2.pt" in one_error_line(cli(run, "train.resume_from_checkpoint=latest"))
