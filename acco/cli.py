@@ -132,11 +132,16 @@ def quiet_progress_bars(rank: int) -> None:
     their carriage returns make a mess, and every rank would print them."""
     if rank == 0 and sys.stderr.isatty():
         return
-    import datasets
-    from transformers.utils import logging as hf_logging
+    # Environment variables, read when the libraries are imported: importing datasets here
+    # would add a second and a half to the start of workers that never use it.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    datasets.disable_progress_bars()
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
 
 
 def _preflight_finds_nothing_to_do(cfg: DictConfig, world_size: int, env: dict | None) -> bool:
