@@ -391,6 +391,10 @@ class DecoupledTrainer:
                     print(done, flush=True)
                 return {"method": args.method_name, "world_size": self.world_size, "step": int(meta["step"]),
                         "samples": int(meta["samples"]), "nothing_to_do": True}  # fmt: skip
+            same_world = int(meta["world_size"]) == self.world_size
+            changed = checkpoint.data_changes(meta.get("train") or {}, dataclasses.asdict(args), same_world)
+            if changed:  # also before anything is written
+                raise checkpoint.CheckpointError(f"{folder}: cannot resume with {', '.join(changed)}: other samples would be read")
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if folder is None:
@@ -491,12 +495,9 @@ class DecoupledTrainer:
             self._write_model, self.args.save_total_limit,
         )  # fmt: skip
 
-    def _resume(self, folder: Path, meta: dict, position) -> int:
+    def _resume(self, folder: Path, meta: dict, position) -> None:
         old_world = int(meta["world_size"])
         same_world = old_world == self.world_size
-        changed = checkpoint.data_changes(meta.get("train") or {}, dataclasses.asdict(self.args), same_world)
-        if changed:
-            raise checkpoint.CheckpointError(f"{folder}: cannot resume with {', '.join(changed)}: other samples would be read")
         mine = checkpoint.load_worker(folder, self.rank if same_world else 0, old_world)
 
         def every_worker() -> list[dict]:
@@ -518,7 +519,6 @@ class DecoupledTrainer:
                 print(f"acco: warning: {change}", file=sys.stderr, flush=True)
             how = "exactly" if exact else f"from {old_world} workers, resharded to {self.world_size}"
             print(f"resuming {how} from {folder} (update {meta['step']}, {meta['samples']} micro-batches)", flush=True)
-        return int(meta["step"])
 
     @progress.names_lost_ranks
     @torch.no_grad()

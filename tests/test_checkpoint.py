@@ -402,6 +402,11 @@ def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tm
     assert summary["samples"] == 16 and sorted(train_losses(out)) == list(range(1, 9))
 
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    # Another seed would read other samples: refused before anything is written.
+    reseeded = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args | {"nb_steps_tot": 32, "seed": 5})
+    with pytest.raises(CheckpointError, match=r"train.seed=5 \(the checkpoint has 0\)"):
+        reseeded.train(resume_from_checkpoint=True)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
     summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(resume_from_checkpoint=True)
     assert summary["nothing_to_do"] and summary["samples"] == 16
     assert "checkpoint-8 already completed the budget of 16 micro-batches" in capsys.readouterr().out
