@@ -453,29 +453,31 @@ RENDEZVOUS_TIMEOUT_S = 1800.0  # how long the first rank waits for the last one 
 # (SIGSTOP, a hung file system) during one-off work ends the run within that timeout, not after
 # the hour that the work itself may take.
 _ALIVE = "acco/alive/{}"
-_heartbeat = {"timeout_s": 30.0, "thread": None}
+_heartbeat = {"timeout_s": 30.0, "generation": 0}
 
 
 def start_heartbeat(timeout_s: float) -> None:
-    """Start this rank's liveness counter (once per process; nothing in a one-process run)."""
+    """Start this rank's liveness counter on the current process group's store (nothing in a
+    one-process run). A later call replaces the beat: a process may destroy its group and make
+    another, whose peers must see it alive too."""
     import torch.distributed as dist
 
     _heartbeat["timeout_s"] = float(timeout_s)
-    if _heartbeat["thread"] is not None or dist.get_world_size() == 1:
+    _heartbeat["generation"] += 1  # the previous beat, if any, stops at its next tick
+    if dist.get_world_size() == 1:
         return
     store, key = dist.distributed_c10d._get_default_store(), _ALIVE.format(dist.get_rank())
-    interval = min(5.0, max(0.5, timeout_s / 6))
+    interval, generation = min(5.0, max(0.5, timeout_s / 6)), _heartbeat["generation"]
 
     def beat() -> None:
         try:
-            while True:
+            while _heartbeat["generation"] == generation:
                 store.add(key, 1)
                 time.sleep(interval)
         except Exception:  # the store is gone (its host exited, or the group was destroyed)
             return
 
-    _heartbeat["thread"] = threading.Thread(target=beat, name="acco-heartbeat", daemon=True)
-    _heartbeat["thread"].start()
+    threading.Thread(target=beat, name="acco-heartbeat", daemon=True).start()
 
 
 def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) -> None:
