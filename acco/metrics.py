@@ -77,6 +77,8 @@ class RunLog:
             "target_tokens": record.weight,  # this update's tokens with a label, all workers
             "loss": record.loss if math.isfinite(record.loss) else None,  # (JSON has no NaN)
             "lr": record.lr,
+            # before clipping, as Hugging Face's Trainer logs it
+            "grad_norm": record.grad_norm if math.isfinite(record.grad_norm) else None,
             "wall_time": record.wall_time,
             "compute_s": record.compute_s,
             "wait_s": record.wait_s,
@@ -91,7 +93,7 @@ class RunLog:
             return line
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()  # a killed run keeps its lines up to the last update
-        for key in ("loss", "lr", "compute_s", "wait_s", "comm_s"):
+        for key in ("loss", "lr", "grad_norm", "compute_s", "wait_s", "comm_s"):
             self._tb.add_scalar(f"train/{key}", getattr(record, key), record.samples)
         tokens_per_s = line["tokens"] / max(record.wall_time, 1e-9)
         self._tb.add_scalar("train/tokens_per_s", tokens_per_s, record.samples)
@@ -101,7 +103,7 @@ class RunLog:
         elif record.step % self.log_every == 0 or record.step == 1:
             print(
                 f"step {record.step:>6}  samples {record.samples:>8}  loss {record.loss:.4f}  "
-                f"lr {record.lr:.2e}  tokens/s {tokens_per_s:,.0f}",
+                f"lr {record.lr:.2e}  grad_norm {record.grad_norm:.3f}  tokens/s {tokens_per_s:,.0f}",
                 flush=True,
             )
         return line

@@ -71,6 +71,7 @@ class TrainArgs:
     use_mixed_precision: bool = False
     accumulate_while_waiting: bool = True
     n_warmup_steps: int = 0
+    max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)
     eval: bool = True
     eval_step: int = 50  # optimizer updates between evaluations
     eval_batch_size: int | None = None
@@ -104,6 +105,9 @@ class TrainArgs:
             self.resume_from_checkpoint = None
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate!r}")
+        clip = self.max_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 <= clip < math.inf):
+            raise ConfigError(f"train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got {clip!r}")
         if self.slowdown < 1:
             raise ConfigError(f"train.slowdown must be >= 1, got {self.slowdown!r}")
         self.engine_config()  # validates method, scheduler, betas

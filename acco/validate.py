@@ -194,7 +194,7 @@ def check_train(train: Mapping):
             _positive_int(train[key], f"train.{key}")
     if "learning_rate" in train:
         _positive_number(train["learning_rate"], "train.learning_rate")
-    for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "eval_fraction", "slowdown"):
+    for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "eval_fraction", "slowdown"):
         value = train.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             _fail(f"train.{key} must be a number, got {value!r}")

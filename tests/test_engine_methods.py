@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_distributed
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import clip_grad_norm_, parameters_to_vector, vector_to_parameters
 
 from acco.engine import EngineConfig, build_engine
 
@@ -89,6 +89,7 @@ def config(**kw) -> EngineConfig:
         scheduler_name="cosine",
         warmup=4,
         accumulate_while_waiting=False,
+        max_grad_norm=None,
     )
     base.update(kw)
     return EngineConfig(**base)
@@ -128,6 +129,7 @@ class Reference:
         self.samples = 0
         self.consumed = [0] * world  # micro-batches read so far by each worker
         self.losses = []
+        self.grad_norms = []  # of committed updates, before clipping
 
     def theta(self) -> torch.Tensor:
         return parameters_to_vector(self.model.parameters()).detach().clone()
@@ -155,19 +157,22 @@ class Reference:
         return total, loss_sum
 
     def _step(self, model, opt, theta, mean_grad, lr):
+        """(AdamW's new parameters, the gradient's norm before torch's clip_grad_norm_)."""
         vector_to_parameters(theta.clone(), model.parameters())
         offset = 0
         for p in model.parameters():
             p.grad = mean_grad[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+        norm = float(clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm or math.inf))
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
-        return parameters_to_vector(model.parameters()).detach().clone()
+        return parameters_to_vector(model.parameters()).detach().clone(), norm
 
     def commit(self, theta, grad_sum, batch):
         lr = reference_lr(self.cfg, self.samples, batch)
-        theta = self._step(self.model, self.opt, theta, grad_sum / batch, lr)
+        theta, norm = self._step(self.model, self.opt, theta, grad_sum / batch, lr)
+        self.grad_norms.append(norm)
         self.samples += batch
         return theta
 
@@ -176,7 +181,7 @@ class Reference:
         micro-batches), on copies: the optimizer itself is left as it was."""
         model, opt = copy.deepcopy((self.model, self.opt))
         lr = reference_lr(self.cfg, self.samples, update_batch)
-        return self._step(model, opt, theta, grad_sum / batch, lr)
+        return self._step(model, opt, theta, grad_sum / batch, lr)[0]
 
     def ddp(self, updates: int, counts=None):
         theta = self.theta()
@@ -237,16 +242,18 @@ def assert_close(a, b, what):
     torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("kind,world", [("mlp", 2), ("block", 3)])
-def test_methods_equal_their_references(kind, world):
+# max_grad_norm between the gradient norms these runs see (mlp 0.39-0.55, block 0.63-0.92
+# unclipped), so that some updates are clipped and others not, acco's estimates included.
+@pytest.mark.parametrize("kind,world,clip", [("mlp", 2, 0.45), ("block", 3, 0.7)])
+def test_methods_equal_their_references(kind, world, clip):
     n, updates = 2, 6
     budget_ddp = n * world * updates
     cfgs = [
-        config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
-        config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
-        config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget_ddp),
-        config(method="dpu", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
-        config(method="wp", n_grad_accumulation=n, nb_steps_tot=budget_ddp),
+        config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
+        config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
+        config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget_ddp, max_grad_norm=clip),
+        config(method="dpu", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
+        config(method="wp", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
     ]
     results = run_distributed(run_engine, world, kind, cfgs)
     (ddp, ddp_rec), (tddp, tddp_rec), (acco, acco_rec), (dpu, dpu_rec), (wp, wp_rec) = results[0]
@@ -262,6 +269,10 @@ def test_methods_equal_their_references(kind, world):
     assert_close(torch.tensor([r.loss for r in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
     assert_close(tddp, expected, "torch-ddp vs AdamW on the global batches")
     assert_close(torch.tensor([r.loss for r in tddp_rec]), torch.tensor(ref.losses), "torch-ddp losses")
+    norms = torch.tensor(ref.grad_norms)
+    assert norms.min() < clip < norms.max(), f"clipping should act on some updates only: {norms}"
+    assert_close(torch.tensor([r.grad_norm for r in ddp_rec]), norms, "ddp gradient norms")
+    assert_close(torch.tensor([r.grad_norm for r in tddp_rec]), norms, "torch-ddp gradient norms")
 
     ref = Reference(kind, cfgs[2], world, [n // 2] * world)
     expected = reference_acco(ref, updates)
@@ -269,6 +280,7 @@ def test_methods_equal_their_references(kind, world):
     assert [r.micro_batches for r in acco_rec] == [[n] * world] * updates
     assert_close(acco, expected, "acco vs the estimate/update reference")
     assert_close(torch.tensor([r.loss for r in acco_rec]), torch.tensor(ref.losses), "acco losses")
+    assert_close(torch.tensor([r.grad_norm for r in acco_rec]), torch.tensor(ref.grad_norms), "acco gradient norms")
 
     for name, got, records, predict in (("dpu", dpu, dpu_rec, False), ("wp", wp, wp_rec, True)):
         ref = Reference(kind, cfgs[0], world, [n] * world)

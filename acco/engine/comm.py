@@ -4,13 +4,16 @@ A round takes a flat gradient payload and its statistics (summed loss weight, su
 micro-batch count, data-exhausted flag) and, on every worker:
   1. all-gathers the statistics (the spec's count all-reduce, keeping per-worker counts),
   2. reduce-scatters the payload (sum): this worker receives its shard,
-  3. divides by the global weight N (an average over every micro-batch of every worker),
+  3. divides by the global weight N (an average over every micro-batch of every worker) and,
+     with max_grad_norm, clips to the global norm: each worker's squared shard norm travels with
+     the statistics, so the norm costs no extra collective and no extra host read,
   4. runs AdamW on its fp32 master shard, committed or as a trial,
   5. all-gathers the new shard into the output vector.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,9 +27,12 @@ from acco.engine.config import EngineConfig
 from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
 
-# Layout of the per-worker statistics vector that travels with each payload.
+# Layout of the per-worker statistics vector that the compute side fills for each payload.
 WEIGHT, LOSS, MICRO_BATCHES, EXHAUSTED = range(4)
 N_STATS = 4
+# The round sends one more: the L2 norm of this worker's reduced (summed) gradient shard.
+SHARD_NORM = N_STATS
+N_SENT = N_STATS + 1
 
 
 def new_stats(device: torch.device) -> torch.Tensor:
@@ -54,6 +60,7 @@ class RoundResult:
     exhausted: bool  # some worker ran out of data
     weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
     busy_s: float  # wall time of the round, collectives and optimizer
+    grad_norm: float  # global L2 norm of the averaged gradient, before clipping
 
 
 class CommRound:
@@ -73,7 +80,10 @@ class CommRound:
         lowp = flat.dtype != torch.float32
         self.recv_shard = torch.empty_like(shard) if lowp else self.grad_shard
         self.send_shard = torch.empty_like(shard)  # new parameters, model dtype
-        self.stats_all = torch.zeros(self.world_size * N_STATS, dtype=torch.float64, device=device)
+        self.stats_sent = torch.zeros(N_SENT, dtype=torch.float64, device=device)
+        self.stats_all = torch.zeros(self.world_size * N_SENT, dtype=torch.float64, device=device)
+        self.shard_norm = torch.zeros((), dtype=torch.float32, device=device)
+        self.max_grad_norm = cfg.max_grad_norm or 0.0
         self.samples = 0
         self.step = 0
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
@@ -83,25 +93,37 @@ class CommRound:
         start = time.perf_counter()
         # If this round times out, the ranks that never marked it are the ones that stopped.
         progress.mark(f"update {self.step + 1} ({'commit' if commit else 'trial'} round)")
+        # The ring first: when a peer has died or stalled, its error names the ring neighbours.
         if self.world_size > 1:
-            # The ring first: when a peer has died or stalled, its error names the ring neighbours.
             collectives.reduce_scatter(self.recv_shard, payload, group=self.group)
-            collectives.all_gather_small(self.stats_all, stats, group=self.group)
         else:
-            self.stats_all.copy_(stats)
             self.recv_shard.copy_(payload[: self.layout.shard_numel])
+        if self.recv_shard is not self.grad_shard:
+            self.grad_shard.copy_(self.recv_shard)
+        self.stats_sent[:N_STATS].copy_(stats)
+        # Padding is zero, so the shards' squared norms add up to the whole gradient's squared norm.
+        torch.linalg.vector_norm(self.grad_shard, out=self.shard_norm)
+        self.stats_sent[SHARD_NORM].copy_(self.shard_norm)
+        if self.world_size > 1:
+            collectives.all_gather_small(self.stats_all, self.stats_sent, group=self.group)
+        else:
+            self.stats_all.copy_(self.stats_sent)
         # The only host read of a round: the comm side waits here, the compute side never does.
-        per_worker = self.stats_all.view(self.world_size, N_STATS).tolist()
+        per_worker = self.stats_all.view(self.world_size, N_SENT).tolist()
         weight = sum(row[WEIGHT] for row in per_worker)
         micro_batches = [int(row[MICRO_BATCHES]) for row in per_worker]
         batch = sum(micro_batches)
         # A trial estimates the update that follows it, which adds as many micro-batches again
         # (exactly so with a fixed batch): during warm-up it takes that update's LR, not a smaller one.
         lr = learning_rate(self.cfg, self.samples, batch if commit else 2 * batch)
-        if self.recv_shard is not self.grad_shard:
-            self.grad_shard.copy_(self.recv_shard)
+        grad_norm = float("nan")
         if weight > 0:
-            self.grad_shard.div_(weight)
+            # Divide by the global weight and clip in one pass (torch's clip_grad_norm_ formula).
+            grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in per_worker)) / weight
+            scale = 1.0 / weight
+            if self.max_grad_norm:
+                scale *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            self.grad_shard.mul_(scale)
             if commit:
                 self.optimizer.commit(self.grad_shard, lr)
                 self.send_shard.copy_(self.master)
@@ -128,6 +150,7 @@ class CommRound:
             exhausted=any(row[EXHAUSTED] > 0 for row in per_worker),
             busy_s=time.perf_counter() - start,
             weight=weight,
+            grad_norm=grad_norm,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp")
@@ -36,6 +37,9 @@ class EngineConfig:
     accumulate_while_waiting: bool = True
     # That many first updates of an overlapped method run as sequential ddp.
     n_warmup_steps: int = 0
+    # Clip the averaged gradient to this global L2 norm before the optimizer step (Hugging Face's
+    # Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient.
+    max_grad_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -57,6 +61,9 @@ class EngineConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        clip = self.max_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 <= clip < math.inf):
+            raise ConfigError(f"max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got {clip!r}")
         if self.warmup < 0 or self.n_warmup_steps < 0:
             raise ConfigError("warmup and n_warmup_steps must be >= 0")
 
@@ -86,6 +93,8 @@ class UpdateRecord:
     # Summed loss weight of this update over all workers: target tokens for a token-normalised
     # loss (the trainer's), else micro-batches.
     weight: float = 0.0
+    # Global L2 norm of this update's averaged gradient, before clipping (as Hugging Face logs it).
+    grad_norm: float = float("nan")
 
     @property
     def batch_micro_batches(self) -> int:

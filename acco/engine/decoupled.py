@@ -203,6 +203,7 @@ class DecoupledEngine:
             comm_s=comm_s,
             wall_time=self._wall(),
             weight=result.weight,
+            grad_norm=result.grad_norm,
         )
 
     def _wall(self) -> float:

@@ -9,6 +9,7 @@ gradients all-reduced in bf16 (DDP's bf16 compression hook) so the wire carries 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Iterator
 
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import clip_grad_norm_
 
 from acco.engine import collectives, progress
 from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, backward_and_count, new_stats
@@ -116,6 +118,11 @@ class TorchDDPEngine:
             # list is rebuilt each time: DDP re-buckets, and re-points .grad, after its first step.)
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, self.world_size / weight)
+            # Every rank holds the whole averaged gradient after DDP's all-reduce (ZeRO shards only
+            # the optimizer state), so torch's own clip_grad_norm_ clips by the global norm. With
+            # clipping off, the norm is still computed (once, foreach) for the logs.
+            trainable = [p for p in self.module.parameters() if p.grad is not None]
+            grad_norm = float(clip_grad_norm_(trainable, cfg.max_grad_norm or math.inf, foreach=True))
             lr = learning_rate(cfg, self.samples, batch)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -135,6 +142,7 @@ class TorchDDPEngine:
                 comm_s=step_s,
                 wall_time=time.perf_counter() - t0,
                 weight=weight,
+                grad_norm=grad_norm,
             )
             self.last_wall_time = record.wall_time
             yield record

@@ -1,0 +1,241 @@
+"""A plain, single-process reference of the methods' recurrences (ddp, dpu, acco), independent
+of the engine: torch's own AdamW on the model's parameters, torch's ``clip_grad_norm_``, the
+learning-rate schedule written out, and W virtual workers that read their micro-batches in the
+order the engine's fixed-batch mode reads them. A trial step (acco's estimate) is a real AdamW
+step whose parameters and optimizer state are restored afterwards, as the authors' code does.
+
+The learning-rate sweep runs it beside the engine on a small case: a gap that shows in both is
+the algorithm's, a gap in one only is the implementation's. It is also the quick way to try an
+estimate variant on one process before putting it in the engine.
+
+    case = build_case(["train.learning_rate=3e-3", "model.hidden_size=128"])
+    out = simulate(case, "acco", world_size=2, grad_accum=4)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils import clip_grad_norm_, parameters_to_vector
+
+
+@dataclass
+class Case:
+    """What a training run is made of: the model at its initial weights, the data, the settings."""
+
+    model: torch.nn.Module
+    train_blocks: object
+    eval_blocks: object
+    train: dict  # the run's train settings (learning_rate, warmup, nb_steps_tot, batch_size, ...)
+    seed: int
+
+
+def build_case(overrides: list[str]) -> Case:
+    """The model, data and settings a `python main.py <overrides>` run would train with, in-process."""
+    from hydra import compose, initialize_config_module
+
+    from acco.cli import load_corpus, prepare_tokenizer, split_corpus
+    from acco.data import pack_documents
+    from acco.models import build_model
+    from acco.trainer import TrainArgs
+
+    with initialize_config_module(config_module="acco.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    args = TrainArgs.from_any(cfg.train)
+    train_docs, eval_docs = split_corpus(load_corpus(cfg.data), args)
+    tokenizer = prepare_tokenizer(cfg, train_docs)
+    torch.manual_seed(args.seed)  # as the training CLI: the initial weights are a function of the seed
+    model = build_model(cfg.model, vocab_size=len(tokenizer), max_length=args.max_length,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    text = cfg.data.text_column
+    return Case(model=model, train_blocks=pack_documents(train_docs, tokenizer, args.max_length, None, text),
+                eval_blocks=pack_documents(eval_docs, tokenizer, args.max_length, None, text) if eval_docs else None,
+                train={k: getattr(args, k) for k in vars(args)}, seed=args.seed)
+
+
+@torch.no_grad()
+def _load(vector: torch.Tensor, tensors) -> None:
+    """Copy a flat vector into tensors (torch's vector_to_parameters would make them views of it)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(vector[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def schedule(t: dict, samples_before: int, batch: int) -> float:
+    """Cosine (or linear, constant) by micro-batches seen, linear warm-up counting this update's batch."""
+    lr, warmup, total = t["learning_rate"], t["warmup"], t["nb_steps_tot"]
+    if warmup > 0 and samples_before < warmup:
+        return lr * min(1.0, (samples_before + batch) / warmup)
+    if t["scheduler_name"] == "constant":
+        return lr
+    progress = min(1.0, max(0.0, (samples_before - warmup) / max(1, total - warmup)))
+    if t["scheduler_name"] == "linear":
+        return lr * (1.0 - progress)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class _Workers:
+    """W virtual workers: each reads its own MicroBatchStream; gradients summed over all of them."""
+
+    def __init__(self, case: Case, world_size: int):
+        from acco.data import MicroBatchStream
+
+        self.model = case.model
+        self.params = [p for p in case.model.parameters() if p.requires_grad]
+        b = case.train["batch_size"]
+        self.streams = [MicroBatchStream(case.train_blocks, b, r, world_size, case.seed) for r in range(world_size)]
+
+    def grad_sum(self, theta: torch.Tensor, n: int) -> tuple[torch.Tensor, float, float, int]:
+        """(sum of token-loss gradients, summed token loss, target tokens, micro-batches) of the
+        next `n` micro-batches of every worker, at parameters `theta`."""
+        _load(theta, self.params)
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        loss_sum = tokens = 0.0
+        for stream in self.streams:
+            for _ in range(n):
+                batch = next(stream)
+                logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits
+                labels = batch["labels"][:, 1:]
+                loss = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+                loss.backward()
+                loss_sum += float(loss.detach())
+                tokens += float((labels != -100).sum())
+        return parameters_to_vector([p.grad for p in self.params]), loss_sum, tokens, n * len(self.streams)
+
+
+class _Optimizer:
+    """torch AdamW on the model's parameters; `step(..., commit=False)` restores everything after."""
+
+    def __init__(self, params, t: dict, max_grad_norm: float | None):
+        self.params = params
+        self.opt = torch.optim.AdamW(params, lr=t["learning_rate"], betas=(t["adam_beta1"], t["adam_beta2"]),
+                                     eps=t["adam_eps"], weight_decay=t["weight_decay"], foreach=False)
+        self.max_grad_norm = max_grad_norm
+
+    def momentum(self) -> torch.Tensor | None:
+        """The bias-corrected first moment m_t / (1 - beta1^t) as one vector (None before the first step)."""
+        state = [self.opt.state.get(p) for p in self.params]
+        if not state[0]:
+            return None
+        beta1 = self.opt.param_groups[0]["betas"][0]
+        step = float(state[0]["step"])
+        return parameters_to_vector([s["exp_avg"] for s in state]) / (1 - beta1**step)
+
+    def step(self, theta: torch.Tensor, grad: torch.Tensor, lr: float, commit: bool,
+             predict_half: bool = False) -> tuple[torch.Tensor, float]:
+        """(the parameters AdamW makes of theta with this mean gradient, the gradient's norm before clipping).
+
+        `predict_half` (a trial only): the gradient is half of a batch, and the other half, not
+        computed yet, is predicted by the momentum: the step takes (clipped grad + m_hat) / 2."""
+        norm = float(grad.norm())
+        if predict_half:
+            m_hat = self.momentum()
+            if m_hat is not None:
+                if self.max_grad_norm:
+                    grad = grad * min(1.0, self.max_grad_norm / (norm + 1e-6))
+                grad = 0.5 * grad + 0.5 * m_hat
+            else:
+                predict_half = False
+        _load(theta, self.params)
+        _load(grad, [p.grad for p in self.params])
+        if self.max_grad_norm and not predict_half:
+            norm = float(clip_grad_norm_(self.params, self.max_grad_norm))
+        saved = None if commit else copy.deepcopy(self.opt.state_dict())
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        new = parameters_to_vector(self.params).detach().clone()
+        if saved is not None:
+            self.opt.load_state_dict(saved)
+        return new, norm
+
+
+def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
+             max_grad_norm: float | None = None, estimate: str = "paper", eval_every: int = 0, max_eval_batches: int | None = None) -> dict:
+    """Train a copy of `case.model` with `method` ("ddp", "dpu" or "acco") and a fixed batch:
+    `grad_accum` micro-batches per worker per update (acco: half of it per round, two rounds per
+    update). Returns per-update training losses, gradient norms and the eval loss at the end (and
+    every `eval_every` updates)."""
+    if method not in ("ddp", "dpu", "acco"):
+        raise ValueError(f"the reference knows ddp, dpu and acco, not {method!r}")
+    estimate_kind = estimate
+    case = copy.copy(case)
+    case.model = copy.deepcopy(case.model).float().train()
+    t = case.train
+    workers = _Workers(case, world_size)
+    opt = _Optimizer(workers.params, t, max_grad_norm)
+    theta = parameters_to_vector(workers.params).detach().clone()
+    samples, out = 0, {"method": method, "loss": [], "grad_norm": [], "lr": [], "samples": [], "eval": []}
+    max_eval = max_eval_batches if max_eval_batches is not None else t.get("max_eval_batches")
+
+    def commit(grad, loss, tokens, batch, at):
+        nonlocal samples
+        lr = schedule(t, samples, batch)
+        new, norm = opt.step(at, grad / tokens, lr, commit=True)
+        samples += batch
+        out["loss"].append(loss / tokens)
+        out["grad_norm"].append(norm)
+        out["lr"].append(lr)
+        out["samples"].append(samples)
+        if eval_every and len(out["loss"]) % eval_every == 0:
+            out["eval"].append((samples, evaluate(case, new, world_size, max_eval)))
+        return new
+
+    if method == "ddp":
+        while samples < t["nb_steps_tot"]:
+            theta = commit(*workers.grad_sum(theta, grad_accum), at=theta)
+    elif method == "dpu":
+        pending = workers.grad_sum(theta, grad_accum)  # computed at theta_0, with nothing to overlap
+        while samples < t["nb_steps_tot"]:
+            nxt = workers.grad_sum(theta, grad_accum)  # at theta_t, while the round on `pending` runs
+            theta = commit(*pending, at=theta)
+            pending = nxt
+    else:  # acco
+        k = grad_accum // 2
+        g_est = workers.grad_sum(theta, k)  # g~_0 at theta_0
+        while samples < t["nb_steps_tot"]:
+            # estimate round: theta~_{t+1} = Opt_trial(theta_t, g~_t); meanwhile g_t at theta_t
+            lr_trial = schedule(t, samples, 2 * g_est[3])
+            estimate, _ = opt.step(theta, g_est[0] / g_est[2], lr_trial, commit=False,
+                                   predict_half=estimate_kind == "predict-half")
+            g_now = workers.grad_sum(theta, k)
+            total = tuple(a + b for a, b in zip(g_est, g_now))
+            # update round: theta_{t+1} = Opt(theta_t, (g~_t + g_t) / N); meanwhile g~_{t+1} at theta~_{t+1}
+            g_est = workers.grad_sum(estimate, k)
+            theta = commit(*total, at=theta)
+    out["final_eval_loss"] = evaluate(case, theta, world_size, max_eval)
+    out["params"] = theta
+    return out
+
+
+@torch.no_grad()
+def evaluate(case: Case, theta: torch.Tensor, world_size: int, max_eval_batches: int | None) -> float | None:
+    """Mean next-token loss on the eval blocks, the samples the trainer's W ranks would read."""
+    from acco.data import eval_batches
+
+    if case.eval_blocks is None:
+        return None
+    model = case.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    _load(theta, params)
+    model.eval()
+    b = case.train.get("eval_batch_size") or case.train["batch_size"]
+    loss_sum = tokens = 0.0
+    for r in range(world_size):
+        for i, batch in enumerate(eval_batches(case.eval_blocks, b, r, world_size)):
+            if max_eval_batches is not None and i >= max_eval_batches:
+                break
+            logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+            labels = batch["labels"][:, 1:]
+            loss_sum += float(torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"))
+            tokens += float((labels != -100).sum())
+    model.train()
+    return loss_sum / tokens
