@@ -3,6 +3,7 @@
     acco-bench cluster     [--hosts 2 --bandwidth 100mbit --methods ddp,torch-ddp,dpu,wp,acco ...]
     acco-bench sweep       [--bandwidths 50mbit,200mbit,1000mbit,unshaped ...]
     acco-bench convergence --data ../shared/data/tinystories/TinyStories-valid-head.txt [--seeds 0,1 ...]
+    acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
     acco-bench report DIR                      (re-render a finished run's tables and plots)
 
@@ -145,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--closeness-steps", default="1,10,50,100,200",
                    help="Adam steps before each closeness measurement")
 
+    p = sub.add_parser("lr-sweep", help="final eval loss against the learning rate for ddp, acco and dpu, "
+                                        "several seeds where ddp trains best; a reference check of the engine")
+    _add_common(p, "outputs/bench/lr-sweep", 800, methods=("ddp", "acco", "dpu"))
+    p.set_defaults(loopback=True)
+    p.add_argument("--learning-rates", default="5e-4,1e-3,1.5e-3,2e-3,3e-3",
+                   help="comma-separated learning rates (train.learning_rate), two or more")
+    p.add_argument("--seeds", default="0", help="seeds run at every learning rate (default 0)")
+    p.add_argument("--extra-seeds", default="1,2",
+                   help="more seeds at ddp's best learning rate and the one nearest half of it ('' for none)")
+    p.add_argument("--eval-step", type=int, default=0, help="also evaluate every that many updates (0: at the end)")
+    p.add_argument("--reference-updates", type=int, default=20,
+                   help="updates of the plain reference run beside the engine at ddp's best learning rate (0: none)")
+
     p = sub.add_parser("report", help="re-render the tables and plots of a finished run (cluster runs: "
                                       "the figures are recomputed from the run folders)")
     p.add_argument("dir", help="the --out folder of an acco-bench cluster, sweep or convergence run")
@@ -191,6 +205,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[acco-bench] wrote {args.out}/convergence.json and convergence.md")
             print((Path(args.out) / "convergence.md").read_text())
             return 1 if conv.get("failed") else 0
+        if args.command == "lr-sweep":
+            from acco.bench.lr_sweep import run_lr_sweep
+
+            def numbers(text, kind):
+                try:
+                    return [kind(x) for x in text.split(",") if x.strip()]
+                except ValueError:
+                    raise BenchError(f"expected comma-separated numbers, got {text!r}") from None
+
+            s = _settings(args, bandwidth=None, latency=None, eval_step=args.eval_step or None)
+            sweep = run_lr_sweep(s, numbers(args.learning_rates, float), numbers(args.seeds, int),
+                                 numbers(args.extra_seeds, int), Path(args.out), args.reference_updates)
+            print(f"[acco-bench] wrote {args.out}/lr_sweep.json and lr_sweep.md")
+            print((Path(args.out) / "lr_sweep.md").read_text())
+            return 1 if sweep.get("failed") else 0
         if args.command == "report":
             from acco.bench import report
             from acco.bench.cluster import rerender
@@ -202,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             elif (d / "sweep.json").exists():
                 report.write_sweep_report(report.load_json(d / "sweep.json"), d)
                 print((d / "sweep.md").read_text())
+            elif (d / "lr_sweep.json").exists():
+                report.write_lr_sweep_report(report.load_json(d / "lr_sweep.json"), d)
+                print((d / "lr_sweep.md").read_text())
             elif (d / "convergence.json").exists():
                 report.write_convergence_report(report.load_json(d / "convergence.json"), d)
                 print((d / "convergence.md").read_text())

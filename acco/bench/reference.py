@@ -158,11 +158,12 @@ class _Optimizer:
 
 
 def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
-             max_grad_norm: float | None = None, estimate: str = "paper", eval_every: int = 0, max_eval_batches: int | None = None) -> dict:
+             max_grad_norm: float | None = None, estimate: str = "paper", eval_every: int = 0,
+             max_eval_batches: int | None = None, max_updates: int | None = None, final_eval: bool = True) -> dict:
     """Train a copy of `case.model` with `method` ("ddp", "dpu" or "acco") and a fixed batch:
     `grad_accum` micro-batches per worker per update (acco: half of it per round, two rounds per
-    update). Returns per-update training losses, gradient norms and the eval loss at the end (and
-    every `eval_every` updates)."""
+    update), until the budget or `max_updates`. Returns per-update training losses, gradient
+    norms and the eval loss at the end (and every `eval_every` updates)."""
     if method not in ("ddp", "dpu", "acco"):
         raise ValueError(f"the reference knows ddp, dpu and acco, not {method!r}")
     estimate_kind = estimate
@@ -174,6 +175,9 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
     theta = parameters_to_vector(workers.params).detach().clone()
     samples, out = 0, {"method": method, "loss": [], "grad_norm": [], "lr": [], "samples": [], "eval": []}
     max_eval = max_eval_batches if max_eval_batches is not None else t.get("max_eval_batches")
+
+    def running() -> bool:
+        return samples < t["nb_steps_tot"] and (max_updates is None or len(out["loss"]) < max_updates)
 
     def commit(grad, loss, tokens, batch, at):
         nonlocal samples
@@ -189,28 +193,32 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
         return new
 
     if method == "ddp":
-        while samples < t["nb_steps_tot"]:
+        while running():
             theta = commit(*workers.grad_sum(theta, grad_accum), at=theta)
     elif method == "dpu":
         pending = workers.grad_sum(theta, grad_accum)  # computed at theta_0, with nothing to overlap
-        while samples < t["nb_steps_tot"]:
+        while running():
             nxt = workers.grad_sum(theta, grad_accum)  # at theta_t, while the round on `pending` runs
             theta = commit(*pending, at=theta)
             pending = nxt
     else:  # acco
         k = grad_accum // 2
         g_est = workers.grad_sum(theta, k)  # g~_0 at theta_0
-        while samples < t["nb_steps_tot"]:
+        error = torch.zeros_like(theta)  # theta~_t - theta_t, the last estimate's error
+        while running():
             # estimate round: theta~_{t+1} = Opt_trial(theta_t, g~_t); meanwhile g_t at theta_t
             lr_trial = schedule(t, samples, 2 * g_est[3])
             estimate, _ = opt.step(theta, g_est[0] / g_est[2], lr_trial, commit=False,
                                    predict_half=estimate_kind == "predict-half")
+            if estimate_kind == "lean":
+                estimate += 0.5 * error
             g_now = workers.grad_sum(theta, k)
             total = tuple(a + b for a, b in zip(g_est, g_now))
             # update round: theta_{t+1} = Opt(theta_t, (g~_t + g_t) / N); meanwhile g~_{t+1} at theta~_{t+1}
             g_est = workers.grad_sum(estimate, k)
             theta = commit(*total, at=theta)
-    out["final_eval_loss"] = evaluate(case, theta, world_size, max_eval)
+            error = estimate - theta
+    out["final_eval_loss"] = evaluate(case, theta, world_size, max_eval) if final_eval else None
     out["params"] = theta
     return out
 

@@ -343,3 +343,85 @@ def plot_convergence(conv: dict, out: Path) -> list[str]:
 
 def load_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# learning-rate sweep
+
+
+def lr_sweep_markdown(sweep: dict, plots: list[str]) -> str:
+    cfg, summary = sweep["config"], sweep["summary"]
+    methods, table = cfg["methods"], summary["table"]
+    lrs = [f"{float(x):g}" for x in cfg["learning_rates"]]
+    lines = [f"# acco-bench lr-sweep: {cfg.get('data_path') or cfg.get('data')}, model {cfg.get('model')} "
+             f"{cfg.get('model_size') or ''}", "",
+             f"{cfg['hosts']} workers, {cfg['nb_steps_tot']} micro-batches of {cfg['batch_size']} x {cfg['max_length']}, "
+             f"{cfg['grad_accum']} per worker per update (acco {cfg['grad_accum'] // 2} per round), fixed batch; "
+             f"seeds {cfg['seeds']} (extra seeds {cfg.get('extra_seeds') or []} at ddp's best learning rate and half of it); "
+             f"extra overrides: {' '.join(cfg.get('extra') or []) or 'none'}.", "",
+             "Final eval loss, mean over seeds (n seeds, and min-max when more than one):", ""]
+
+    def cell(s: dict) -> str:
+        if not s.get("n"):
+            return "-"
+        spread = f" [{s['min']:.3f}-{s['max']:.3f}]" if s["n"] > 1 else ""
+        return f"{s['mean']:.3f} (n={s['n']}){spread}"
+
+    rows = [[lr] + [cell(table[m].get(lr, {})) for m in methods] for lr in lrs]
+    lines += [md_table(["learning rate"] + methods, rows), ""]
+    best = summary.get("best", {})
+    lines += [md_table(["method", "best learning rate", "best final eval loss"],
+                       [[m, f"{best[m]['learning_rate']:g}", fmt(best[m]["final_eval_loss"])] for m in methods if m in best]), ""]
+    gap_rows = [[m, name.replace("_", " "), f"{g['learning_rate']:g}", g["seeds"], fmt(g["mean_loss"]),
+                 fmt(g["ddp_mean_loss"]), fmt(g["ratio_to_ddp"])]
+                for m, by_point in summary.get("gaps", {}).items() for name, g in by_point.items()]
+    if gap_rows:
+        lines += ["Gap to ddp at ddp's best learning rate and at half of it (same seeds):", "",
+                  md_table(["method", "point", "learning rate", "seeds", "final eval loss", "ddp", "ratio to ddp"],
+                           gap_rows), ""]
+    ref = sweep.get("reference_check")
+    if ref and "error" not in ref:
+        lines += [f"Reference check at learning rate {ref['learning_rate']:g}, seed {ref['seed']}: training loss "
+                  "of the engine against the plain single-process recurrence (acco.bench.reference), first "
+                  f"{ref['updates']} updates:", "",
+                  md_table(["method", "updates", "max abs difference"],
+                           [[m, len(r["engine"]), f"{r['max_abs_diff']:.2e}"] for m, r in ref["methods"].items()]), ""]
+    elif ref:
+        lines += [f"Reference check failed: {ref['error']}", ""]
+    if sweep.get("failed"):
+        lines += ["Failed runs: " + "; ".join(f"{f['method']} lr {f['learning_rate']:g} seed {f['seed']}: {f['error']}"
+                                              for f in sweep["failed"]), ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_lr_sweep_report(sweep: dict, out: Path) -> list[str]:
+    plots = []
+    try:
+        plots = plot_lr_sweep(sweep, out)
+    except Exception as e:
+        print(f"[acco-bench] plotting failed: {e}")
+    (out / "lr_sweep.md").write_text(lr_sweep_markdown(sweep, plots))
+    return plots
+
+
+def plot_lr_sweep(sweep: dict, out: Path) -> list[str]:
+    plt = _plt()
+    table = sweep["summary"]["table"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, by_lr in table.items():
+        points = sorted((float(lr), s) for lr, s in by_lr.items() if s.get("n"))
+        if not points:
+            continue
+        xs = [x for x, _ in points]
+        ax.plot(xs, [s["mean"] for _, s in points], marker="o", label=m, color=COLORS.get(m))
+        ax.fill_between(xs, [s["min"] for _, s in points], [s["max"] for _, s in points], color=COLORS.get(m), alpha=0.15)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("final eval loss")
+    ax.set_title("final eval loss against learning rate (mean over seeds, band: min-max)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "final_loss_vs_lr.png", dpi=110)
+    plt.close(fig)
+    return ["final_loss_vs_lr.png"]
