@@ -17,14 +17,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from acco.bench.cluster import ALL_METHODS, DEFAULT_MODEL_SIZE, BenchError, BenchSettings
+from acco.bench.cluster import ALL_METHODS, DEFAULT_MODEL_SIZE, KNOWN_METHODS, BenchError, BenchSettings
 
 
 def _methods(text: str) -> tuple[str, ...]:
     ms = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in ms if m not in ALL_METHODS]
+    bad = [m for m in ms if m not in KNOWN_METHODS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(ALL_METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}")
     return ms
 
 

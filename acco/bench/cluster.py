@@ -38,6 +38,18 @@ from pathlib import Path
 from acco.bench import netns
 
 ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco")
+# Variants run as methods of their own, side by side: name -> (train config, its overrides).
+VARIANTS = {
+    "acco-paper": ("acco", ("train.acco_estimate=paper",)),
+    "acco-lean": ("acco", ("train.acco_estimate=lean",)),
+}
+KNOWN_METHODS = ALL_METHODS + tuple(VARIANTS)
+
+
+def base_method(method: str) -> str:
+    """The train config a method or variant name runs (acco-lean: acco)."""
+    return VARIANTS[method][0] if method in VARIANTS else method
+
 COMM_MEASURES = {
     "ddp": "time inside the comm round (reduce-scatter, optimizer step, all-gather), computation waiting",
     "torch-ddp": "ZeroRedundancyOptimizer's step and parameter broadcast only: DDP's bucketed all-reduce "
@@ -93,9 +105,9 @@ class BenchSettings:
     extra: tuple[str, ...] = ()  # more Hydra overrides, for every method and rank
 
     def validate(self) -> None:
-        bad = [m for m in self.methods if m not in ALL_METHODS]
+        bad = [m for m in self.methods if m not in KNOWN_METHODS]
         if bad:
-            raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(ALL_METHODS)}")
+            raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}")
         if not self.methods:
             raise BenchError("no method to run")
         if self.hosts < 1:
@@ -124,7 +136,7 @@ class BenchSettings:
                 raise BenchError(str(e)) from e
 
     def grad_accum_for(self, method: str) -> int:
-        return self.grad_accum // 2 if method == "acco" else self.grad_accum
+        return self.grad_accum // 2 if base_method(method) == "acco" else self.grad_accum
 
     def worker_threads(self) -> int:
         if self.threads:
@@ -134,7 +146,8 @@ class BenchSettings:
     def overrides(self, method: str, out_dir: Path, rank: int) -> list[str]:
         """The Hydra overrides of one worker."""
         o = [
-            f"train={method}",
+            f"train={base_method(method)}",
+            *VARIANTS.get(method, (None, ()))[1],
             f"model={self.model}",
             f"data={self.data}",
             f"train.nb_steps_tot={self.nb_steps_tot}",
@@ -656,7 +669,7 @@ def add_comparisons(methods: dict) -> dict:
         b = out["bounds"]
         if b and res.get("speedup_step_vs_ddp"):
             res["fraction_of_ideal_overlap"] = res["speedup_step_vs_ddp"] / b["ideal_overlap"]
-            if name == "acco":
+            if base_method(name) == "acco":
                 res["fraction_of_ideal_acco"] = res["speedup_step_vs_ddp"] / b["ideal_acco"]
     return out
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from acco.bench.cluster import BenchError, BenchSettings, read_jsonl
+from acco.bench.cluster import VARIANTS, BenchError, BenchSettings, base_method, read_jsonl
 from acco.bench.convergence import _stats, run_convergence
 
 
@@ -83,14 +83,17 @@ def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Pat
     case = build_case(overrides)
     result = {"learning_rate": lr, "seed": seed, "updates": updates, "methods": {}}
     for method in settings.methods:
-        if method not in ("ddp", "dpu", "acco"):
+        base = base_method(method)
+        if base not in ("ddp", "dpu", "acco"):
             continue
         metrics = run_root / f"seed{seed}" / method / "metrics.jsonl"
         if not metrics.exists():
             continue
+        estimate = next((o.split("=", 1)[1] for o in VARIANTS.get(method, (None, ()))[1]
+                         if o.startswith("train.acco_estimate=")), case.train.get("acco_estimate", "paper"))
         engine = [r["loss"] for r in read_jsonl(metrics) if r.get("type") == "train"][:updates]
-        ref = simulate(case, method, settings.hosts, settings.grad_accum, max_updates=len(engine),
-                       max_grad_norm=case.train.get("max_grad_norm"), final_eval=False)["loss"]
+        ref = simulate(case, base, settings.hosts, settings.grad_accum, max_updates=len(engine),
+                       max_grad_norm=case.train.get("max_grad_norm"), estimate=estimate, final_eval=False)["loss"]
         diff = max((abs(a - b) for a, b in zip(engine, ref)), default=float("nan"))
         result["methods"][method] = {"engine": engine, "reference": ref, "max_abs_diff": diff}
         log(f"[acco-bench] reference check {method}: {len(engine)} updates, max |engine - reference| "

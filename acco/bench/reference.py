@@ -205,6 +205,7 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
         k = grad_accum // 2
         g_est = workers.grad_sum(theta, k)  # g~_0 at theta_0
         error = torch.zeros_like(theta)  # theta~_t - theta_t, the last estimate's error
+        lean = 0.0
         while running():
             # estimate round: theta~_{t+1} = Opt_trial(theta_t, g~_t); meanwhile g_t at theta_t
             lr_trial = schedule(t, samples, 2 * g_est[3])
@@ -212,12 +213,26 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
                                    predict_half=estimate_kind == "predict-half")
             if estimate_kind == "lean":
                 estimate += 0.5 * error
+            elif estimate_kind == "lean75":
+                estimate += 0.75 * error
+            elif estimate_kind == "adaptive":
+                estimate += lean * error
+            used = lean if estimate_kind == "adaptive" else 0.0
             g_now = workers.grad_sum(theta, k)
             total = tuple(a + b for a, b in zip(g_est, g_now))
             # update round: theta_{t+1} = Opt(theta_t, (g~_t + g_t) / N); meanwhile g~_{t+1} at theta~_{t+1}
             g_est = workers.grad_sum(estimate, k)
             theta = commit(*total, at=theta)
-            error = estimate - theta
+            new_error = estimate - theta
+            if estimate_kind == "adaptive":
+                # the error's recurrence e_{t+1} = -kappa e_t + noise, kappa fitted by least squares
+                # on the part of e_{t+1} the correction did not make, smoothed with beta1
+                sq = float(error.dot(error))
+                if sq > 0:
+                    kappa = -float((new_error - used * error).dot(error)) / sq
+                    lean = 0.9 * lean + 0.1 * min(0.9, max(0.0, kappa))
+                out.setdefault("lean", []).append(lean)
+            error = new_error
     out["final_eval_loss"] = evaluate(case, theta, world_size, max_eval) if final_eval else None
     out["params"] = theta
     return out

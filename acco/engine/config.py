@@ -7,6 +7,10 @@ import math
 from dataclasses import dataclass, field
 
 METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp")
+# acco's estimate round: "paper" is Opt_trial(theta_t, g~_t) as the paper writes it; "lean" adds
+# half of the last estimate's error (theta~_t - theta_t), which damps the error's feedback loop
+# (see algorithm notes in acco/engine/comm.py and BENCHMARKS.md's learning-rate sweep).
+ACCO_ESTIMATES = ("paper", "lean")
 SCHEDULERS = ("cosine", "linear", "constant")
 
 
@@ -40,6 +44,7 @@ class EngineConfig:
     # Clip the averaged gradient to this global L2 norm before the optimizer step (Hugging Face's
     # Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient.
     max_grad_norm: float | None = 1.0
+    acco_estimate: str = "paper"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +66,10 @@ class EngineConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.acco_estimate not in ACCO_ESTIMATES:
+            raise ConfigError(
+                f"unknown acco_estimate {self.acco_estimate!r}; choose one of {', '.join(ACCO_ESTIMATES)}"
+            )
         clip = self.max_grad_norm
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 <= clip < math.inf):
             raise ConfigError(f"max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got {clip!r}")

@@ -250,6 +250,8 @@ class DecoupledEngine:
             # Overlapped methods: the gradients computed during the last round, the next payload.
             "accumulator": self.flat.grads if self._in_overlap else None,
             "accumulator_stats": self.stats,
+            # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
+            "estimate_error": self.comm.estimate_error,
         }
 
     def load_state_dict(self, state: dict, all_states: Callable[[], list[dict]] | None = None) -> bool:
@@ -273,6 +275,9 @@ class DecoupledEngine:
             self.flat.params.copy_(state["params"])
             if self.committed is not None:
                 self.committed.copy_(state["committed"])
+            if self.comm.estimate_error is not None:  # older checkpoints and other estimates: none
+                saved = state.get("estimate_error")
+                self.comm.estimate_error.copy_(saved) if saved is not None else self.comm.estimate_error.zero_()
             if state["accumulator"] is not None:
                 self.flat.grads.copy_(state["accumulator"])
                 self.stats.copy_(state["accumulator_stats"])
