@@ -103,6 +103,46 @@ def test_convergence_one_seed(tmp_path):
     assert "| acco |" in md and "Update closeness" in md
 
 
+def test_lr_sweep_and_its_reference_check(tmp_path):
+    """Two learning rates, ddp and the lean acco variant; the plain reference (no engine code)
+    gives the engine's training losses update by update."""
+    out = tmp_path / "lrs"
+    code = main(["lr-sweep", "--learning-rates", "3e-3,6e-3", "--methods", "ddp,acco-lean", "--seeds", "0",
+                 "--extra-seeds", "", "--reference-updates", "3", "--out", str(out), *TINY])
+    assert code == 0
+    sweep = json.loads((out / "lr_sweep.json").read_text())
+    table = sweep["summary"]["table"]
+    assert set(table) == {"ddp", "acco-lean"} and set(table["ddp"]) == {"0.003", "0.006"}
+    assert all(s["n"] == 1 and s["mean"] > 0 for by_lr in table.values() for s in by_lr.values())
+    assert sweep["summary"]["best"]["ddp"]["learning_rate"] in (3e-3, 6e-3)
+    check = sweep["reference_check"]["methods"]
+    assert set(check) == {"ddp", "acco-lean"}
+    for method, result in check.items():
+        assert len(result["engine"]) == len(result["reference"]) == 3, method
+        assert result["max_abs_diff"] < 1e-4, (method, result)
+    md = (out / "lr_sweep.md").read_text()
+    assert "| acco-lean |" in md and "Reference check" in md and (out / "final_loss_vs_lr.png").exists()
+
+
+def test_lr_sweep_summary_pairs_seeds_and_finds_half_the_best():
+    from acco.bench.lr_sweep import nearest, summarize
+
+    def run(loss):
+        return {"final_eval_loss": loss}
+
+    runs = {"0.001": {"ddp": {"0": run(3.0), "1": run(3.2)}, "acco": {"0": run(3.1), "1": run(3.1)}},
+            "0.002": {"ddp": {"0": run(2.0), "1": run(2.2)}, "acco": {"0": run(2.2), "1": run(2.4)}},
+            "0.004": {"ddp": {"0": run(2.5)}, "acco": {"0": run(2.0)}}}
+    summary = summarize(runs, [1e-3, 2e-3, 4e-3], ("ddp", "acco"))
+    assert summary["best"]["ddp"] == {"learning_rate": 2e-3, "final_eval_loss": 2.1}
+    assert summary["best"]["acco"]["learning_rate"] == 4e-3
+    assert summary["table"]["ddp"]["0.002"]["n"] == 2
+    gap = summary["gaps"]["acco"]
+    assert gap["ddp_best"]["ratio_to_ddp"] == pytest.approx(4.6 / 4.2)
+    assert gap["half_ddp_best"]["learning_rate"] == 1e-3 and gap["half_ddp_best"]["ratio_to_ddp"] == pytest.approx(1.0)
+    assert nearest([7.5e-4, 1.5e-3, 3e-3], 4.5e-3 / 2) == 3e-3
+
+
 def test_gpu_without_cuda_exits_cleanly(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
