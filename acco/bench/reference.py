@@ -119,34 +119,11 @@ class _Optimizer:
                                      eps=t["adam_eps"], weight_decay=t["weight_decay"], foreach=False)
         self.max_grad_norm = max_grad_norm
 
-    def momentum(self) -> torch.Tensor | None:
-        """The bias-corrected first moment m_t / (1 - beta1^t) as one vector (None before the first step)."""
-        state = [self.opt.state.get(p) for p in self.params]
-        if not state[0]:
-            return None
-        beta1 = self.opt.param_groups[0]["betas"][0]
-        step = float(state[0]["step"])
-        return parameters_to_vector([s["exp_avg"] for s in state]) / (1 - beta1**step)
-
-    def step(self, theta: torch.Tensor, grad: torch.Tensor, lr: float, commit: bool,
-             predict_half: bool = False) -> tuple[torch.Tensor, float]:
-        """(the parameters AdamW makes of theta with this mean gradient, the gradient's norm before clipping).
-
-        `predict_half` (a trial only): the gradient is half of a batch, and the other half, not
-        computed yet, is predicted by the momentum: the step takes (clipped grad + m_hat) / 2."""
-        norm = float(grad.norm())
-        if predict_half:
-            m_hat = self.momentum()
-            if m_hat is not None:
-                if self.max_grad_norm:
-                    grad = grad * min(1.0, self.max_grad_norm / (norm + 1e-6))
-                grad = 0.5 * grad + 0.5 * m_hat
-            else:
-                predict_half = False
+    def step(self, theta: torch.Tensor, grad: torch.Tensor, lr: float, commit: bool) -> tuple[torch.Tensor, float]:
+        """(the parameters AdamW makes of theta with this mean gradient, the gradient's norm before clipping)."""
         _load(theta, self.params)
         _load(grad, [p.grad for p in self.params])
-        if self.max_grad_norm and not predict_half:
-            norm = float(clip_grad_norm_(self.params, self.max_grad_norm))
+        norm = float(clip_grad_norm_(self.params, self.max_grad_norm or math.inf))
         saved = None if commit else copy.deepcopy(self.opt.state_dict())
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -166,6 +143,8 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
     norms and the eval loss at the end (and every `eval_every` updates)."""
     if method not in ("ddp", "dpu", "acco"):
         raise ValueError(f"the reference knows ddp, dpu and acco, not {method!r}")
+    if estimate not in ("paper", "lean"):
+        raise ValueError(f"the reference knows acco's paper and lean estimates, not {estimate!r}")
     estimate_kind = estimate
     case = copy.copy(case)
     case.model = copy.deepcopy(case.model).float().train()
@@ -205,34 +184,18 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
         k = grad_accum // 2
         g_est = workers.grad_sum(theta, k)  # g~_0 at theta_0
         error = torch.zeros_like(theta)  # theta~_t - theta_t, the last estimate's error
-        lean = 0.0
         while running():
             # estimate round: theta~_{t+1} = Opt_trial(theta_t, g~_t); meanwhile g_t at theta_t
             lr_trial = schedule(t, samples, 2 * g_est[3])
-            estimate, _ = opt.step(theta, g_est[0] / g_est[2], lr_trial, commit=False,
-                                   predict_half=estimate_kind == "predict-half")
+            theta_est, _ = opt.step(theta, g_est[0] / g_est[2], lr_trial, commit=False)
             if estimate_kind == "lean":
-                estimate += 0.5 * error
-            elif estimate_kind == "lean75":
-                estimate += 0.75 * error
-            elif estimate_kind == "adaptive":
-                estimate += lean * error
-            used = lean if estimate_kind == "adaptive" else 0.0
+                theta_est += 0.5 * error  # acco_estimate=lean: half of the last estimate's error
             g_now = workers.grad_sum(theta, k)
             total = tuple(a + b for a, b in zip(g_est, g_now))
             # update round: theta_{t+1} = Opt(theta_t, (g~_t + g_t) / N); meanwhile g~_{t+1} at theta~_{t+1}
-            g_est = workers.grad_sum(estimate, k)
+            g_est = workers.grad_sum(theta_est, k)
             theta = commit(*total, at=theta)
-            new_error = estimate - theta
-            if estimate_kind == "adaptive":
-                # the error's recurrence e_{t+1} = -kappa e_t + noise, kappa fitted by least squares
-                # on the part of e_{t+1} the correction did not make, smoothed with beta1
-                sq = float(error.dot(error))
-                if sq > 0:
-                    kappa = -float((new_error - used * error).dot(error)) / sq
-                    lean = 0.9 * lean + 0.1 * min(0.9, max(0.0, kappa))
-                out.setdefault("lean", []).append(lean)
-            error = new_error
+            error = theta_est - theta
     out["final_eval_loss"] = evaluate(case, theta, world_size, max_eval) if final_eval else None
     out["params"] = theta
     return out
