@@ -143,6 +143,18 @@ def test_lr_sweep_summary_pairs_seeds_and_finds_half_the_best():
     assert nearest([7.5e-4, 1.5e-3, 3e-3], 4.5e-3 / 2) == 3e-3
 
 
+def test_estimate_stability_limits():
+    """The linearised recurrences behind acco_estimate=lean: the paper's estimate loop diverges
+    from a preconditioned curvature of 2 / (1 - beta1), the lean one from 3 / (1 - beta1), AdamW
+    itself from 2 (1 + beta1) / (1 - beta1)."""
+    from acco.bench.reference import stability_limit
+
+    assert stability_limit(0.9, lean=None) == pytest.approx(38.0)
+    assert stability_limit(0.9, lean=0.0) == pytest.approx(20.0)
+    assert stability_limit(0.9, lean=0.5) == pytest.approx(30.0)
+    assert stability_limit(0.8, lean=0.0) == pytest.approx(10.0)
+
+
 def test_gpu_without_cuda_exits_cleanly(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

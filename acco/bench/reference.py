@@ -225,3 +225,35 @@ def evaluate(case: Case, theta: torch.Tensor, world_size: int, max_eval_batches:
             tokens += float((labels != -100).sum())
     model.train()
     return loss_sum / tokens
+
+
+def stability_limit(beta1: float = 0.9, lean: float | None = 0.0, a_max: float = 100.0) -> float:
+    """The smallest preconditioned curvature a = lr * h / sqrt(v) at which the linearised
+    recurrence on a quadratic diverges: AdamW as heavy-ball (`lean=None`), or acco with the
+    estimate theta~_{t+1} = Opt_trial(theta_t, g~_t) + lean * (theta~_t - theta_t), its update
+    taking the mean of the gradients at theta_t and at theta~_t. Noise-free, moments frozen."""
+    import numpy as np
+
+    def radius(a: float) -> float:
+        def step(state):
+            theta, m, err = state
+            g, g_est = a * theta, a * (theta + err)
+            g_update = g if lean is None else 0.5 * (g + g_est)
+            m_new = beta1 * m + (1 - beta1) * g_update
+            theta_new = theta - m_new
+            if lean is None:
+                return np.array([theta_new, m_new, 0.0])
+            estimate = theta - (beta1 * m + (1 - beta1) * g_est) + lean * err
+            return np.array([theta_new, m_new, estimate - theta_new])
+
+        matrix = np.stack([step(v) for v in np.eye(3)], axis=1)
+        return float(max(abs(np.linalg.eigvals(matrix))))
+
+    lo, a = 0.0, 0.5
+    while a < a_max and radius(a) <= 1 + 1e-12:
+        lo, a = a, a + 0.5
+    hi = a
+    for _ in range(40):  # bisect the first crossing
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if radius(mid) <= 1 + 1e-12 else (lo, mid)
+    return hi
