@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                 report.write_sweep_report(report.load_json(d / "sweep.json"), d)
                 print((d / "sweep.md").read_text())
             elif (d / "lr_sweep.json").exists():
-                report.write_lr_sweep_report(report.load_json(d / "lr_sweep.json"), d)
+                from acco.bench import lr_sweep
+
+                lr_sweep.write(report.load_json(d / "lr_sweep.json"), d)  # the summary is recomputed
                 print((d / "lr_sweep.md").read_text())
             elif (d / "convergence.json").exists():
                 report.write_convergence_report(report.load_json(d / "convergence.json"), d)

@@ -53,6 +53,8 @@ def summarize(runs: dict, learning_rates: list[float], methods) -> dict:
         if scored:
             loss, lr = min(scored)
             best[m] = {"learning_rate": float(lr), "final_eval_loss": loss}
+    ratios = {m: {f"{lr:g}": paired_ratio(runs.get(f"{lr:g}", {}), m) for lr in learning_rates}
+              for m in methods if m != "ddp"}
     gaps = {}
     if "ddp" in best:
         ddp_best = best["ddp"]["learning_rate"]
@@ -71,7 +73,16 @@ def summarize(runs: dict, learning_rates: list[float], methods) -> dict:
                                                    "mean_loss": sum(a for a, _ in pairs) / len(pairs),
                                                    "ddp_mean_loss": sum(b for _, b in pairs) / len(pairs),
                                                    "ratio_to_ddp": ratio}
-    return {"table": table, "best": best, "gaps": gaps}
+    return {"table": table, "best": best, "gaps": gaps, "ratio_to_ddp": ratios}
+
+
+def paired_ratio(by_method: dict, method: str) -> float | None:
+    """Sum of `method`'s final eval losses over the seeds ddp also ran, over ddp's sum."""
+    ddp = by_method.get("ddp", {})
+    pairs = [(r["final_eval_loss"], ddp[seed]["final_eval_loss"]) for seed, r in by_method.get(method, {}).items()
+             if seed in ddp]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    return sum(a for a, _ in pairs) / sum(b for _, b in pairs) if pairs else None
 
 
 def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Path, updates: int, log=print) -> dict:

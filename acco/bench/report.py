@@ -409,7 +409,19 @@ def write_lr_sweep_report(sweep: dict, out: Path) -> list[str]:
 def plot_lr_sweep(sweep: dict, out: Path) -> list[str]:
     plt = _plt()
     table = sweep["summary"]["table"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, rax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m, by_ratio in sweep["summary"].get("ratio_to_ddp", {}).items():
+        points = sorted((float(lr), r) for lr, r in by_ratio.items() if r is not None)
+        if points:
+            rax.plot([x for x, _ in points], [r for _, r in points], marker="o", label=m, color=COLORS.get(m))
+    rax.axhline(1.0, color=COLORS["ddp"], lw=1)
+    rax.axhline(1.03, color="grey", ls="--", lw=1, label="ddp + 3%")
+    rax.set_xscale("log")
+    rax.set_ylim(0.8, 1.6)
+    rax.set_xlabel("learning rate")
+    rax.set_ylabel("final eval loss / ddp's (same seeds)")
+    rax.set_title("ratio to ddp (clipped to 1.6)")
+    rax.legend()
     for m, by_lr in table.items():
         points = sorted((float(lr), s) for lr, s in by_lr.items() if s.get("n"))
         if not points:
