@@ -72,7 +72,7 @@ class TrainArgs:
     accumulate_while_waiting: bool = True
     n_warmup_steps: int = 0
     max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)
-    acco_estimate: str = "paper"  # acco's estimate round: "paper", or "lean" (see acco/engine/comm.py)
+    acco_estimate: str = "lean"  # acco's estimate round: "lean", or the paper's form "paper" (acco/engine/comm.py)
     eval: bool = True
     eval_step: int = 50  # optimizer updates between evaluations
     eval_batch_size: int | None = None

@@ -334,7 +334,7 @@ def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):
 
 # ---- exact resume of every method, through DecoupledTrainer on 2 processes (tiny and fast) ---------
 
-METHODS = ("acco", "acco-lean", "ddp", "dpu", "wp", "torch-ddp")
+METHODS = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp")
 
 
 def tiny_model():
@@ -347,8 +347,8 @@ def tiny_model():
 def tiny_args(method: str, output_dir, **more) -> dict:
     # 40 sequences, 2 per micro-batch on 2 workers: 10 micro-batches per worker and epoch, so the
     # runs cross epochs; fixed counts (no accumulate_while_waiting) make the runs reproducible.
-    if method == "acco-lean":  # its estimate error is state too
-        method, more = "acco", {"acco_estimate": "lean", **more}
+    if method == "acco-paper":  # acco (its default, lean estimate) keeps its estimate error as state too
+        method, more = "acco", {"acco_estimate": "paper", **more}
     return dict(method_name=method, batch_size=2, n_grad_accumulation=2, nb_steps_tot=48, max_length=16,
                 learning_rate=3e-3, accumulate_while_waiting=False, eval=False, save_step=2,
                 output_dir=str(output_dir)) | more  # fmt: skip

@@ -256,7 +256,8 @@ def test_methods_equal_their_references(kind, world, clip):
     cfgs = [
         config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
         config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
-        config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget_ddp, max_grad_norm=clip),
+        config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget_ddp, max_grad_norm=clip,
+               acco_estimate="paper"),
         config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget_ddp, max_grad_norm=clip,
                acco_estimate="lean"),
         config(method="dpu", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
@@ -312,8 +313,9 @@ def test_unequal_counts_give_the_count_weighted_mean():
         return [config(method=method, n_grad_accumulation=n, nb_steps_tot=budget, **kw) for n in (3, 1)]
 
     cfgs = [per_rank("ddp"), per_rank("torch-ddp"), per_rank("dpu"),
-            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget) for n in (3, 1)],
-            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, n_warmup_steps=2) for n in (3, 1)],
+            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, acco_estimate="paper") for n in (3, 1)],
+            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, n_warmup_steps=2,
+                    acco_estimate="paper") for n in (3, 1)],
             [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, n_warmup_steps=2,
                     acco_estimate="lean") for n in (3, 1)]]  # fmt: skip
     (ddp, ddp_rec), (tddp, tddp_rec), (dpu, _), (acco, acco_rec), (acco_w, acco_w_rec), (lean, _) = run_distributed(

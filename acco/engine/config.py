@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass, field
 
 METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp")
-# acco's estimate round: "paper" is Opt_trial(theta_t, g~_t) as the paper writes it; "lean" adds
-# half of the last estimate's error (theta~_t - theta_t), which damps the error's feedback loop
-# (see algorithm notes in acco/engine/comm.py and BENCHMARKS.md's learning-rate sweep).
-ACCO_ESTIMATES = ("paper", "lean")
+# acco's estimate round: "lean" (the default) adds half of the last estimate's error
+# theta~_t - theta_t to Opt_trial(theta_t, g~_t), which damps the error's feedback loop; "paper"
+# is Opt_trial(theta_t, g~_t) as the paper writes it (acco/engine/comm.py's docstring; the
+# learning-rate sweep in BENCHMARKS.md).
+ACCO_ESTIMATES = ("lean", "paper")
 SCHEDULERS = ("cosine", "linear", "constant")
 
 
@@ -44,7 +45,7 @@ class EngineConfig:
     # Clip the averaged gradient to this global L2 norm before the optimizer step (Hugging Face's
     # Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient.
     max_grad_norm: float | None = 1.0
-    acco_estimate: str = "paper"
+    acco_estimate: str = "lean"
 
     def __post_init__(self) -> None:
         self.validate()
