@@ -122,6 +122,15 @@ def test_lr_sweep_and_its_reference_check(tmp_path):
         assert result["max_abs_diff"] < 1e-4, (method, result)
     md = (out / "lr_sweep.md").read_text()
     assert "| acco-lean |" in md and "Reference check" in md and (out / "final_loss_vs_lr.png").exists()
+    # The same settings again, one learning rate more: only that one runs, the sweep grows.
+    done = out / "lr-0.003" / "seed0" / "ddp" / "metrics.jsonl"
+    stamp = done.stat().st_mtime_ns
+    code = main(["lr-sweep", "--learning-rates", "1.5e-3,3e-3", "--methods", "ddp,acco-lean", "--seeds", "0",
+                 "--extra-seeds", "", "--reference-updates", "0", "--out", str(out), *TINY])
+    assert code == 0
+    sweep = json.loads((out / "lr_sweep.json").read_text())
+    assert set(sweep["summary"]["table"]["ddp"]) == {"0.0015", "0.003", "0.006"}
+    assert done.stat().st_mtime_ns == stamp
 
 
 def test_lr_sweep_summary_pairs_seeds_and_finds_half_the_best():

@@ -9,6 +9,8 @@ weights, data order, budget in micro-batches and fixed batch for all), in ``OUT/
 - each method's best learning rate and loss, and acco's gap to ddp at ddp's best learning rate
   and at half of it (paired by seed), go in ``lr_sweep.md`` with a plot of final eval loss
   against learning rate (``final_loss_vs_lr.png``);
+- running again into the same ``--out`` with the same settings extends the sweep: new learning
+  rates and seeds are added, the (learning rate, seed) pairs already done are not run again;
 - the plain reference of the recurrences (:mod:`acco.bench.reference`, no engine code) runs
   beside the engine at ddp's best learning rate for the first ``--reference-updates`` updates:
   its training losses must equal the engine's, update by update, or the engine is wrong.
@@ -118,12 +120,21 @@ def run_lr_sweep(settings: BenchSettings, learning_rates: list[float], seeds: li
         raise BenchError(f"--learning-rates needs two or more positive numbers, got {learning_rates}")
     if not seeds:
         raise BenchError("no seed given")
-    learning_rates = sorted(set(learning_rates))
     out.mkdir(parents=True, exist_ok=True)
+    runs, previous = {}, _previous(out, settings)
+    if previous is not None:  # the same settings: extend that sweep (more learning rates or seeds)
+        runs = previous["runs"]
+        learning_rates = learning_rates + [float(x) for x in previous["config"]["learning_rates"]]
+        log(f"[acco-bench] lr-sweep: extending the sweep in {out} ({len(runs)} learning rates done)")
+    learning_rates = sorted(set(learning_rates))
     sweep: dict = {"config": {**settings.describe(), "learning_rates": learning_rates, "seeds": seeds,
-                              "extra_seeds": extra_seeds}, "runs": {}, "failed": []}
+                              "extra_seeds": extra_seeds}, "runs": runs, "failed": []}
 
     def run(lr: float, seed_list: list[int], folder: Path) -> None:
+        done = sweep["runs"].get(f"{lr:g}", {})
+        seed_list = [s for s in seed_list if not all(str(s) in done.get(m, {}) for m in settings.methods)]
+        if not seed_list:
+            return
         log(f"[acco-bench] lr-sweep: learning rate {lr:g}, seeds {seed_list}")
         conv = run_convergence(_with_lr(settings, lr), seed_list, folder, closeness=False, log=log)
         _merge(sweep["runs"].setdefault(f"{lr:g}", {}), conv)
@@ -147,6 +158,17 @@ def run_lr_sweep(settings: BenchSettings, learning_rates: list[float], seeds: li
             sweep["reference_check"] = {"error": f"{type(e).__name__}: {e}"}
     write(sweep, out)
     return sweep
+
+
+def _previous(out: Path, settings: BenchSettings) -> dict | None:
+    """The sweep already in `out`, if it ran with these very settings (learning rates and seeds aside)."""
+    path = out / "lr_sweep.json"
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    mine = json.loads(json.dumps(settings.describe(), default=str))
+    theirs = {k: v for k, v in old["config"].items() if k not in ("learning_rates", "seeds", "extra_seeds")}
+    return old if theirs == mine else None
 
 
 def write(sweep: dict, out: Path) -> None:
