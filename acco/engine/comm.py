@@ -70,7 +70,7 @@ class RoundResult:
     exhausted: bool  # some worker ran out of data
     weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
     busy_s: float  # wall time of the round, collectives and optimizer
-    grad_norm: float  # global L2 norm of the averaged gradient, before clipping
+    grad_norm: float  # global L2 norm of the averaged gradient, before clipping (nan: clipping off)
 
 
 class CommRound:
@@ -115,9 +115,10 @@ class CommRound:
         if self.recv_shard is not self.grad_shard:
             self.grad_shard.copy_(self.recv_shard)
         self.stats_sent[:N_STATS].copy_(stats)
-        # Padding is zero, so the shards' squared norms add up to the whole gradient's squared norm.
-        torch.linalg.vector_norm(self.grad_shard, out=self.shard_norm)
-        self.stats_sent[SHARD_NORM].copy_(self.shard_norm)
+        if self.max_grad_norm:  # one pass over the shard; padding is zero, so the shards' squared
+            # norms add up to the whole gradient's squared norm
+            torch.linalg.vector_norm(self.grad_shard, out=self.shard_norm)
+            self.stats_sent[SHARD_NORM].copy_(self.shard_norm)
         if self.world_size > 1:
             collectives.all_gather_small(self.stats_all, self.stats_sent, group=self.group)
         else:
@@ -133,9 +134,9 @@ class CommRound:
         grad_norm = float("nan")
         if weight > 0:
             # Divide by the global weight and clip in one pass (torch's clip_grad_norm_ formula).
-            grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in per_worker)) / weight
             scale = 1.0 / weight
             if self.max_grad_norm:
+                grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in per_worker)) / weight
                 scale *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
             self.grad_shard.mul_(scale)
             if commit:
@@ -146,7 +147,7 @@ class CommRound:
                     self.estimate_pending = False
             elif self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
                 self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
-                self.estimate_error.mul_(0.5).add_(self.grad_shard)
+                torch.add(self.grad_shard, self.estimate_error, alpha=0.5, out=self.estimate_error)
                 self.send_shard.copy_(self.estimate_error)
                 self.estimate_pending = True
             else:

@@ -103,7 +103,8 @@ class UpdateRecord:
     # Summed loss weight of this update over all workers: target tokens for a token-normalised
     # loss (the trainer's), else micro-batches.
     weight: float = 0.0
-    # Global L2 norm of this update's averaged gradient, before clipping (as Hugging Face logs it).
+    # Global L2 norm of this update's averaged gradient, before clipping (as Hugging Face logs it;
+    # nan with clipping off, which then costs nothing).
     grad_norm: float = float("nan")
 
     @property

@@ -119,10 +119,11 @@ class TorchDDPEngine:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, self.world_size / weight)
             # Every rank holds the whole averaged gradient after DDP's all-reduce (ZeRO shards only
-            # the optimizer state), so torch's own clip_grad_norm_ clips by the global norm. With
-            # clipping off, the norm is still computed (once, foreach) for the logs.
-            trainable = [p for p in self.module.parameters() if p.grad is not None]
-            grad_norm = float(clip_grad_norm_(trainable, cfg.max_grad_norm or math.inf, foreach=True))
+            # the optimizer state), so torch's own clip_grad_norm_ clips by the global norm.
+            grad_norm = math.nan
+            if cfg.max_grad_norm:
+                trainable = [p for p in self.module.parameters() if p.grad is not None]
+                grad_norm = float(clip_grad_norm_(trainable, cfg.max_grad_norm, foreach=True))
             lr = learning_rate(cfg, self.samples, batch)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
