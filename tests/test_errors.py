@@ -149,6 +149,7 @@ def test_instruction_records_without_instruction_or_output(tmp_path):
         ("train.max_grad_norm=-1", "train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got -1"),
         ("train.max_grad_norm=inf", "train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got inf"),
         ("train.max_grad_norm=big", "train.max_grad_norm must be a number, got 'big'"),
+        ("train.acco_estimate=nope", "unknown acco_estimate 'nope'; choose one of lean, paper"),
         ("launch.nproc=0", "launch.nproc must be a positive integer, got 0"),
         ("train.scheduler_name=nope", "scheduler"),
         ("train.max_length=1000", "train.max_length 1000 exceeds model.max_position_embeddings 256"),
