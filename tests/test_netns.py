@@ -180,7 +180,10 @@ def test_signal_removes_namespaces(sig):
         prefix = proc.stdout.readline().strip()
         assert prefix and len(list_namespaces(prefix)) == 3
         proc.send_signal(sig)
-        rest, _ = proc.communicate(timeout=30)
+        # wait(), not communicate(): communicate closes stdin, and the child's read could then
+        # end at EOF before the signal is handled (a clean exit with nothing printed)
+        proc.wait(timeout=30)
+        rest = proc.stdout.read()
         if sig == signal.SIGTERM:
             assert proc.returncode == -signal.SIGTERM  # still dies of the signal
         else:
@@ -191,6 +194,8 @@ def test_signal_removes_namespaces(sig):
             proc.kill()
             proc.wait()
             cleanup_stale()  # the killed child's namespaces, should the test have failed
+        proc.stdin.close()
+        proc.stdout.close()
 
 
 @needs_netns
