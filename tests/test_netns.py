@@ -163,7 +163,10 @@ def test_close_on_error_and_idempotent():
 def test_signal_removes_namespaces(sig):
     code = textwrap.dedent(
         """
-        import sys
+        import signal, sys
+        # A test run started in the background by a shell without job control hands SIGINT down
+        # ignored; a user's interactive run has Python's own handler, which is what this checks.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from acco.bench.netns import EmulatedCluster
         c = EmulatedCluster(2, bandwidth="50mbit", latency=None)
         print(c.run_prefix, flush=True)
