@@ -93,8 +93,10 @@ class RunLog:
             return line
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()  # a killed run keeps its lines up to the last update
-        for key in ("loss", "lr", "grad_norm", "compute_s", "wait_s", "comm_s"):
+        for key in ("loss", "lr", "compute_s", "wait_s", "comm_s"):
             self._tb.add_scalar(f"train/{key}", getattr(record, key), record.samples)
+        if line["grad_norm"] is not None:  # None with clipping off
+            self._tb.add_scalar("train/grad_norm", record.grad_norm, record.samples)
         tokens_per_s = line["tokens"] / max(record.wall_time, 1e-9)
         self._tb.add_scalar("train/tokens_per_s", tokens_per_s, record.samples)
         if self._bar is not None:
@@ -103,7 +105,9 @@ class RunLog:
         elif record.step % self.log_every == 0 or record.step == 1:
             print(
                 f"step {record.step:>6}  samples {record.samples:>8}  loss {record.loss:.4f}  "
-                f"lr {record.lr:.2e}  grad_norm {record.grad_norm:.3f}  tokens/s {tokens_per_s:,.0f}",
+                f"lr {record.lr:.2e}  "
+                + (f"grad_norm {record.grad_norm:.3f}  " if line["grad_norm"] is not None else "")
+                + f"tokens/s {tokens_per_s:,.0f}",
                 flush=True,
             )
         return line

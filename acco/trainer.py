@@ -48,6 +48,7 @@ from acco.data import (
     tokenize_instructions,
 )
 from acco.engine import ConfigError, EngineConfig, build_engine, progress
+from acco.engine.config import check_max_grad_norm
 from acco.launch import after_rank0, every_rank_at, init_distributed
 from acco.metrics import RunLog
 
@@ -106,9 +107,7 @@ class TrainArgs:
             self.resume_from_checkpoint = None
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate!r}")
-        clip = self.max_grad_norm
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 <= clip < math.inf):
-            raise ConfigError(f"train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got {clip!r}")
+        check_max_grad_norm(self.max_grad_norm, "train.max_grad_norm")
         if self.slowdown < 1:
             raise ConfigError(f"train.slowdown must be >= 1, got {self.slowdown!r}")
         self.engine_config()  # validates method, scheduler, betas

@@ -120,6 +120,7 @@ def test_lr_sweep_and_its_reference_check(tmp_path):
     for method, result in check.items():
         assert len(result["engine"]) == len(result["reference"]) == 3, method
         assert result["max_abs_diff"] < 1e-4, (method, result)
+    assert check["acco-lean"]["estimate"] == "lean"  # the reference ran the variant the engine ran
     md = (out / "lr_sweep.md").read_text()
     assert "| acco-lean |" in md and "Reference check" in md and (out / "final_loss_vs_lr.png").exists()
     # The same settings again, one learning rate more: only that one runs, the sweep grows.

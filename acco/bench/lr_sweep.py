@@ -65,25 +65,26 @@ def summarize(runs: dict, learning_rates: list[float], methods) -> dict:
             if m == "ddp":
                 continue
             for name, lr in points.items():
-                by_seed = runs.get(f"{lr:g}", {})
-                pairs = [(r["final_eval_loss"], by_seed["ddp"][seed]["final_eval_loss"])
-                         for seed, r in by_seed.get(m, {}).items() if seed in by_seed.get("ddp", {})]
-                pairs = [(a, b) for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+                pairs = _pairs(runs.get(f"{lr:g}", {}), m)
                 if pairs:
-                    ratio = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
                     gaps.setdefault(m, {})[name] = {"learning_rate": lr, "seeds": len(pairs),
                                                    "mean_loss": sum(a for a, _ in pairs) / len(pairs),
                                                    "ddp_mean_loss": sum(b for _, b in pairs) / len(pairs),
-                                                   "ratio_to_ddp": ratio}
+                                                   "ratio_to_ddp": paired_ratio(runs.get(f"{lr:g}", {}), m)}
     return {"table": table, "best": best, "gaps": gaps, "ratio_to_ddp": ratios}
+
+
+def _pairs(by_method: dict, method: str) -> list[tuple[float, float]]:
+    """(method's, ddp's) final eval loss for every seed both ran to a finite loss."""
+    ddp = by_method.get("ddp", {})
+    pairs = [(r["final_eval_loss"], ddp[seed]["final_eval_loss"]) for seed, r in by_method.get(method, {}).items()
+             if seed in ddp]
+    return [(a, b) for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
 
 
 def paired_ratio(by_method: dict, method: str) -> float | None:
     """Sum of `method`'s final eval losses over the seeds ddp also ran, over ddp's sum."""
-    ddp = by_method.get("ddp", {})
-    pairs = [(r["final_eval_loss"], ddp[seed]["final_eval_loss"]) for seed, r in by_method.get(method, {}).items()
-             if seed in ddp]
-    pairs = [(a, b) for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    pairs = _pairs(by_method, method)
     return sum(a for a, _ in pairs) / sum(b for _, b in pairs) if pairs else None
 
 
@@ -108,7 +109,8 @@ def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Pat
         ref = simulate(case, base, settings.hosts, settings.grad_accum, max_updates=len(engine),
                        max_grad_norm=case.train.get("max_grad_norm"), estimate=estimate, final_eval=False)["loss"]
         diff = max((abs(a - b) for a, b in zip(engine, ref)), default=float("nan"))
-        result["methods"][method] = {"engine": engine, "reference": ref, "max_abs_diff": diff}
+        result["methods"][method] = {"engine": engine, "reference": ref, "max_abs_diff": diff,
+                                     "estimate": estimate if base == "acco" else None}
         log(f"[acco-bench] reference check {method}: {len(engine)} updates, max |engine - reference| "
             f"train loss {diff:.2e}")
     return result

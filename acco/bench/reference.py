@@ -145,7 +145,6 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
         raise ValueError(f"the reference knows ddp, dpu and acco, not {method!r}")
     if estimate not in ("paper", "lean"):
         raise ValueError(f"the reference knows acco's paper and lean estimates, not {estimate!r}")
-    estimate_kind = estimate
     case = copy.copy(case)
     case.model = copy.deepcopy(case.model).float().train()
     t = case.train
@@ -188,7 +187,7 @@ def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
             # estimate round: theta~_{t+1} = Opt_trial(theta_t, g~_t); meanwhile g_t at theta_t
             lr_trial = schedule(t, samples, 2 * g_est[3])
             theta_est, _ = opt.step(theta, g_est[0] / g_est[2], lr_trial, commit=False)
-            if estimate_kind == "lean":
+            if estimate == "lean":
                 theta_est += 0.5 * error  # acco_estimate=lean: half of the last estimate's error
             g_now = workers.grad_sum(theta, k)
             total = tuple(a + b for a, b in zip(g_est, g_now))

@@ -102,14 +102,19 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_bench_report(bench: dict, out: Path) -> list[str]:
+def _write_report(data: dict, out: Path, markdown_name: str, markdown, plot) -> list[str]:
+    """The plots, then the Markdown that links them: a failed plot must never lose the numbers."""
     plots = []
     try:
-        plots = plot_bench(bench, out)
-    except Exception as e:  # a plot must never lose the numbers
+        plots = plot(data, out)
+    except Exception as e:
         print(f"[acco-bench] plotting failed: {e}")
-    (out / "bench.md").write_text(bench_markdown(bench, plots))
+    (out / markdown_name).write_text(markdown(data, plots))
     return plots
+
+
+def write_bench_report(bench: dict, out: Path) -> list[str]:
+    return _write_report(bench, out, "bench.md", bench_markdown, plot_bench)
 
 
 def plot_bench(bench: dict, out: Path) -> list[str]:
@@ -204,13 +209,7 @@ def sweep_markdown(sweep: dict, plots: list[str]) -> str:
 
 
 def write_sweep_report(sweep: dict, out: Path) -> list[str]:
-    plots = []
-    try:
-        plots = plot_sweep(sweep, out)
-    except Exception as e:
-        print(f"[acco-bench] plotting failed: {e}")
-    (out / "sweep.md").write_text(sweep_markdown(sweep, plots))
-    return plots
+    return _write_report(sweep, out, "sweep.md", sweep_markdown, plot_sweep)
 
 
 def plot_sweep(sweep: dict, out: Path) -> list[str]:
@@ -295,13 +294,7 @@ def uc_markdown(uc: dict) -> str:
 
 
 def write_convergence_report(conv: dict, out: Path) -> list[str]:
-    plots = []
-    try:
-        plots = plot_convergence(conv, out)
-    except Exception as e:
-        print(f"[acco-bench] plotting failed: {e}")
-    (out / "convergence.md").write_text(convergence_markdown(conv, plots))
-    return plots
+    return _write_report(conv, out, "convergence.md", convergence_markdown, plot_convergence)
 
 
 def plot_convergence(conv: dict, out: Path) -> list[str]:
@@ -397,13 +390,7 @@ def lr_sweep_markdown(sweep: dict, plots: list[str]) -> str:
 
 
 def write_lr_sweep_report(sweep: dict, out: Path) -> list[str]:
-    plots = []
-    try:
-        plots = plot_lr_sweep(sweep, out)
-    except Exception as e:
-        print(f"[acco-bench] plotting failed: {e}")
-    (out / "lr_sweep.md").write_text(lr_sweep_markdown(sweep, plots))
-    return plots
+    return _write_report(sweep, out, "lr_sweep.md", lr_sweep_markdown, plot_lr_sweep)
 
 
 def plot_lr_sweep(sweep: dict, out: Path) -> list[str]:

@@ -10,8 +10,9 @@ micro-batch count, data-exhausted flag) and, on every worker:
   4. runs AdamW on its fp32 master shard, committed or as a trial,
   5. all-gathers the new shard into the output vector.
 
-acco's estimate, `acco_estimate: lean` (the default; `paper` is the paper's form): the estimate error e_t = theta~_t - theta_t feeds back
-into the next estimate through the half-batch gradient taken at theta~_t. On a quadratic with
+acco's estimate, `acco_estimate: lean` (the default; `paper` is the paper's form): the estimate
+error e_t = theta~_t - theta_t feeds back into the next estimate through the half-batch gradient
+taken at theta~_t. On a quadratic with
 AdamW's preconditioned curvature a, e_{t+1} = -(1 - beta1) a / 2 * e_t: the loop diverges from
 a = 2 / (1 - beta1) = 20, while Adam itself is stable up to a = 38. High learning rates, where
 training runs at Adam's edge of stability, are exactly where the paper's estimate drifts. Adding

@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A configuration value the engine cannot run with."""
 
 
+def check_max_grad_norm(value, key: str = "max_grad_norm") -> None:
+    """None, or a finite number >= 0 (0 and None turn clipping off)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf):
+        raise ConfigError(f"{key} must be a finite number >= 0 (0 or null: no clipping), got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     method: str = "acco"
@@ -71,9 +77,7 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown acco_estimate {self.acco_estimate!r}; choose one of {', '.join(ACCO_ESTIMATES)}"
             )
-        clip = self.max_grad_norm
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float) or not 0 <= clip < math.inf):
-            raise ConfigError(f"max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got {clip!r}")
+        check_max_grad_norm(self.max_grad_norm)
         if self.warmup < 0 or self.n_warmup_steps < 0:
             raise ConfigError("warmup and n_warmup_steps must be >= 0")
 

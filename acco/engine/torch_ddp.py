@@ -116,14 +116,13 @@ class TorchDDPEngine:
             batch = sum(micro_batches)
             # DDP averaged the summed gradients over workers; make it a mean over the weight. (The
             # list is rebuilt each time: DDP re-buckets, and re-points .grad, after its first step.)
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, self.world_size / weight)
+            with_grad = [p for p in self.module.parameters() if p.grad is not None]
+            torch._foreach_mul_([p.grad for p in with_grad], self.world_size / weight)
             # Every rank holds the whole averaged gradient after DDP's all-reduce (ZeRO shards only
             # the optimizer state), so torch's own clip_grad_norm_ clips by the global norm.
             grad_norm = math.nan
             if cfg.max_grad_norm:
-                trainable = [p for p in self.module.parameters() if p.grad is not None]
-                grad_norm = float(clip_grad_norm_(trainable, cfg.max_grad_norm, foreach=True))
+                grad_norm = float(clip_grad_norm_(with_grad, cfg.max_grad_norm, foreach=True))
             lr = learning_rate(cfg, self.samples, batch)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
