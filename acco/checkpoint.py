@@ -6,6 +6,9 @@
                              its model and gradient accumulator hold), data position and RNG state
         model/               the committed model in save_pretrained form, for users
 
+Resume and checkpoint metadata live here too: `check_resumable` (run once per job, by the
+validation pass), `save_run` and `resume_run` (the trainer's two calls).
+
 Every worker writes its own file into checkpoint-N.tmp/; once all have, rank 0 renames the
 folder. A crash mid-save leaves only a .tmp folder behind (removed by the next save) and the
 previous checkpoint valid. The workers wait for each other on the rendezvous store with a long
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from acco.engine import CheckpointError
 from acco.engine.comm import MICRO_BATCHES
-from acco.launch import after_rank0, wait_on_store
+from acco.launch.process_group import after_rank0, wait_on_store
 
 # How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
 SAVE_TIMEOUT_S = 3600.0
@@ -239,3 +242,87 @@ def data_position(old_states: list[dict], batch_size: int, world_size: int, batc
         read += (d["epoch"] * old_bpe + d["position"] - pending) * (d["global_batch_size"] // len(old_states))
     position = read // (batch_size * world_size)
     return {"epoch": position // batches_per_epoch, "position": position % batches_per_epoch}
+
+
+# --------------------------------------------------------------------------- a run's save and resume
+
+
+class AlreadyCompleted(Exception):
+    """Not an error: the checkpoint to resume has already consumed train.nb_steps_tot. The message
+    is the one line to print; the run then exits 0 without writing anything."""
+
+
+def check_resumable(args, world_size: int, numel=None, model_label: str = "this run's model") -> tuple[Path, dict] | None:
+    """``args.resume_from_checkpoint`` names a complete checkpoint that this run can continue:
+    meta.json and every worker's file whole (the CRC check reads every file: run it once per job),
+    the same method and data settings, a model of ``numel(folder)`` parameters (None: not checked).
+    Returns (folder, meta), or None when not resuming; raises CheckpointError, or
+    ``AlreadyCompleted`` when the checkpoint has consumed the budget already."""
+    spec = args.resume_from_checkpoint
+    if not spec:
+        return None
+    folder = resolve(spec, os.path.expanduser(str(args.output_dir)))
+    meta = load_meta(folder)
+    check_files(folder, meta)
+    if meta["method"] != args.method_name:
+        raise CheckpointError(f"{folder} was written by method {meta['method']!r}, this run is {args.method_name!r}")
+    if args.method_name == "torch-ddp" and int(meta["world_size"]) != world_size:
+        raise CheckpointError(
+            f"{folder} was written by {meta['world_size']} workers, this run has {world_size}; "
+            "torch-ddp resumes only on the world size it was saved with"
+        )
+    numel = numel(folder) if numel is not None else None
+    if numel is not None and numel != int(meta["numel"]):
+        raise CheckpointError(f"{folder} holds a model of {int(meta['numel']):,} parameters, {model_label} has {numel:,}")
+    changed = data_changes(meta.get("train") or {}, vars(args), int(meta["world_size"]) == world_size)
+    if changed:
+        raise CheckpointError(
+            f"{', '.join(changed)}: the run would resume on other samples than those it stopped at; "
+            "keep the checkpoint's values (a changed batch_size resumes only on another world size)"
+        )
+    done = already_completed(folder, meta, args.nb_steps_tot)
+    if done:
+        raise AlreadyCompleted(done)
+    return folder, meta
+
+
+def save_run(engine, position, record, args: dict, rank: int, world_size: int, device, save_model) -> Path:
+    """Checkpoint a run after `record`'s update: every worker's engine state, data position and
+    RNG, and (rank 0) the model and meta.json. Refused, on every rank, when any worker's state holds
+    NaN or inf: the last good checkpoint stays the newest."""
+    state = engine.state_dict()
+    # Every floating tensor (master, moments, parameters, acco's accumulator and its stats,
+    # torch-ddp's optimizer state ...) of every worker, one all-reduced flag.
+    bad = non_finite(state, device, world_size)
+    if bad:
+        raise FloatingPointError(
+            f"the training state holds NaN or inf at update {record.step} (rank {rank}: "
+            f"{', '.join(bad[:6])}); no checkpoint written"
+        )
+    data = position.state_dict()
+    if state.get("fetched_ahead"):  # torch-ddp has read the next update's micro-batches
+        data = rewind(data, state["fetched_ahead"])
+    worker = {"engine": state, "data": data, "rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        worker["cuda_rng"] = torch.cuda.get_rng_state(device)
+    meta = {"step": record.step, "samples": record.samples, "method": args["method_name"], "world_size": world_size,
+            "numel": state["numel"], "wall_time": record.wall_time, "train": args}  # fmt: skip
+    return save(args["output_dir"], record.step, worker, meta, rank, world_size, save_model, args["save_total_limit"])
+
+
+def resume_run(engine, position, folder: Path, meta: dict, rank: int, world_size: int, device, batch_size: int) -> bool:
+    """Load a checkpoint into `engine` and the data `position`: exactly on the same world size
+    (True), else resharded from every old worker's state, from the same samples (False)."""
+    old_world = int(meta["world_size"])
+    same_world = old_world == world_size
+    mine = load_worker(folder, rank if same_world else 0, old_world)
+    old_states = None if same_world else [load_worker(folder, r, old_world) for r in range(old_world)]
+    exact = engine.load_state_dict(mine["engine"], lambda: [s["engine"] for s in old_states])
+    if exact:
+        position.load_state_dict(mine["data"])
+        torch.set_rng_state(mine["rng"])
+        if device.type == "cuda" and "cuda_rng" in mine:
+            torch.cuda.set_rng_state(mine["cuda_rng"], device)
+    else:
+        position.load_state_dict(data_position(old_states, batch_size, world_size, position.batches_per_epoch))
+    return exact

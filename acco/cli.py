@@ -1,117 +1,142 @@
 """`python main.py train=acco ...` and `acco-train ...`: Hydra config in, a trained model out.
 
-A plain `python main.py` starts `launch.nproc` local workers of itself; under torchrun or srun
-the environment already says who is who and each process trains directly.
+The path of a job, in the order it runs:
+
+1. ``main``: the config is composed once, from acco/conf and the schema in acco/config.py.
+2. ``run``: a plain ``python main.py`` is the local launcher (acco/launch/local.py). It starts
+   ``launch.nproc`` workers of the same command at once and, while they import torch, runs the one
+   validation pass (acco/validate.py); the workers start only once it has passed. Under torchrun
+   or srun each process is a worker, and rank 0 validates while the others wait.
+3. ``train_worker``: the worker loads the corpus, the tokenizer and the model, and hands them to
+   ``DecoupledTrainer`` (acco/trainer.py), whose engine (acco/engine) runs the comm rounds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import acco.conf  # noqa: F401  (registers the resolvers the model configs use)
-from acco.launch import after_rank0, dist_env, launch_local, self_command
+from acco.config import InputError, compose, one_line_error
+from acco.launch.env import dist_env, self_command
+from acco.launch.local import launch_local, local_nproc, wait_for_go
+
+# The resolved config the launcher hands its workers, so that they do not compose it again.
+JOB_CONFIG_ENV = "ACCO_JOB_CONFIG"
 
 
-def local_nproc(setting) -> int:
-    if setting in (None, "auto"):
-        import torch
-
-        return torch.cuda.device_count() or 2
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ValueError(f"launch.nproc must be a positive integer or 'auto', got {setting!r}")
-    return setting
-
-
-def load_corpus(data: DictConfig):
-    """Documents (pretraining) or instruction records (fine-tuning), as the data config says.
-
-    Documents from table files or the Hub are a memory-mapped `datasets.Dataset`, not a list:
-    an openwebtext-sized corpus then costs each worker next to no memory. Rank 0 loads first, so
-    that a Hub dataset is downloaded and converted once; the others then open that copy.
-    """
-    from acco.data import load_records, open_documents, synthetic_corpus
-
-    if data.name == "synthetic":
-        return synthetic_corpus(int(data.n_docs), seed=0)
-
-    def load():
-        if data.format == "instruct":
-            return load_records(data.path)
-        return open_documents(data.path, text_column=data.text_column)
-
-    corpus = after_rank0(load, key="corpus")
-    return corpus if corpus is not None else load()
+def quiet_progress_bars(rank: int) -> None:
+    """datasets' and transformers' own progress bars only on rank 0 in a terminal: in a log file
+    their carriage returns make a mess, and every rank would print them."""
+    if rank == 0 and sys.stderr.isatty():
+        return
+    # Environment variables, read when the libraries are imported (not imported here: they cost
+    # seconds of start-up).
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
 
 
-def split_corpus(corpus, args):
-    """(train, eval) documents or records, eval None when train.eval is off.
+def validated(cfg: DictConfig, world_size: int) -> str | None:
+    """The one validation pass: None when the job may train, else the line that ends it with
+    exit 0 (the checkpoint to resume has completed the budget). Bad input raises InputError."""
+    from acco.checkpoint import AlreadyCompleted
+    from acco.validate import validate_job
 
-    The eval split is carved here, by document and from train.seed, rather than by the trainer
-    from packed blocks: the BPE tokenizer can then be trained on the training split only, and no
-    document is cut between the two splits. Both are index views of `corpus`, not copies of it.
-    """
-    from acco.data import is_hf_dataset, split_train_eval
-
-    if not args.eval:
-        return corpus, None
-    train_idx, eval_idx = split_train_eval(len(corpus), args.eval_fraction, args.seed)
-    if is_hf_dataset(corpus):
-        return corpus.select(train_idx.numpy()), corpus.select(eval_idx.numpy())
-    return [corpus[i] for i in train_idx.tolist()], [corpus[i] for i in eval_idx.tolist()]
+    try:
+        validate_job(cfg, world_size)
+    except AlreadyCompleted as done:
+        return str(done)
+    return None
 
 
-def prepare_tokenizer(cfg: DictConfig, train_corpus):
-    """Rank 0 trains (on the training split only) or loads the tokenizer and saves it with the
-    run; the others load that copy. A trained BPE is cached in train.cache_dir, keyed by the
-    training texts and vocab_size, so that the next run on the same data reuses it."""
-    from acco.data import format_alpaca, load_tokenizer
+def run(cfg: DictConfig) -> int:
+    env = dist_env()
+    quiet_progress_bars(env["rank"] if env else 0)
+    if env is not None:  # a worker: of this launcher, of torchrun or of srun
+        return train_worker(cfg, checked=os.environ.get(JOB_CONFIG_ENV) is not None)
+    nproc = local_nproc(cfg.launch.nproc)
+    if nproc == 1:
+        done = validated(cfg, 1)
+        if done:
+            print(done, flush=True)
+            return 0
+        return train_worker(cfg, checked=True)
 
-    saved = Path(cfg.train.output_dir) / "tokenizer"
+    outcome: list[str | None] = []
+    with _job_config_file(cfg) as path:
+        # As torchrun does: workers sharing a machine must not each spin up a thread per core.
+        threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
 
-    def build():
-        if cfg.data.format == "pretrain":
-            texts = train_corpus
-        else:
-            texts = ["".join(format_alpaca(r)) for r in train_corpus]
-        load_tokenizer(
-            cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved,
-            cache_dir=cfg.train.get("cache_dir") or None, text_column=cfg.data.text_column,
-        )  # fmt: skip
+        def check() -> None:  # runs while the workers import; a done run stops them before any work
+            outcome.append(validated(cfg, nproc))
+            if outcome[0]:
+                raise _Done(outcome[0])
 
-    after_rank0(build, key=f"tokenizer/{saved.resolve()}")
-    return load_tokenizer(str(saved))
+        try:
+            return launch_local(nproc, self_command(), env_extra={**threads, JOB_CONFIG_ENV: path}, check=check)
+        except _Done as done:
+            print(done, flush=True)
+            return 0
 
 
-def train_from_config(cfg: DictConfig) -> dict:
+class _Done(Exception):
+    """The validation pass found nothing to do: stop the workers, exit 0."""
+
+
+@contextlib.contextmanager
+def _job_config_file(cfg: DictConfig):
+    """The resolved config in a temporary file for the workers, removed when the launcher ends."""
+    fd, path = tempfile.mkstemp(prefix="acco-job-", suffix=".yaml")
+    os.close(fd)
+    try:
+        OmegaConf.save(cfg, path, resolve=True)
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def train_worker(cfg: DictConfig, checked: bool) -> int:
+    """One worker's job: import what training needs (the local launcher validates meanwhile), wait
+    for its go, validate on rank 0 unless a launcher did, then train."""
     import torch
     import torch.distributed as dist
 
-    from acco.launch import init_distributed
+    from acco.data.prepare import load_corpus_rank0_first, prepare_tokenizer, split_corpus
+    from acco.launch.process_group import decided_by_rank0, init_distributed
     from acco.models import build_model
     from acco.trainer import DecoupledTrainer, TrainArgs
 
+    wait_for_go()
     args = TrainArgs.from_any(cfg.train)
     rank, world_size, _, _ = init_distributed(args.timeout_s)
+    if not checked:  # torchrun / srun: rank 0 validates once for all, the others wait on the store
+        verdict = decided_by_rank0(lambda: _verdict(cfg, world_size), key="validation")
+        kind, _, line = verdict.partition(" ")
+        if kind != "ok":
+            dist.destroy_process_group()
+            if kind == "done":
+                if rank == 0:
+                    print(line, flush=True)
+                return 0
+            if rank == 0:
+                raise InputError(line)
+            return 1  # rank 0 prints the line
     out = Path(args.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-    train_corpus, eval_corpus = split_corpus(load_corpus(cfg.data), args)
+    train_corpus, eval_corpus = split_corpus(load_corpus_rank0_first(cfg.data), args)
     tokenizer = prepare_tokenizer(cfg, train_corpus)
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
     model = build_model(
-        cfg.model,
-        vocab_size=len(tokenizer),
-        max_length=args.max_length,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+        cfg.model, vocab_size=len(tokenizer), max_length=args.max_length, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
     trainer = DecoupledTrainer(
         model=model, tokenizer=tokenizer, train_dataset=train_corpus, eval_dataset=eval_corpus,
         text_column_name=cfg.data.text_column, args=args,
@@ -124,103 +149,68 @@ def train_from_config(cfg: DictConfig) -> dict:
             flush=True,
         )
     dist.destroy_process_group()
-    return summary
-
-
-def quiet_progress_bars(rank: int) -> None:
-    """datasets' and transformers' own progress bars only on rank 0 in a terminal: in a log file
-    their carriage returns make a mess, and every rank would print them."""
-    if rank == 0 and sys.stderr.isatty():
-        return
-    # Environment variables, read when the libraries are imported: importing datasets here
-    # would add a second and a half to the start of workers that never use it.
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
-    if "datasets" in sys.modules:
-        sys.modules["datasets"].disable_progress_bars()
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
-
-def _preflight_finds_nothing_to_do(cfg: DictConfig, world_size: int, env: dict | None) -> bool:
-    """Check the inputs (InputError), before anything is written; True, after one line from rank
-    0, when the checkpoint to resume has already completed the budget."""
-    import datasets
-
-    from acco.validate import AlreadyCompleted, preflight
-
-    # Preflight reads the data to check it: datasets' own logs ("Failed to load JSON ...") and
-    # bars would only repeat, in other words, the one line we print.
-    verbosity = datasets.logging.get_verbosity()
-    bars = datasets.is_progress_bar_enabled()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    datasets.disable_progress_bars()
-    try:
-        preflight(cfg, world_size=world_size)
-    except AlreadyCompleted as done:
-        if env is None or env["rank"] == 0:
-            print(done, flush=True)
-        return True
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-        if bars:
-            datasets.enable_progress_bars()
-    return False
-
-
-def run(cfg: DictConfig) -> int:
-    from acco.validate import InputError
-
-    try:
-        nproc = local_nproc(cfg.launch.nproc)
-    except ValueError as e:
-        raise InputError(str(e)) from e
-    env = dist_env()
-    quiet_progress_bars(env["rank"] if env else 0)
-    if env is None and nproc > 1:
-        if _preflight_finds_nothing_to_do(cfg, nproc, env):  # bad input fails here, before any worker starts
-            return 0
-        # As torchrun does: workers sharing a machine must not each spin up a thread per core.
-        threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
-        return launch_local(nproc, self_command(), env_extra={**threads, "ACCO_PREFLIGHT_DONE": "1"})
-    if not os.environ.get("ACCO_PREFLIGHT_DONE"):  # torchrun, srun or one process: check here
-        if _preflight_finds_nothing_to_do(cfg, env["world_size"] if env else 1, env):
-            return 0
-    train_from_config(cfg)
     return 0
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def _hydra_main(cfg: DictConfig) -> None:
+def _verdict(cfg: DictConfig, world_size: int) -> str:
+    """Rank 0's validation, as the one word and line every rank acts on: ok, done or error."""
     try:
+        done = validated(cfg, world_size)
+    except Exception as e:
+        return f"error {one_line_error(e)}"
+    return f"done {done}" if done else "ok "
+
+
+def _report(e: BaseException) -> None:
+    rank = os.environ.get("RANK")
+    where = f"[rank {rank}] " if rank is not None else ""
+    kind = "" if isinstance(e, InputError) else f"{type(e).__name__}: "
+    print(f"acco: error: {where}{kind}{one_line_error(e)}", file=sys.stderr, flush=True)
+
+
+def job_config(argv: list[str]) -> DictConfig:
+    """The config of this job: the launcher's file in its workers, else composed from `argv`."""
+    path = os.environ.get(JOB_CONFIG_ENV)
+    if path and dist_env() is not None:
+        from acco.config import Config
+
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    return compose(argv)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    # acco's own progress notes (caches found, examples dropped) on stdout, as print's lines
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("acco").addHandler(handler)
+    logging.getLogger("acco").setLevel(logging.INFO)
+    if any(a.startswith("-") for a in argv):  # Hydra's own flags (--help, --cfg job, -m ...)
+        return _hydra_app()
+    debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in argv]
+    try:
+        cfg = job_config(argv)
+        debug = debug or cfg.launch.debug
         code = run(cfg)
     except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
-        from acco.validate import InputError, one_line_error
-
-        if cfg.launch.get("debug") or os.environ.get("ACCO_DEBUG"):
+        if debug:
             raise
-        rank = os.environ.get("RANK")
-        where = f"[rank {rank}] " if rank is not None else ""
-        kind = "" if isinstance(e, InputError) else f"{type(e).__name__}: "
-        print(f"acco: error: {where}{kind}{one_line_error(e)}", file=sys.stderr, flush=True)
+        _report(e)
         code = 1
     if code:
         sys.exit(code)
 
 
-def main() -> None:
-    from acco.validate import InputError, check_overrides
+def _hydra_app() -> None:
+    import hydra
 
-    debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in sys.argv[1:]]
-    if not debug:
-        try:  # an unknown group, option or key: one line instead of Hydra's report
-            check_overrides(sys.argv[1:])
-        except InputError as e:
-            print(f"acco: error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
-    _hydra_main()
+    @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+    def app(cfg: DictConfig) -> None:
+        code = run(cfg)
+        if code:
+            sys.exit(code)
+
+    app()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 import acco.conf  # noqa: F401  (model configs loaded straight from their YAML use its resolver)
+from acco.config import ARCHS, ModelError, check_model_config, gpt_neo_attention_types
 
 __all__ = [
     "ARCHS",
@@ -38,56 +39,22 @@ __all__ = [
     "model_config",
 ]
 
-ARCHS = ("gpt_neo", "llama")
-
 # GPT-Neo has no SDPA kernel in transformers (eager or flash-attention-2 only); Llama has SDPA,
 # which is exact and faster than eager on CPU and GPU alike.
 _DEFAULT_ATTN = {"gpt_neo": "eager", "llama": "sdpa"}
 
 
-class ModelError(ValueError):
-    """A model config or a pretrained model that cannot serve the requested run."""
-
-
 def _to_dict(cfg: Any) -> dict:
+    """A model config as a dict, keys left null by the schema dropped (their defaults apply)."""
     if cfg is None:
         raise ModelError("model config is missing")
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
+    if isinstance(cfg, DictConfig):
+        return {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if v is not None}
     if isinstance(cfg, Mapping):
         return dict(cfg)
     raise ModelError(f"model config must be a mapping, got {type(cfg).__name__}")
-
-
-def _require(cfg: dict, key: str) -> Any:
-    value = cfg.get(key)
-    if value is None:
-        raise ModelError(f"model config {cfg.get('name', '?')!r} (arch {cfg.get('arch')!r}) needs {key!r}")
-    return value
-
-
-def _positive_int(cfg: dict, key: str) -> int:
-    value = _require(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelError(
-            f"model config {cfg.get('name', '?')!r}: {key} must be a positive integer, got {value!r}"
-        )
-    return value
-
-
-def _gpt_neo_attention_types(num_layers: int) -> list:
-    """EleutherAI's alternating pattern: global, local, global, local, ... (one per layer)."""
-    types: list = []
-    if num_layers // 2:
-        types.append([["global", "local"], num_layers // 2])
-    if num_layers % 2:
-        types.append([["global"], 1])
-    return types
 
 
 def model_config(
@@ -103,35 +70,10 @@ def model_config(
     ``vocab_size`` is the tokenizer's; when None, the config's ``vocab_size`` key is used.
     """
     c = _to_dict(cfg)
-    arch = c.get("arch")
-    if arch not in ARCHS:
-        raise ModelError(
-            f"unknown model arch {arch!r} in model config {c.get('name', '?')!r}; expected one of {', '.join(ARCHS)}"
-        )
-    if vocab_size is None:
-        vocab_size = c.get("vocab_size")
-        if vocab_size is None:
-            raise ModelError(
-                f"model config {c.get('name', '?')!r}: no vocab_size given and none in the config"
-            )
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise ModelError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    for key, tid in (
-        ("bos_token_id", bos_token_id),
-        ("eos_token_id", eos_token_id),
-        ("pad_token_id", pad_token_id),
-    ):
-        if tid is not None and not 0 <= tid < vocab_size:
-            raise ModelError(f"{key} {tid} is outside the vocabulary (size {vocab_size})")
-
-    hidden = _positive_int(c, "hidden_size")
-    layers = _positive_int(c, "num_layers")
-    heads = _positive_int(c, "num_heads")
-    positions = _positive_int(c, "max_position_embeddings")
-    if hidden % heads:
-        raise ModelError(
-            f"model config {c.get('name', '?')!r}: hidden_size {hidden} is not a multiple of num_heads {heads}"
-        )
+    vocab_size = check_model_config(c, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                                    pad_token_id=pad_token_id)  # fmt: skip
+    arch, hidden, layers, heads, positions = (c[k] for k in ("arch", "hidden_size", "num_layers", "num_heads",
+                                                             "max_position_embeddings"))  # fmt: skip
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -139,30 +81,21 @@ def model_config(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+        tie_word_embeddings=c.get("tie_word_embeddings") is not False,
         use_cache=False,
     )
     if arch == "gpt_neo":
-        attention_types = c.get("attention_types") or _gpt_neo_attention_types(layers)
-        n_types = sum(len(kinds) * n for kinds, n in attention_types)
-        if n_types != layers:
-            raise ModelError(
-                f"model config {c.get('name', '?')!r}: attention_types describe {n_types} layers, num_layers is {layers}"
-            )
+        attention_types = c.get("attention_types") or gpt_neo_attention_types(layers)
         config = transformers.GPTNeoConfig(
             num_layers=layers,
             num_heads=heads,
             attention_types=attention_types,
-            window_size=_positive_int(c, "window_size") if "window_size" in c else 256,
+            window_size=c.get("window_size") or 256,
             intermediate_size=c.get("intermediate_size"),
             **common,
         )
     else:
         kv_heads = c.get("num_kv_heads") or heads
-        if heads % kv_heads:
-            raise ModelError(
-                f"model config {c.get('name', '?')!r}: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}"
-            )
         extra = {}
         if c.get("rope_scaling"):
             extra["rope_scaling"] = dict(c["rope_scaling"])
@@ -170,9 +103,9 @@ def model_config(
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            intermediate_size=_positive_int(c, "intermediate_size"),
+            intermediate_size=c["intermediate_size"],
             rope_theta=float(c.get("rope_theta") or 10000.0),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=float(c.get("rms_norm_eps") or 1e-5),
             **common,
             **extra,
         )

@@ -1,25 +1,27 @@
-"""Checks of a run's inputs before any worker starts: one clear line per problem, nothing written.
+"""The one validation pass of a job: what the config schema cannot check, before training.
 
-``acco.cli`` calls two things from here:
+The schema (acco/config.py) has already checked types, key names and each group's values. This
+module checks the rest, once per job: ``acco.cli`` runs ``validate_job`` in the local launcher
+while its workers import torch, or on rank 0 under torchrun / srun while the other ranks wait on
+the store. Workers never repeat it. In order, cheap checks first:
 
-- ``check_overrides(argv)`` composes the Hydra config from the command line once, before Hydra
-  itself runs, and turns an unknown config group, option or key (which Hydra reports in several
-  lines and a hint about HYDRA_FULL_ERROR) into one ``InputError``;
-- ``preflight(cfg, world_size)`` runs in the launcher (or, under torchrun / srun, in every
-  process) before training: the config's values, ``train.output_dir`` and ``train.cache_dir``,
-  the model config or the pretrained model's ``config.json``, the data, the tokenizer, and whether
-  the data fills one global batch. Cheap checks come first; data is tokenized only when its size
-  alone cannot tell (a small corpus), and packed blocks go to the packing cache, so the workers'
-  own call is free.
+- mandatory values set and interpolations resolvable;
+- ``train.output_dir`` and ``train.cache_dir`` writable, and no earlier run overwritten by mistake;
+- the model config, or the pretrained model's ``config.json``, against train.max_length;
+- the tokenizer, against the model's embedding;
+- ``train.resume_from_checkpoint``: a whole checkpoint this run can continue (acco.checkpoint);
+- the data: readable, and at least one global batch. Data is tokenized only when its size alone
+  cannot tell (a small corpus), and packed blocks go to the packing cache, so the workers' own
+  tokenization is then a cache hit.
 
 Every failure is an ``InputError`` (a ValueError) whose message is one line naming the config key
 and the file, value or numbers at fault. Nothing here writes to ``train.output_dir``; writability
-is probed with a temporary file that is removed at once.
+is probed with a temporary file that is removed at once. torch and transformers are imported only
+where a check needs them (a named tokenizer, a pretrained model, a resume).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -28,114 +30,29 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = [
-    "AlreadyCompleted",
-    "InputError",
-    "check_output_dir",
-    "check_overrides",
-    "check_resume",
-    "one_line_error",
-    "preflight",
-]
+from acco.config import (
+    DataConfig,
+    InputError,
+    LaunchConfig,
+    ModelError,
+    TrainArgs,
+    check_model_config,
+    one_line_error,
+)
+from acco.engine.config import ConfigError
 
-# The data is tokenized in preflight only while its size alone cannot tell whether it fills one
-# global batch: while an upper bound on its samples is below this many global batches.
+__all__ = ["InputError", "check_output_dir", "validate_job"]
+
+# The data is tokenized in the validation pass only while its size alone cannot tell whether it
+# fills one global batch: while an upper bound on its samples is below this many global batches.
 EXACT_CHECK_MARGIN = 10
 # Files that show that a run already wrote to an output_dir (config.yaml and tokenizer/ do not:
 # they are written before training starts, so a run that failed early can simply be started again).
 RUN_MARKERS = ("summary.json", "metrics.jsonl")
 
 
-class InputError(ValueError):
-    """A bad input found before training: the message is one line naming the key and the value."""
-
-
-class AlreadyCompleted(Exception):
-    """Not an error: the checkpoint to resume has already consumed train.nb_steps_tot. The message
-    is the one line to print; the run then exits 0 without writing anything."""
-
-
-def one_line_error(e: BaseException, limit: int = 1000) -> str:
-    """An exception's message on one line (OmegaConf's trailers "full_key: ..." dropped)."""
-    text = str(e)
-    try:
-        from omegaconf.errors import OmegaConfBaseException
-
-        if isinstance(e, OmegaConfBaseException):
-            text = text.strip().splitlines()[0] if text.strip() else ""
-    except ImportError:  # pragma: no cover
-        pass
-    text = " ".join(text.split())
-    return text[:limit] + (" ..." if len(text) > limit else "")
-
-
-# --------------------------------------------------------------------------- Hydra overrides
-
-
-def check_overrides(argv: list[str], config_module: str = "acco.conf", config_name: str = "config") -> None:
-    """Compose the config from command-line overrides as Hydra will, or raise one ``InputError``.
-
-    Command lines with Hydra flags (``--help``, ``-m``, ``--cfg`` ...) are left to Hydra.
-    """
-    if any(a.startswith("-") for a in argv):
-        return
-    from hydra import compose, initialize_config_module
-
-    try:
-        with initialize_config_module(config_module=config_module, version_base="1.3"):
-            compose(config_name=config_name, overrides=list(argv))
-    except Exception as e:
-        raise InputError(_hydra_message(e, argv)) from e
-
-
-def _hydra_message(e: Exception, argv: list[str]) -> str:
-    from hydra.errors import MissingConfigException, OverrideParseException
-
-    cause = e.__cause__
-    key = getattr(cause, "full_key", None)
-    if key and "Could not override" in str(e):
-        parent = getattr(cause, "parent_node", None)
-        known = ""
-        if isinstance(parent, DictConfig):
-            names = [k for k in parent.keys() if k != "hydra"]
-            where = key.rsplit(".", 1)[0] if "." in key else ""
-            known = f"; keys {'of ' + where if where else 'at the top level'}: {', '.join(map(str, names))}"
-        override = next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
-        return f"unknown config key {key!r} in {override!r}{known}"
-    if isinstance(e, MissingConfigException) and getattr(e, "missing_cfg_file", None):
-        group, _, option = e.missing_cfg_file.rpartition("/")
-        options = getattr(e, "options", None)
-        listed = f" (available: {', '.join(options)})" if options else ""
-        return f"unknown {group} {option!r}: no config {group}/{option}.yaml{listed}"
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    keep = []
-    for ln in lines:
-        if ln.startswith(("Config search path", "See https://hydra.cc", "Set the environment variable")):
-            break
-        keep.append(ln)
-    text = "; ".join(keep) or type(e).__name__
-    if isinstance(e, OverrideParseException) and "Error parsing override" not in text:
-        text = f"cannot parse override: {text}"
-    return text
-
-
-# --------------------------------------------------------------------------- small checks
-
-
 def _fail(message: str, cause: BaseException | None = None) -> None:
     raise InputError(message) from cause
-
-
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        _fail(f"{key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive_number(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        _fail(f"{key} must be a positive finite number, got {value!r}")
-    return float(value)
 
 
 def _missing_values(node: Any, prefix: str = "") -> list[str]:
@@ -168,42 +85,12 @@ def check_config_values(cfg: DictConfig) -> dict:
     return resolved
 
 
-def check_launch(launch: Mapping, world_size: int | None) -> int:
-    nproc = launch.get("nproc", "auto")
-    if nproc not in (None, "auto"):
-        _positive_int(nproc, "launch.nproc")
-    timeout = launch.get("timeout_s", 300)
-    if timeout is not None:
-        _positive_number(timeout, "launch.timeout_s")
-    if world_size is not None:
-        return world_size
-    if nproc in (None, "auto"):
-        import torch
-
-        return torch.cuda.device_count() or 2
-    return nproc
-
-
-def check_train(train: Mapping):
-    """The keys users mistype most, with messages naming them, then everything TrainArgs checks."""
-    from acco.engine import ConfigError
-    from acco.trainer import TrainArgs
-
-    for key in ("batch_size", "nb_steps_tot", "n_grad_accumulation", "max_length"):
-        if key in train:
-            _positive_int(train[key], f"train.{key}")
-    if "learning_rate" in train:
-        _positive_number(train["learning_rate"], "train.learning_rate")
-    for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm", "eval_fraction", "slowdown"):
-        value = train.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            _fail(f"train.{key} must be a number, got {value!r}")
+def typed_config(cfg: DictConfig) -> tuple[TrainArgs, LaunchConfig, DataConfig]:
+    """The train, launch and data groups as their dataclasses: their own value checks run here."""
     try:
-        return TrainArgs.from_any(dict(train))
-    except ConfigError as e:  # its messages already name the train.* key
+        return tuple(OmegaConf.to_object(cfg[group]) for group in ("train", "launch", "data"))
+    except ConfigError as e:  # its messages already name the key
         _fail(one_line_error(e), e)
-    except (TypeError, ValueError) as e:
-        _fail(f"bad train config: {one_line_error(e)}", e)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -255,16 +142,13 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
     return out
 
 
-# --------------------------------------------------------------------------- model and tokenizer
-
-
 def _pretrained_config(name: str):
     from transformers import AutoConfig
 
-    from acco.models import _looks_local
+    from acco.data.errors import looks_like_local_path
 
     path = os.path.expanduser(str(name))
-    if _looks_local(path):
+    if looks_like_local_path(path):
         if not os.path.isdir(path):
             _fail(f"model.pretrained {name!r}: no such folder")
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -306,8 +190,6 @@ def check_model(model: Mapping, max_length: int) -> Any:
 
 def check_model_fits(model: Mapping, pretrained_config: Any, vocab_size: int, what: str) -> None:
     """The tokenizer's vocabulary fits the pretrained embedding; a new model's config is valid."""
-    from acco.models import ModelError, model_config
-
     if pretrained_config is not None:
         rows = getattr(pretrained_config, "vocab_size", None)
         if isinstance(rows, int) and vocab_size > rows:
@@ -317,13 +199,14 @@ def check_model_fits(model: Mapping, pretrained_config: Any, vocab_size: int, wh
             )
         return
     try:
-        model_config(dict(model), vocab_size)
+        check_model_config(dict(model), vocab_size)
     except ModelError as e:
         _fail(f"model config: {one_line_error(e)}", e)
 
 
 def _load_tokenizer(spec: str, pretrained: str | None = None):
-    from acco.data import DataError, load_tokenizer
+    from acco.data.errors import DataError
+    from acco.data.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(spec)
@@ -336,10 +219,11 @@ def _load_tokenizer(spec: str, pretrained: str | None = None):
 
 def _train_bpe_as_rank0(texts: list[str], vocab_size: int):
     """The BPE rank 0 will train, saved and loaded again as the workers get it (same fingerprint)."""
-    from acco.data import DataError, load_tokenizer
+    from acco.data.errors import DataError
+    from acco.data.tokenizer import load_tokenizer
 
     try:
-        with tempfile.TemporaryDirectory(prefix="acco-preflight-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="acco-validate-") as tmp:
             load_tokenizer("bpe", train_texts=texts, vocab_size=vocab_size, save_dir=tmp)
             return load_tokenizer(tmp)
     except DataError as e:
@@ -349,9 +233,9 @@ def _train_bpe_as_rank0(texts: list[str], vocab_size: int):
 def _as_workers_load_it(tokenizer):
     """The tokenizer saved and loaded again, as the workers load it from output_dir/tokenizer, so
     that packing here fills the cache entry the workers will look up."""
-    from acco.data import load_tokenizer
+    from acco.data.tokenizer import load_tokenizer
 
-    with tempfile.TemporaryDirectory(prefix="acco-preflight-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="acco-validate-") as tmp:
         tokenizer.save_pretrained(tmp)
         return load_tokenizer(tmp)
 
@@ -359,33 +243,28 @@ def _as_workers_load_it(tokenizer):
 # --------------------------------------------------------------------------- data
 
 
-def load_corpus(data: Mapping):
-    """Documents or instruction records, as the workers will load them."""
-    from acco.data import DataError, load_records, open_documents, synthetic_corpus
+def load_corpus(data: DataConfig):
+    """Documents or instruction records, as the workers will load them (acco.data.prepare)."""
+    from acco.data.errors import DataError
+    from acco.data.text import load_corpus as load
 
-    fmt = data.get("format", "pretrain")
-    if fmt not in ("pretrain", "instruct"):
-        _fail(f"data.format must be 'pretrain' or 'instruct', got {fmt!r}")
-    if data.get("name") == "synthetic":
-        return synthetic_corpus(_positive_int(data.get("n_docs"), "data.n_docs"), seed=0)
-    path = data.get("path")
-    if not path:
-        _fail(f"data.path is not set (data={data.get('name', '?')} needs a file, a folder or a Hub name)")
+    if data.name == "synthetic":
+        if isinstance(data.n_docs, bool) or not isinstance(data.n_docs, int) or data.n_docs < 1:
+            _fail(f"data.n_docs must be a positive integer, got {data.n_docs!r}")
+    elif not data.path:
+        _fail(f"data.path is not set (data={data.name} needs a file, a folder or a Hub name)")
     try:
-        if fmt == "instruct":
-            return load_records(str(path))
-        # memory-mapped as the workers open it: an openwebtext-sized corpus is not read into a list
-        return open_documents(str(path), text_column=data.get("text_column") or "text")
+        return load(OmegaConf.structured(data))
     except DataError as e:
         _fail(f"data.path: {one_line_error(e)}", e)
     except OSError as e:  # unreadable file or folder
-        where = e.filename or path
+        where = e.filename or data.path
         _fail(f"data.path: cannot read {str(where)!r}: {e.strerror or one_line_error(e)}", e)
 
 
 def _text_bytes(docs, text_column: str) -> int:
     """UTF-8 bytes of the documents; for a memory-mapped Dataset its Arrow size (no reading)."""
-    from acco.data import is_hf_dataset
+    from acco.data.text import is_hf_dataset
 
     if is_hf_dataset(docs):
         return docs.data.nbytes
@@ -394,9 +273,11 @@ def _text_bytes(docs, text_column: str) -> int:
 
 def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: int) -> None:
     """The training split holds at least one global batch. The split is by document, from
-    train.seed, as the workers make it (acco.cli.split_corpus)."""
-    from acco.cli import split_corpus
-    from acco.data import DataError, format_alpaca, pack_documents, tokenize_instructions
+    train.seed, as the workers make it (acco.data.prepare.split_corpus)."""
+    from acco.data.errors import DataError
+    from acco.data.instruct import format_alpaca, tokenize_instructions
+    from acco.data.packing import pack_documents
+    from acco.data.prepare import split_corpus
 
     data = cfg["data"]
     need = args.batch_size * world_size
@@ -469,63 +350,37 @@ def _model_numel(
 
 
 def check_resume(args, model: Mapping, pretrained_config: Any, tokenizer, world_size: int) -> None:
-    """``train.resume_from_checkpoint`` names a complete checkpoint that this run can continue:
-    meta.json and every worker's file present and whole, the same method, a model of the same
-    size. Raises ``AlreadyCompleted`` when the checkpoint has consumed the budget already."""
-    spec = args.resume_from_checkpoint
-    if not spec:
+    """``train.resume_from_checkpoint`` names a complete checkpoint that this run can continue
+    (acco.checkpoint.check_resumable); ``AlreadyCompleted`` passes through."""
+    if not args.resume_from_checkpoint:
         return
     from acco import checkpoint
     from acco.engine import CheckpointError
 
-    key = f"train.resume_from_checkpoint={spec}"
+    label = f"model {model.get('name') or model.get('pretrained') or '?'!r}"
     try:
-        folder = checkpoint.resolve(spec, os.path.expanduser(str(args.output_dir)))
-        meta = checkpoint.load_meta(folder)
-        checkpoint.check_files(folder, meta)
+        checkpoint.check_resumable(
+            args, world_size, lambda folder: _model_numel(model, pretrained_config, tokenizer, folder, args.max_length),
+            label,
+        )  # fmt: skip
     except CheckpointError as e:
-        _fail(f"{key}: {one_line_error(e)}", e)
-    if meta["method"] != args.method_name:
-        _fail(f"{key}: {folder} was written by method {meta['method']!r}, this run is {args.method_name!r}")
-    if args.method_name == "torch-ddp" and int(meta["world_size"]) != world_size:
-        _fail(
-            f"{key}: {folder} was written by {meta['world_size']} workers, this run has {world_size}; "
-            "torch-ddp resumes only on the world size it was saved with"
-        )
-    numel = _model_numel(model, pretrained_config, tokenizer, folder, args.max_length)
-    if numel is not None and numel != int(meta["numel"]):
-        _fail(
-            f"{key}: {folder} holds a model of {int(meta['numel']):,} parameters, "
-            f"model {model.get('name') or model.get('pretrained') or '?'!r} has {numel:,}"
-        )
-    changed = checkpoint.data_changes(meta.get("train") or {}, vars(args), int(meta["world_size"]) == world_size)
-    if changed:
-        _fail(
-            f"{key}: {', '.join(changed)}: the run would resume on other samples than those it stopped at; "
-            "keep the checkpoint's values (a changed batch_size resumes only on another world size)"
-        )
-    done = checkpoint.already_completed(folder, meta, args.nb_steps_tot)
-    if done:
-        raise AlreadyCompleted(done)
+        _fail(f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {one_line_error(e)}", e)
 
 
 # --------------------------------------------------------------------------- all together
 
 
-def preflight(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Check a run's config, output folders, model, tokenizer and data; raise ``InputError``.
-
-    ``world_size``: the number of workers (default: from ``launch.nproc``).
-    """
+def validate_job(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Check a job's config, output folders, model, tokenizer, checkpoint and data for
+    `world_size` workers (default: launch.nproc's); raise ``InputError`` (or
+    ``acco.checkpoint.AlreadyCompleted``)."""
     resolved = check_config_values(cfg)
-    world_size = check_launch(resolved.get("launch") or {}, world_size)
-    train = resolved["train"]
-    args = check_train(train)
-    check_output_dir(
-        args.output_dir,
-        overwrite=bool(train.get("overwrite_output_dir", False)),
-        resume=train.get("resume_from_checkpoint"),
-    )
+    args, launch, data = typed_config(cfg)
+    if world_size is None:
+        from acco.launch.local import local_nproc
+
+        world_size = local_nproc(launch.nproc)
+    check_output_dir(args.output_dir, overwrite=args.overwrite_output_dir, resume=args.resume_from_checkpoint)
     if args.cache_dir:
         _check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
 
@@ -546,5 +401,5 @@ def preflight(cfg: DictConfig, world_size: int | None = None) -> None:
         check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {spec!r}")
     check_resume(args, model, pretrained_config, tokenizer, world_size)
 
-    corpus = load_corpus(resolved["data"])
+    corpus = load_corpus(data)
     check_fills_global_batch(resolved, args, corpus, tokenizer, world_size)

@@ -24,13 +24,14 @@ RUN = ("data.n_docs=600", "train.nb_steps_tot=96", "train.n_grad_accumulation=2"
        "train.learning_rate=2e-3")  # fmt: skip
 
 
+FAULTS = str(Path(__file__).with_name("faults.py"))  # the CLI with a fault injected into one worker
+
+
 def cli(out: Path, *overrides: str, fault: str | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("ACCO_TEST_FAULT", None)
-    if fault:
-        env["ACCO_TEST_FAULT"] = fault
+    entry = [FAULTS, fault] if fault else ["-m", "acco.cli"]
     cmd = [
-        sys.executable, "-m", "acco.cli", f"launch.nproc={nproc}", f"train.output_dir={out}",
+        sys.executable, *entry, f"launch.nproc={nproc}", f"train.output_dir={out}",
         f"train.cache_dir={out.parent / 'cache'}", *RUN, *overrides,
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
@@ -153,10 +154,10 @@ def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
     the others: the progress record must still name rank 2, and nobody else, as the lost one."""
     out = tmp_path / "stall4"
     cmd = [
-        sys.executable, "-m", "acco.cli", "launch.nproc=4", f"train.output_dir={out}",
+        sys.executable, FAULTS, "rank=2,step=3,mode=hang", "launch.nproc=4", f"train.output_dir={out}",
         f"train.cache_dir={out.parent / 'cache'}", *RUN, "train.save_step=2",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "ACCO_TEST_FAULT": "rank=2,step=3,mode=hang"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     lines, stalled_at = [], []
 
@@ -245,22 +246,19 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def preflight_error(out: Path, *overrides: str) -> str:
-    """The one-line InputError that the CLI's preflight raises for this run, checked in-process."""
-    from hydra import compose, initialize_config_module
-
-    from acco.validate import InputError, preflight
+def validation_error(out: Path, *overrides: str) -> str:
+    """The one-line InputError that the CLI's validation pass raises for this run, in-process."""
+    from acco.config import InputError, compose
+    from acco.validate import validate_job
 
     base = ["launch.nproc=2", f"train.output_dir={out}", f"train.cache_dir={out.parent / 'cache'}", *RUN]
-    with initialize_config_module(config_module="acco.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*base, *overrides])
     with pytest.raises(InputError) as info:
-        preflight(cfg)
+        validate_job(compose([*base, *overrides]), world_size=2)
     assert "\n" not in str(info.value)
     return str(info.value)
 
 
-def test_bad_resumes_fail_in_preflight_and_overwrite_nothing(reference, tmp_path):
+def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     os.system(f"cp -r {reference / 'checkpoint-4'} {reference / 'config.yaml'} {run}/")
@@ -269,10 +267,10 @@ def test_bad_resumes_fail_in_preflight_and_overwrite_nothing(reference, tmp_path
     assert "checkpoint-4 was written by method 'acco', this run is 'ddp'" in line
     line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "model.hidden_size=32"))
     assert "checkpoint-4 holds a model of" in line and "model 'tiny' has" in line
-    # (in-process preflight from here on: the same check as the CLI's, without its start-up)
-    line = preflight_error(run, "train.resume_from_checkpoint=latest", "train.seed=5")
+    # (in-process validation from here on: the same pass as the CLI's, without its start-up)
+    line = validation_error(run, "train.resume_from_checkpoint=latest", "train.seed=5")
     assert "train.seed=5 (the checkpoint has 0)" in line and "other samples" in line
-    line = preflight_error(run, "train.resume_from_checkpoint=latest", "train.batch_size=4")
+    line = validation_error(run, "train.resume_from_checkpoint=latest", "train.batch_size=4")
     assert "train.batch_size=4 (the checkpoint has 8)" in line
     # Damaged in the middle, size unchanged: the values would be finite garbage; the CRC sees it.
     rank1 = run / "checkpoint-4" / "rank1-of-2.pt"
@@ -280,7 +278,7 @@ def test_bad_resumes_fail_in_preflight_and_overwrite_nothing(reference, tmp_path
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     rank1.write_bytes(bytes(data))
-    line = preflight_error(run, "train.resume_from_checkpoint=latest")
+    line = validation_error(run, "train.resume_from_checkpoint=latest")
     assert "rank1-of-2.pt: corrupted checkpoint file" in line and "CRC" in line
     rank1.unlink()
     assert "missing rank1-of-2.pt" in one_error_line(cli(run, "train.resume_from_checkpoint=latest"))

@@ -322,7 +322,7 @@ def test_launch_local_first_failure_stops_all(tmp_path, capfd):
 
 LOST_PEER = """
     import os, signal, sys, time
-    from acco.launch import report_lost_ranks
+    from acco.engine.progress import report_lost_ranks
 
     rank, scenario = int(os.environ["RANK"]), sys.argv[1]
     if scenario == "stall" and rank != 2:  # rank 2 stalls; the others time out, rank 1 first

@@ -307,20 +307,20 @@ def test_rank0_tokenizes_once_and_the_others_map_its_cache(tmp_path):
     assert len(list((tmp_path / "cache").glob("*.npy"))) == 1
 
 
-def test_cli_bpe_trains_on_the_training_split_only_and_is_cached(tmp_path, monkeypatch):
+def test_bpe_trains_on_the_training_split_only_and_is_cached(tmp_path, monkeypatch):
     from datasets import Dataset
 
     import acco.data.tokenizer as tokenizer_module
-    from acco import cli
+    from acco.data import prepare
     from acco.trainer import TrainArgs
 
     docs = synthetic_corpus(200)
     args = TrainArgs(eval_fraction=0.1, seed=3)
-    train_docs, eval_docs = cli.split_corpus(docs, args)
+    train_docs, eval_docs = prepare.split_corpus(docs, args)
     assert len(eval_docs) == 20 and sorted(train_docs + eval_docs) == sorted(docs)
-    as_dataset = cli.split_corpus(Dataset.from_dict({"text": docs}), args)
+    as_dataset = prepare.split_corpus(Dataset.from_dict({"text": docs}), args)
     assert [list(part["text"]) for part in as_dataset] == [train_docs, eval_docs]
-    assert cli.split_corpus(docs, TrainArgs(eval=False)) == (docs, None)
+    assert prepare.split_corpus(docs, TrainArgs(eval=False)) == (docs, None)
 
     trained_on = []
     train_bpe = tokenizer_module.train_bpe
@@ -334,10 +334,10 @@ def test_cli_bpe_trains_on_the_training_split_only_and_is_cached(tmp_path, monke
         "data": {"format": "pretrain", "text_column": "text"},
         "model": {"tokenizer": "bpe", "vocab_size": 400},
     })  # fmt: skip
-    first = cli.prepare_tokenizer(cfg, train_docs)
+    first = prepare.prepare_tokenizer(cfg, train_docs)
     assert trained_on == [train_docs]  # not the eval documents
     cfg.train.output_dir = str(tmp_path / "run2")
-    second = cli.prepare_tokenizer(cfg, train_docs)
+    second = prepare.prepare_tokenizer(cfg, train_docs)
     assert len(trained_on) == 1  # the second run reuses the cached BPE
     assert (tmp_path / "run2" / "tokenizer" / "tokenizer.json").exists()  # and saves it with the run
     assert second(docs[0])["input_ids"] == first(docs[0])["input_ids"]

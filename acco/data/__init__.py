@@ -5,53 +5,39 @@
     blocks = pack_documents(docs, tokenizer, max_length=256)   # uint16/int32, memory-mapped
     for batch in MicroBatchStream(blocks, batch_size=8, rank=rank, world_size=world_size):
         loss = model(**batch).loss
+
+What a training job does with a config (load the corpus, split it, build the tokenizer, turn any
+dataset into what the streams read) is in ``acco.data.prepare``.
+
+Names are imported from their module on first use: the launcher checks a synthetic or text corpus
+without importing torch, transformers or datasets, which its workers import meanwhile.
 """
 
-from .errors import DataError
-from .instruct import (
-    ALPACA_PROMPT,
-    ALPACA_PROMPT_NO_INPUT,
-    IGNORE_INDEX,
-    cached_instructions,
-    format_alpaca,
-    tokenize_instructions,
-)
-from .loader import MicroBatchStream, Rows, as_columns, eval_batches, split_train_eval
-from .packing import DEFAULT_CACHE_DIR, blocks_of, pack_documents, packing_cache_key, token_stream
-from .synthetic import synthetic_corpus, unigram_entropy
-from .text import corpus_fingerprint, is_hf_dataset, load_documents, load_records, open_documents
-from .tokenized import pad_token_ids
-from .tokenizer import EOS_TOKEN, bos_to_prepend, load_tokenizer, tokenizer_fingerprint, train_bpe
+from __future__ import annotations
 
-__all__ = [
-    "ALPACA_PROMPT",
-    "ALPACA_PROMPT_NO_INPUT",
-    "DEFAULT_CACHE_DIR",
-    "EOS_TOKEN",
-    "IGNORE_INDEX",
-    "DataError",
-    "MicroBatchStream",
-    "Rows",
-    "as_columns",
-    "blocks_of",
-    "bos_to_prepend",
-    "corpus_fingerprint",
-    "eval_batches",
-    "format_alpaca",
-    "cached_instructions",
-    "is_hf_dataset",
-    "load_documents",
-    "load_records",
-    "load_tokenizer",
-    "open_documents",
-    "pack_documents",
-    "packing_cache_key",
-    "pad_token_ids",
-    "split_train_eval",
-    "synthetic_corpus",
-    "token_stream",
-    "tokenize_instructions",
-    "tokenizer_fingerprint",
-    "train_bpe",
-    "unigram_entropy",
-]
+import importlib
+
+_MODULES = {
+    "errors": ["DataError"],
+    "instruct": ["ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "IGNORE_INDEX", "cached_instructions", "format_alpaca",
+                 "tokenize_instructions"],
+    "loader": ["MicroBatchStream", "Rows", "as_columns", "eval_batches", "split_train_eval"],
+    "packing": ["blocks_of", "pack_documents", "packing_cache_key", "token_stream"],
+    "prepare": ["load_corpus_rank0_first", "prepare_dataset", "prepare_tokenizer", "split_corpus"],
+    "synthetic": ["synthetic_corpus", "unigram_entropy"],
+    "text": ["corpus_fingerprint", "is_hf_dataset", "load_corpus", "load_documents", "load_records", "open_documents"],
+    "tokenized": ["pad_token_ids"],
+    "tokenizer": ["EOS_TOKEN", "bos_to_prepend", "load_tokenizer", "tokenizer_fingerprint", "train_bpe"],
+}  # fmt: skip
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -27,13 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from acco.config import DEFAULT_CACHE_DIR
+
 from .errors import DataError
 from .text import corpus_fingerprint, is_hf_dataset
 from .tokenizer import bos_to_prepend, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = "~/.cache/acco"
 _FORMAT_VERSION = "tokens-v2"  # bump when the stream rule changes, to invalidate old caches
 _TOKENIZE_BATCH = 1000
 _HEADER_BYTES = 128  # room kept for the .npy header, written once the token count is known

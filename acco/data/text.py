@@ -246,3 +246,16 @@ def _locate_json_error(path: Path) -> str | None:
 
 def _where(source: Path | str) -> str:
     return str(source) if isinstance(source, Path) else f"dataset {source!r}"
+
+
+def load_corpus(data):
+    """Documents (pretraining) or instruction records (fine-tuning), as the ``data`` config says.
+    Documents from table files or the Hub are a memory-mapped `datasets.Dataset`, not a list: an
+    openwebtext-sized corpus then costs each worker next to no memory."""
+    if data["name"] == "synthetic":
+        from .synthetic import synthetic_corpus
+
+        return synthetic_corpus(int(data["n_docs"]), seed=0)
+    if data["format"] == "instruct":
+        return load_records(str(data["path"]))
+    return open_documents(str(data["path"]), text_column=data.get("text_column") or "text")

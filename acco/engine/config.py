@@ -58,37 +58,45 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.scheduler_name not in SCHEDULERS:
-            raise ConfigError(
-                f"unknown scheduler_name {self.scheduler_name!r}; choose one of {', '.join(SCHEDULERS)}"
-            )
+            raise ConfigError(f"scheduler_name must be one of {', '.join(SCHEDULERS)}, got {self.scheduler_name!r}")
         for name in ("n_grad_accumulation", "nb_steps_tot"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate!r}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ConfigError(f"learning_rate must be a positive finite number, got {self.learning_rate!r}")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.acco_estimate not in ACCO_ESTIMATES:
-            raise ConfigError(
-                f"unknown acco_estimate {self.acco_estimate!r}; choose one of {', '.join(ACCO_ESTIMATES)}"
-            )
+            raise ConfigError(f"acco_estimate must be one of {', '.join(ACCO_ESTIMATES)}, got {self.acco_estimate!r}")
         check_max_grad_norm(self.max_grad_norm)
-        if self.warmup < 0 or self.n_warmup_steps < 0:
-            raise ConfigError("warmup and n_warmup_steps must be >= 0")
+        for name in ("warmup", "n_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     @classmethod
-    def from_mapping(cls, values) -> EngineConfig:
-        """Build from any mapping that has (a superset of) the fields; `method_name` is accepted too."""
+    def from_mapping(cls, values, key_prefix: str = "") -> EngineConfig:
+        """Build from any mapping that has (a superset of) the fields; `method_name` is accepted too.
+        Errors name the keys as the caller knows them: ``key_prefix`` + field (``train.`` for the
+        trainer's config, where `method` is ``method_name``)."""
         values = dict(values)
+        method_key = "method"
         if "method" not in values and "method_name" in values:
-            values["method"] = values["method_name"]
+            values["method"], method_key = values["method_name"], "method_name"
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        try:
+            return cls(**{k: v for k, v in values.items() if k in names})
+        except ConfigError as e:
+            if not key_prefix and method_key == "method":
+                raise
+            message = str(e)
+            if message.startswith("method "):
+                message = method_key + message[len("method"):]
+            raise ConfigError(key_prefix + message) from None
 
 
 @dataclass

@@ -19,19 +19,27 @@ nothing is said about the others.
 
 :func:`names_lost_ranks` wraps the functions that run collectives (training, evaluation) so that
 such a failure leaves them as a :class:`LostWorkerError` with that line, which is all a user of
-torchrun or srun sees, and tells acco's local launcher too (``acco.launch``).
+torchrun or srun sees, and tells acco's local launcher too: :func:`report_lost_ranks` writes the
+finding into the folder the launcher names in ``ACCO_FAILURE_DIR``, and the launcher
+(acco/launch/local.py) then blames the lost rank rather than whichever worker exited first. This
+module is the one place where failures are detected and reported; the engine, the store waits and
+the launcher all use it, and it imports none of them.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import threading
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
+# torch.distributed is imported where it is used: the local launcher imports this module for
+# FAILURE_DIR_ENV without paying for torch, which only its workers need.
 
-__all__ = ["LostWorkerError", "explain", "mark", "names_lost_ranks"]
+
+__all__ = ["FAILURE_DIR_ENV", "LostWorkerError", "explain", "mark", "names_lost_ranks", "report_lost_ranks"]
 
 _KEY = "acco/progress/{}"
 _lock = threading.Lock()  # the main thread and the comm thread both mark
@@ -53,14 +61,37 @@ class LostWorkerError(RuntimeError):
         super().__init__(message)
         self.lost = lost
 
+# A worker that fails because a peer died or stalled writes what it found (which rank stopped)
+# into this folder before it exits, so that the launcher blames that rank.
+FAILURE_DIR_ENV = "ACCO_FAILURE_DIR"
+
+
+def report_lost_ranks(rank: int, lost: list[int], message: str) -> None:
+    """Tell acco's local launcher, when there is one, that this worker fails because ranks `lost`
+    died or stalled (empty: unknown which), with the line that says so."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, f"rank{rank}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "lost": lost, "message": message}, f)
+        os.replace(path + ".tmp", path)  # the launcher never reads half a report
+    except OSError:
+        pass  # the launcher then blames the first exit, as it would without reports
+
 
 def _world() -> int:
+    import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def mark(label: str) -> None:
     """Record that this rank reached `label` ("update 7 (trial round)"): call it just before a
     collective phase that every rank runs. Nothing happens in a one-process run."""
+    import torch.distributed as dist
+
     global _count, _label
     if _world() == 1:
         return
@@ -81,6 +112,8 @@ def _read(store, rank: int) -> tuple[int, str]:
 def _furthest_behind(settle_s: float) -> dict[int, str]:
     """{rank: last label} of the ranks furthest behind, if behind this one, once every rank had
     `settle_s` to catch up; {} when this rank is among the furthest behind."""
+    import torch.distributed as dist
+
     store = dist.distributed_c10d._get_default_store()
     store.set_timeout(_READ_TIMEOUT)  # the run is ending: the store is used for nothing else now
     me, deadline = dist.get_rank(), time.monotonic() + settle_s
@@ -108,6 +141,8 @@ _COMM_WORDS = ("gloo", "nccl", "ring exchange", "timed out", "timeout", "connect
 
 
 def _is_comm_failure(error: BaseException) -> bool:
+    import torch.distributed as dist
+
     dist_error = getattr(dist, "DistError", ())  # nccl's and the store's errors, in recent torch
     return isinstance(error, dist_error) or any(w in str(error).lower() for w in _COMM_WORDS)
 
@@ -117,6 +152,8 @@ def explain(error: BaseException, settle_s: float = SETTLE_S) -> LostWorkerError
     caused by them; None when it is not a communication failure, or no rank is behind this one
     (the error is this rank's own, or the ranks stopped inside the same collective, which the
     record cannot tell apart)."""
+    import torch.distributed as dist
+
     if _world() == 1 or _count == 0 or not _is_comm_failure(error):
         return None
     first_line = (str(error).splitlines() or [""])[0]
@@ -146,6 +183,8 @@ def names_lost_ranks(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        import torch.distributed as dist
+
         try:
             return fn(*args, **kwargs)
         except LostWorkerError:
@@ -154,8 +193,6 @@ def names_lost_ranks(fn):
             lost = explain(e)
             if lost is None:
                 raise
-            from acco.launch import report_lost_ranks
-
             report_lost_ranks(dist.get_rank(), lost.lost, str(lost))
             raise lost from e
 

@@ -1,0 +1,406 @@
+"""The config schema: what `python main.py train=... model=... data=... launch....` may say.
+
+The four groups are dataclasses registered in Hydra's ConfigStore (``acco/conf/config.yaml``
+lists the schema first in its defaults), so Hydra and OmegaConf check types, refuse unknown keys
+and turn numbers given as strings ("6e-4") into numbers while they compose. Each dataclass then
+checks its own values in ``__post_init__``: ``TrainArgs`` the trainer's keys (and, through
+``EngineConfig``, the engine's), ``LaunchConfig`` the launcher's. What a schema cannot know (files,
+data sizes, the tokenizer against the model, resume compatibility) is ``acco.validate``'s job.
+
+``compose(overrides)`` composes once per command and turns Hydra's multi-line reports into one
+``InputError`` line. Nothing here imports torch: the launcher composes and checks before its
+workers have finished importing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from acco.engine.config import ConfigError, EngineConfig
+
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "Config",
+    "DataConfig",
+    "InputError",
+    "LaunchConfig",
+    "ModelConfig",
+    "ModelError",
+    "TrainArgs",
+    "compose",
+    "one_line_error",
+    "register_schema",
+]
+
+DEFAULT_CACHE_DIR = "~/.cache/acco"
+
+
+class InputError(ValueError):
+    """A bad input found before training: the message is one line naming the key and the value."""
+
+
+def one_line_error(e: BaseException, limit: int = 1000) -> str:
+    """An exception's message on one line (OmegaConf's trailers "full_key: ..." dropped)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    text = str(e)
+    if isinstance(e, OmegaConfBaseException):
+        text = text.strip().splitlines()[0] if text.strip() else ""
+    text = " ".join(text.split())
+    return text[:limit] + (" ..." if len(text) > limit else "")
+
+
+# Keys of the seed repository's train configs (the paper's Listing 1) that acco does not need,
+# with the only value acco honours (None: any). Accepted so those configs run unchanged, with one
+# warning; a value that would change the training if it were honoured is refused.
+SEED_ONLY_KEYS = {
+    "group_by_length": False, "dataloader_num_workers": None, "dataloader_pin_memory": None,
+    "dataloader_persistent_workers": None, "label_smoothing_factor": 0, "run_baseline_ddp": None,
+    "run_expe_slow": False, "const_len_batch": False, "finetune": None, "gradient_accumulation_steps": None,
+}  # fmt: skip
+
+
+@dataclass
+class TrainArgs:
+    """The ``train`` group: the seed's train keys (same names), plus output_dir, seed and run settings.
+
+    Units (README's glossary): nb_steps_tot and warmup count micro-batches over all workers;
+    n_warmup_steps, eval_step, save_step and log_step count optimizer updates.
+    """
+
+    method_name: str = "acco"
+    batch_size: int = 8  # sequences per micro-batch
+    n_grad_accumulation: int = 1  # micro-batches per worker per update (acco: per round)
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    nb_steps_tot: int = 1000  # micro-batches over all workers
+    max_length: int = 1024
+    scheduler_name: str = "cosine"
+    warmup: int = 0  # micro-batches over all workers
+    use_mixed_precision: bool = False
+    accumulate_while_waiting: bool = True
+    n_warmup_steps: int = 0  # updates run as sequential ddp first (dpu, wp)
+    max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)
+    acco_estimate: str = "lean"  # acco's estimate round: "lean", or the paper's form "paper" (acco/engine/comm.py)
+    eval: bool = True
+    eval_step: int = 50  # optimizer updates between evaluations
+    eval_batch_size: int | None = None
+    eval_fraction: float = 0.05  # carved out of the training data when no eval set is given
+    max_eval_batches: int | None = None  # per worker, None: the whole eval set
+    save: bool = True  # the final model (save_pretrained) and a final checkpoint
+    save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
+    save_total_limit: int | None = None  # keep only the newest checkpoints
+    resume_from_checkpoint: Any = None  # a checkpoint folder, or "latest" (true) in output_dir
+    overwrite_output_dir: bool = False
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    log_step: int = 10
+    slowdown: float = 1.0  # benchmarks: this worker sleeps (slowdown - 1) x its compute time
+    cache_dir: str | None = DEFAULT_CACHE_DIR
+    timeout_s: float = 30.0  # collectives give up after this long: a dead or stalled worker
+    # The seed's keys that have no effect here (SEED_ONLY_KEYS); null when not given.
+    group_by_length: Any = None
+    dataloader_num_workers: Any = None
+    dataloader_pin_memory: Any = None
+    dataloader_persistent_workers: Any = None
+    label_smoothing_factor: Any = None
+    run_baseline_ddp: Any = None
+    run_expe_slow: Any = None
+    const_len_batch: Any = None
+    finetune: Any = None
+    gradient_accumulation_steps: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_length", "eval_step", "log_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+        if self.save_step < 0:
+            raise ConfigError(f"train.save_step must be >= 0, got {self.save_step!r}")
+        limit = self.save_total_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(f"train.save_total_limit must be null (keep all) or a positive integer, got {limit!r}")
+        if self.resume_from_checkpoint is True:  # transformers' convention: the newest checkpoint
+            self.resume_from_checkpoint = "latest"
+        elif self.resume_from_checkpoint is False or self.resume_from_checkpoint == "":
+            self.resume_from_checkpoint = None
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+        if not 1 <= self.slowdown < math.inf:
+            raise ConfigError(f"train.slowdown must be >= 1, got {self.slowdown!r}")
+        if not 0 < self.timeout_s < math.inf:
+            raise ConfigError(f"train.timeout_s must be a positive finite number, got {self.timeout_s!r}")
+        self._check_seed_only_keys()
+        self.engine_config()  # the engine's own keys: method, budget, optimizer, schedule, clipping
+
+    def _check_seed_only_keys(self) -> None:
+        seen = [k for k in SEED_ONLY_KEYS if getattr(self, k) is not None]
+        for key in seen:
+            value, neutral = getattr(self, key), SEED_ONLY_KEYS[key]
+            if neutral is not None and value != neutral:
+                raise ConfigError(f"train.{key}={value!r} is not supported by acco (only {neutral!r})")
+            if key == "run_baseline_ddp" and value and self.method_name != "ddp":
+                raise ConfigError(f"train.run_baseline_ddp=true conflicts with method_name={self.method_name!r}: "
+                                  "set method_name=ddp instead")
+        if seen:
+            warnings.warn(f"ignoring the seed's train key(s) {', '.join(seen)}: they have no effect in acco",
+                          stacklevel=4)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_mapping(dataclasses.asdict(self), key_prefix="train.")
+
+    @classmethod
+    def from_any(cls, args: Any) -> TrainArgs:
+        """From a TrainArgs, a dict, an OmegaConf config, or any dataclass/object with the keys;
+        OmegaConf checks the types (and reads "6e-4" as a number), unknown keys are refused."""
+        if isinstance(args, cls):
+            return args
+        if args is None:
+            return cls()
+        if dataclasses.is_dataclass(args):
+            args = dataclasses.asdict(args)
+        elif not isinstance(args, Mapping | DictConfig):
+            args = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        return as_object(args, cls, "train")
+
+
+def as_object(values: Any, schema: type, group: str):
+    """`values` (a mapping or a DictConfig) checked against the dataclass `schema`, as an instance;
+    a wrong type or an unknown key is a ConfigError naming ``group.key``."""
+    try:
+        if isinstance(values, DictConfig):  # resolved where it stands: ${launch.timeout_s} needs its root
+            values = OmegaConf.to_container(values, resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as e:
+        from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+        if isinstance(e, ConfigKeyError | ConfigAttributeError):
+            known = ", ".join(f.name for f in dataclasses.fields(schema) if f.name not in SEED_ONLY_KEYS)
+            raise ConfigError(f"unknown {group} key {getattr(e, 'key', '?')!r} (known: {known})") from None
+        if isinstance(e, OmegaConfBaseException):
+            raise ConfigError(schema_message(e, prefix=f"{group}.")) from None
+        raise
+
+
+_KINDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
+
+
+def schema_message(e: BaseException, prefix: str = "") -> str:
+    """One line for OmegaConf's type and missing-value errors: ``train.batch_size must be an
+    integer, got 'x'``."""
+    from omegaconf.errors import MissingMandatoryValue, ValidationError
+
+    key = f"{prefix}{getattr(e, 'full_key', '') or ''}"
+    if isinstance(e, MissingMandatoryValue):
+        return f"missing value for {key}: set {key}=..."
+    if isinstance(e, ValidationError) and " could not be converted to " in str(e):
+        target = one_line_error(e).rsplit(" could not be converted to ", 1)[1]
+        kind = _KINDS.get(target, f"a {target}")
+        return f"{key} must be {kind}, got {getattr(e, 'value', None)!r}"
+    return f"{key}: {one_line_error(e)}" if key else one_line_error(e)
+
+
+@dataclass
+class LaunchConfig:
+    """The ``launch`` group: how a plain ``python main.py`` starts its workers."""
+
+    nproc: Any = "auto"  # local workers: a positive integer, or "auto" (one per GPU, else 2)
+    timeout_s: float = 30.0  # a collective that waits longer fails the run
+    debug: bool = False  # full tracebacks instead of one-line errors
+
+    def __post_init__(self) -> None:
+        nproc = self.nproc
+        if nproc not in (None, "auto") and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+            raise ConfigError(f"launch.nproc must be a positive integer or 'auto', got {nproc!r}")
+        if not 0 < self.timeout_s < math.inf:
+            raise ConfigError(f"launch.timeout_s must be a positive finite number, got {self.timeout_s!r}")
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` group (acco/models.py reads it; keys an architecture does not use stay null)."""
+
+    name: str = "?"
+    arch: str = MISSING  # gpt_neo or llama
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None  # llama
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+    window_size: int | None = None  # gpt_neo
+    rope_theta: float | None = None  # llama
+    rope_scaling: Any = None  # llama
+    rms_norm_eps: float | None = None  # llama
+    attention_types: Any = None  # gpt_neo, EleutherAI's form
+    tie_word_embeddings: bool | None = None
+    attn_implementation: str | None = None
+    pretrained: str | None = None  # a folder or a hub name: fine-tune those weights
+    tokenizer: str | None = None  # a folder, a hub name, or bpe
+    vocab_size: int | None = None
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` group."""
+
+    name: str = "?"
+    format: str = "pretrain"  # pretrain (documents) or instruct (Alpaca records)
+    path: str | None = None  # a file, a folder of them, or a hub name
+    text_column: str = "text"
+    n_docs: int | None = None  # synthetic
+
+    def __post_init__(self) -> None:
+        if self.format not in ("pretrain", "instruct"):
+            raise ConfigError(f"data.format must be 'pretrain' or 'instruct', got {self.format!r}")
+
+
+@dataclass
+class Config:
+    train: TrainArgs = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def register_schema() -> None:
+    """Register the schema as ``acco_schema`` (acco/conf/config.yaml's first default)."""
+    from hydra.core.config_store import ConfigStore
+
+    schema = OmegaConf.structured(Config)
+    # Keys a group file must set (train/base.yaml's `method_name: ???`, data/text.yaml's
+    # `path: ???`): MISSING here, since merging ??? onto a default would keep the default.
+    schema.train = OmegaConf.structured(TrainArgs)
+    schema.train.method_name = MISSING
+    schema.data = OmegaConf.structured(DataConfig)
+    schema.data.path = MISSING
+    ConfigStore.instance().store(name="acco_schema", node=schema)
+
+
+def compose(overrides: list[str], config_module: str = "acco.conf", config_name: str = "config") -> DictConfig:
+    """The config for these command-line overrides, composed once; one ``InputError`` line for an
+    unknown group, option or key, a value of the wrong type, or an override that does not parse."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    try:
+        with initialize_config_module(config_module=config_module, version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except Exception as e:
+        raise InputError(hydra_message(e, overrides)) from e
+
+
+def hydra_message(e: Exception, argv: list[str]) -> str:
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    if key and isinstance(cause, ConfigKeyError | ConfigAttributeError):
+        parent = getattr(cause, "parent_node", None)
+        known = ""
+        if isinstance(parent, DictConfig):
+            names = [k for k in parent.keys() if k != "hydra" and k not in SEED_ONLY_KEYS]
+            where = key.rsplit(".", 1)[0] if "." in key else ""
+            known = f"; keys {'of ' + where if where else 'at the top level'}: {', '.join(map(str, names))}"
+        override = next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
+        return f"unknown config key {key!r} in {override!r}{known}"
+    if isinstance(cause, OmegaConfBaseException) and key:
+        return schema_message(cause)
+    if isinstance(e, MissingConfigException) and getattr(e, "missing_cfg_file", None):
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        options = getattr(e, "options", None)
+        listed = f" (available: {', '.join(options)})" if options else ""
+        return f"unknown {group} {option!r}: no config {group}/{option}.yaml{listed}"
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    keep = []
+    for ln in lines:
+        if ln.startswith(("Config search path", "See https://hydra.cc", "Set the environment variable")):
+            break
+        keep.append(ln)
+    text = "; ".join(keep) or type(e).__name__
+    if isinstance(e, OverrideParseException) and "Error parsing override" not in text:
+        text = f"cannot parse override: {text}"
+    return text
+
+
+# --------------------------------------------------------------------------- model values
+
+ARCHS = ("gpt_neo", "llama")
+
+
+class ModelError(ValueError):
+    """A model config or a pretrained model that cannot serve the requested run."""
+
+
+def _require(cfg: dict, key: str) -> Any:
+    value = cfg.get(key)
+    if value is None:
+        raise ModelError(f"model config {cfg.get('name', '?')!r} (arch {cfg.get('arch')!r}) needs {key!r}")
+    return value
+
+
+def _positive_int(cfg: dict, key: str) -> int:
+    value = _require(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelError(f"model config {cfg.get('name', '?')!r}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def gpt_neo_attention_types(num_layers: int) -> list:
+    """EleutherAI's alternating pattern: global, local, global, local, ... (one per layer)."""
+    types: list = []
+    if num_layers // 2:
+        types.append([["global", "local"], num_layers // 2])
+    if num_layers % 2:
+        types.append([["global"], 1])
+    return types
+
+
+def check_model_config(c: Mapping, vocab_size: int | None = None, *, bos_token_id: int | None = None,
+                       eos_token_id: int | None = None, pad_token_id: int | None = None) -> int:  # fmt: skip
+    """The values of a new model's config (a mapping of the ``model`` group's keys), checked without
+    transformers; returns the vocabulary size (``vocab_size``, else the config's)."""
+    arch = c.get("arch")
+    name = c.get("name", "?")
+    if arch not in ARCHS:
+        raise ModelError(f"unknown model arch {arch!r} in model config {name!r}; expected one of {', '.join(ARCHS)}")
+    if vocab_size is None:
+        vocab_size = c.get("vocab_size")
+        if vocab_size is None:
+            raise ModelError(f"model config {name!r}: no vocab_size given and none in the config")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ModelError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    for key, tid in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if tid is not None and not 0 <= tid < vocab_size:
+            raise ModelError(f"{key} {tid} is outside the vocabulary (size {vocab_size})")
+    hidden, layers, heads = (_positive_int(c, k) for k in ("hidden_size", "num_layers", "num_heads"))
+    _positive_int(c, "max_position_embeddings")
+    if hidden % heads:
+        raise ModelError(f"model config {name!r}: hidden_size {hidden} is not a multiple of num_heads {heads}")
+    if arch == "gpt_neo":
+        attention_types = c.get("attention_types") or gpt_neo_attention_types(layers)
+        n_types = sum(len(kinds) * n for kinds, n in attention_types)
+        if n_types != layers:
+            raise ModelError(f"model config {name!r}: attention_types describe {n_types} layers, num_layers is {layers}")
+        if c.get("window_size") is not None:
+            _positive_int(c, "window_size")
+    else:
+        kv_heads = c.get("num_kv_heads") or heads
+        if heads % kv_heads:
+            raise ModelError(f"model config {name!r}: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
+        _positive_int(c, "intermediate_size")
+    return vocab_size

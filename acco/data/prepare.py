@@ -1,0 +1,158 @@
+"""From a config or any dataset to what the micro-batch streams read, as a training job needs it.
+
+- ``load_corpus_rank0_first(data)``: documents or instruction records (``text.load_corpus``).
+- ``split_corpus(corpus, args)``: the (train, eval) split, by document, from train.seed.
+- ``prepare_tokenizer(cfg, train_corpus)``: the tokenizer the run saves and every rank loads.
+- ``prepare_dataset(dataset, ...)``: any dataset DecoupledTrainer accepts (strings, a text column,
+  instruction records, pre-tokenized ids, or examples for a data collator) as ``Rows`` of packed
+  blocks, masked prompts or padded ids.
+- ``micro_batches(data, ...)``: this worker's resumable stream of micro-batches over it.
+
+One-off work that every rank would otherwise repeat (tokenizing into the cache, training the BPE)
+runs on rank 0 while the others wait on the store (``acco.launch.process_group.after_rank0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from acco.launch.process_group import after_rank0
+
+from .errors import DataError
+from .instruct import IGNORE_INDEX, cached_instructions, format_alpaca, tokenize_instructions
+from .loader import MicroBatchStream, Rows, split_train_eval
+from .packing import blocks_of, pack_documents, token_stream
+from .text import is_hf_dataset, load_corpus
+from .tokenized import pad_token_ids
+from .tokenizer import load_tokenizer
+
+
+def load_corpus_rank0_first(data: Mapping):
+    """``load_corpus`` on rank 0 first, so that a Hub dataset is downloaded and converted once;
+    the others then open that copy."""
+    corpus = after_rank0(lambda: load_corpus(data), key="corpus")
+    return corpus if corpus is not None else load_corpus(data)
+
+
+def split_corpus(corpus, args):
+    """(train, eval) documents or records, eval None when train.eval is off.
+
+    The eval split is carved here, by document and from train.seed, rather than by the trainer
+    from packed blocks: the BPE tokenizer can then be trained on the training split only, and no
+    document is cut between the two splits. Both are index views of `corpus`, not copies of it.
+    """
+    if not args.eval:
+        return corpus, None
+    train_idx, eval_idx = split_train_eval(len(corpus), args.eval_fraction, args.seed)
+    if is_hf_dataset(corpus):
+        return corpus.select(train_idx.numpy()), corpus.select(eval_idx.numpy())
+    return [corpus[i] for i in train_idx.tolist()], [corpus[i] for i in eval_idx.tolist()]
+
+
+def prepare_tokenizer(cfg, train_corpus):
+    """Rank 0 trains (on the training split only) or loads the tokenizer and saves it with the
+    run; the others load that copy. A trained BPE is cached in train.cache_dir, keyed by the
+    training texts and vocab_size, so that the next run on the same data reuses it."""
+    saved = Path(cfg.train.output_dir) / "tokenizer"
+
+    def build():
+        if cfg.data.format == "pretrain":
+            texts = train_corpus
+        else:
+            texts = ["".join(format_alpaca(r)) for r in train_corpus]
+        load_tokenizer(
+            cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved,
+            cache_dir=cfg.train.get("cache_dir") or None, text_column=cfg.data.text_column,
+        )  # fmt: skip
+
+    after_rank0(build, key=f"tokenizer/{saved.resolve()}")
+    return load_tokenizer(str(saved))
+
+
+def prepare_dataset(dataset, *, tokenizer, max_length: int, cache_dir: str | None, text_column: str = "text",
+                    data_collator=None):  # fmt: skip
+    """What the streams read: `Rows` of packed blocks (text), masked prompts (instructions)
+    or padded token ids (pre-tokenized); with a data collator, the examples themselves."""
+    arrays = torch.Tensor | np.ndarray
+    if isinstance(dataset, Rows | arrays) or (
+        isinstance(dataset, Mapping) and all(isinstance(v, arrays) for v in dataset.values())
+    ):
+        return dataset if isinstance(dataset, Rows) else Rows(dataset)
+    if data_collator is not None:
+        # Examples, read one by one and collated per micro-batch.
+        return dataset if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") else list(dataset)
+    first = dataset[0] if len(dataset) else None
+    if isinstance(first, str):
+        docs = dataset if isinstance(dataset, list) else list(dataset)
+        return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column))
+    columns = getattr(dataset, "column_names", None) or (list(first) if isinstance(first, Mapping) else [])
+    if text_column in columns:
+        docs = dataset if is_hf_dataset(dataset) else [r[text_column] for r in dataset]
+        return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column))
+    if "instruction" in columns and "output" in columns:
+        records = list(dataset) if isinstance(dataset, list) else dataset.to_list()
+        return Rows(_instructions(records, _need(tokenizer), max_length, cache_dir))
+    if "input_ids" in columns:  # pre-tokenized (run_clm.py's output): a tokenizer only pads
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
+        return Rows(pad_token_ids(dataset, max_length, pad))
+    raise DataError(
+        f"dataset has neither a {text_column!r} column, instruction/output columns nor input_ids (has {columns})"
+    )
+
+
+def _need(tokenizer):
+    if tokenizer is None:
+        raise DataError("a tokenizer (or processing_class) is needed to tokenize the dataset")
+    return tokenizer
+
+
+def _instructions(records: list[dict], tokenizer, max_length: int, cache_dir: str | None) -> dict:
+    """Masked instruction examples; with a cache, rank 0 tokenizes them into it while the
+    other ranks wait, then they load that file (or tokenize, if they cannot see it)."""
+    if not cache_dir:
+        return tokenize_instructions(records, tokenizer, max_length)
+    examples = after_rank0(lambda: cached_instructions(records, tokenizer, max_length, cache_dir), key="instructions")
+    return examples if examples is not None else cached_instructions(records, tokenizer, max_length, cache_dir)
+
+
+def _packed(docs, tokenizer, max_length: int, cache_dir: str | None, text_column: str) -> np.ndarray:
+    """Packed blocks, memory-mapped: rank 0 tokenizes the corpus into the cache while the other
+    ranks wait, then every rank maps the cache file (a rank that cannot see it, its cache
+    folder being on another machine's disk, tokenizes for itself)."""
+    if not cache_dir:
+        return pack_documents(docs, tokenizer, max_length, None, text_column)
+    stream = after_rank0(lambda: token_stream(docs, tokenizer, cache_dir, text_column), key="packing")
+    if stream is None:  # not rank 0
+        stream = token_stream(docs, tokenizer, cache_dir, text_column)
+    return blocks_of(stream, max_length)
+
+
+def select(data, idx: torch.Tensor):
+    """Rows `idx` of `data`, as an index view (no copy)."""
+    if isinstance(data, Rows):
+        return data.select(idx)
+    return torch.utils.data.Subset(data, idx.tolist())
+
+
+def collate(data_collator, examples: list) -> dict:
+    """A user's data collator on `examples`, with labels added where it gives none."""
+    batch = dict(data_collator(examples))
+    if "labels" not in batch:  # a padding-only collator: every real token is a target
+        labels = batch["input_ids"].clone()
+        if "attention_mask" in batch:
+            labels[batch["attention_mask"] == 0] = IGNORE_INDEX
+        batch["labels"] = labels
+    return batch
+
+
+def micro_batches(data, batch_size: int, rank: int, world_size: int, seed: int, data_collator=None):
+    """(this worker's resumable MicroBatchStream, the iterator of its micro-batches)."""
+    if isinstance(data, Rows):
+        stream = MicroBatchStream(data, batch_size, rank, world_size, seed)
+        return stream, stream
+    index = MicroBatchStream(torch.arange(len(data)), batch_size, rank, world_size, seed)
+    return index, (collate(data_collator, [data[i] for i in b["input_ids"].tolist()]) for b in index)

@@ -1,0 +1,255 @@
+"""The launcher of a plain ``python main.py``: local workers, started, watched and stopped.
+
+``launch_local(nproc, argv)`` starts ``nproc`` copies of the command with torchrun's variables
+set and stops all of them as soon as one fails, blaming the root cause: a worker that crashed,
+else the rank that the others found had stopped (``acco.engine.progress.report_lost_ranks``),
+rather than whichever worker happened to exit first. With ``check``, the workers start at once
+(importing torch and transformers takes seconds) and wait on a pipe (``wait_for_go``) while the
+launcher checks the job's inputs: a bad input stops them before they have done anything.
+
+Why not ``torch.distributed.launcher.api.elastic_launch``: it restarts groups, rendezvous through
+its own agent, and reports a failure as a multi-line ``ChildFailedError`` table after its own
+monitoring interval. Here the contract is smaller and stricter (first failure ends the run within
+a second, one line naming the rank, whole process trees killed, signals forwarded), and it is
+~150 lines that tests can read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from acco.engine.progress import FAILURE_DIR_ENV
+from acco.launch.env import free_port
+
+# The launcher's end of a worker's start gate: the worker blocks on a read of this fd until the
+# launcher has checked the job (b"go"), or exits when the pipe closes without it.
+GO_FD_ENV = "ACCO_GO_FD"
+
+
+def _parent_death_signal_setter():
+    """A function for ``preexec_fn`` that asks Linux to SIGTERM the child when the launcher dies
+    (PR_SET_PDEATHSIG); None elsewhere. libc is loaded here, before any fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def setter() -> None:  # runs in the child between fork and exec: no imports, no locks
+        prctl(1, int(signal.SIGTERM))
+
+    return setter
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # each worker leads its own process group: its children too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# When the first worker to fail only lost a peer, how long the launcher waits for the other exits
+# before blaming: a dead peer makes its neighbours fail at once, and its own exit is the answer.
+_ROOT_CAUSE_WAIT_S = 1.0
+
+
+def local_nproc(setting) -> int:
+    """The number of local workers for ``launch.nproc`` (checked by LaunchConfig): "auto" is one
+    per GPU, else 2."""
+    if setting in (None, "auto"):
+        import torch
+
+        return torch.cuda.device_count() or 2
+    return setting
+
+
+def _lost_report(folder: str, rank: int) -> dict | None:
+    try:
+        with open(os.path.join(folder, f"rank{rank}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _root_cause(failed: dict[int, int], folder: str, procs: list[subprocess.Popen]) -> tuple[str, int]:
+    """The line that blames the failure explaining the others, and the exit code to return.
+
+    `failed` maps rank -> exit code, in the order the workers exited. A worker that failed on its
+    own (no lost-peer report) is the cause, one killed by a signal (OOM killer, segfault) first;
+    else every failure is a lost peer, and what the survivors found is relayed."""
+    reports = {rank: r for rank in failed if (r := _lost_report(folder, rank)) is not None}
+    crashed = [rank for rank in failed if rank not in reports]
+    named = [r for r in reports.values() if r["lost"]]
+    if crashed or not named:
+        rank = min(crashed or failed, key=lambda r: failed[r] >= 0)  # signals first, then exit order
+        line = f"rank {rank} (pid {procs[rank].pid}) {_describe(failed[rank])}"
+    else:
+        rank = named[0]["rank"]
+        line = f"{named[0]['message']} (reported by rank {rank}, which {_describe(failed[rank])})"
+    code = failed[rank]
+    return line, code if code > 0 else 128 - code
+
+
+def launch_local(
+    nproc: int,
+    argv: list[str],
+    env_extra: dict | None = None,
+    grace_s: float = 5.0,
+    check: Callable[[], None] | None = None,
+) -> int:
+    """Run ``nproc`` local workers of ``argv`` (torchrun's variables set, master 127.0.0.1 on a
+    free port) and wait for them.
+
+    With ``check``, the workers are started first and ``check()`` runs here meanwhile; the workers
+    go on past ``wait_for_go()`` only once it has returned. If it raises, the workers are stopped
+    (they have done nothing but import) and the exception propagates.
+
+    Returns 0 when every worker exits 0. As soon as one exits otherwise, one line naming the rank
+    at fault goes to stderr, the others get SIGTERM and, after ``grace_s`` seconds, SIGKILL; the
+    return value is the exit code of the worker blamed (128 + signal number when it was killed).
+    The rank at fault is the worker that failed, unless it failed only because a peer died or
+    stalled: it then reported the lost rank (``report_lost_ranks``), the launcher waits a moment
+    for a worker that failed on its own and, if none did, relays that report. SIGINT and
+    SIGTERM received by the launcher are forwarded to the workers, which get ``grace_s`` seconds
+    before SIGKILL (a second signal kills them at once); the launcher then returns 128 + signal
+    number. Each worker runs in its own process group, killed whole at the end, so nothing is left
+    behind; if the launcher itself is killed, the kernel sends the workers SIGTERM (Linux).
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    base = dict(os.environ)
+    base.update({k: str(v) for k, v in (env_extra or {}).items()})
+    report_dir = tempfile.mkdtemp(prefix="acco-launch-")
+    base.update(
+        {FAILURE_DIR_ENV: report_dir},
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+    )
+    exits: queue.Queue = queue.Queue()  # (rank, returncode) in the order the workers exit
+    signals_received: list[int] = []
+    procs: list[subprocess.Popen] = []
+    gates: list[int] = []  # write ends of the workers' start gates
+
+    def on_signal(signum, _frame):  # forward; no locks taken here
+        signals_received.append(signum)
+        for p in procs:
+            if p.returncode is None:
+                _signal_group(p, signum if len(signals_received) == 1 else signal.SIGKILL)
+
+    previous = {}
+    result, forwarded = 0, False
+    try:
+        preexec = _parent_death_signal_setter()
+        for rank in range(nproc):
+            env, fds = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), ()
+            if check is not None:
+                read_end, write_end = os.pipe()
+                gates.append(write_end)
+                env[GO_FD_ENV], fds = str(read_end), (read_end,)
+            try:
+                procs.append(subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec, pass_fds=fds))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        if check is not None:
+            check()  # a Ctrl-C here is a KeyboardInterrupt: the finally below stops the workers
+            for fd in gates:
+                os.write(fd, b"go")
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, on_signal)
+        # waiter threads only once every fork is done (preexec_fn and threads do not mix)
+        for rank, p in enumerate(procs):
+            threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True).start()
+        running = nproc
+        while running:
+            if signals_received:
+                result, forwarded = 128 + signals_received[0], True
+                break
+            try:
+                rank, code = exits.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            running -= 1
+            if code != 0:
+                failed = {rank: code}
+                if _lost_report(report_dir, rank) is not None:  # it only lost a peer: wait a moment
+                    deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
+                    while running and time.monotonic() < deadline:
+                        try:
+                            rank, code = exits.get(timeout=max(0.0, deadline - time.monotonic()))
+                        except queue.Empty:
+                            break
+                        running -= 1
+                        if code != 0:
+                            failed[rank] = code
+                line, result = _root_cause(failed, report_dir, procs)
+                alive = sum(p.returncode is None for p in procs)
+                print(f"acco.launch: {line}; stopping the other {alive} worker(s)", file=sys.stderr, flush=True)
+                break
+        return result
+    finally:
+        for fd in gates:
+            os.close(fd)
+        _stop(procs, grace_s, terminate=not forwarded)
+        shutil.rmtree(report_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float, terminate: bool = True) -> None:
+    """SIGTERM the workers still running (unless a signal was just forwarded to them), SIGKILL
+    what is left after ``grace_s``, reap them, and SIGKILL whatever they left in their groups."""
+    if terminate:
+        for p in procs:
+            if p.returncode is None:
+                _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)  # the group's other members too, if any remain
+        p.wait()
+
+
+def wait_for_go() -> None:
+    """In a worker of ``launch_local(..., check=...)``: block until the launcher has checked the
+    job. If the launcher closes the gate without a go (the check failed, or it died), exit at
+    once and quietly: the launcher reports why. Returns at once in any other process."""
+    fd = os.environ.pop(GO_FD_ENV, None)
+    if fd is None:
+        return
+    try:
+        ok = os.read(int(fd), 2) == b"go"
+    finally:
+        os.close(int(fd))
+    if not ok:
+        os._exit(0)

@@ -1,0 +1,221 @@
+"""The process group, and the waits on its store for slow one-off work.
+
+- ``init_distributed()`` joins the default process group (gloo on CPU, nccl on CUDA) with a
+  timeout of seconds rather than torch's 30 minutes, or makes a one-process group when there is
+  no launcher, so that collectives always work.
+- ``after_rank0``, ``every_rank_at`` and ``wait_on_store`` wait on the rendezvous store for work
+  that may take far longer than the collective timeout (tokenizing, writing a large model), while
+  a heartbeat tells a dead or stalled peer from a slow one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+from acco.engine.progress import LostWorkerError, report_lost_ranks
+from acco.launch.env import dist_env
+
+RENDEZVOUS_TIMEOUT_S = 1800.0  # how long the first rank waits for the last one to start
+
+# Liveness: every rank bumps its counter on the rendezvous store from a daemon thread. The long
+# waits below poll the store and give up as soon as a peer's counter has stood still for the
+# collective timeout: a worker that died (srun does not stop the others by default) or stalled
+# (SIGSTOP, a hung file system) during one-off work ends the run within that timeout, not after
+# the hour that the work itself may take.
+_ALIVE = "acco/alive/{}"
+_heartbeat = {"timeout_s": 30.0, "generation": 0}
+
+
+
+def _device_for(local_rank: int, use_cuda: bool):
+    import torch
+
+    if not use_cuda:
+        return torch.device("cpu")
+    n = torch.cuda.device_count()
+    # with one visible GPU per task (srun --gpus-per-task=1) every local rank sees cuda:0
+    device = torch.device("cuda", local_rank if local_rank < n else local_rank % n)
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(timeout_s: float = 30, backend: str | None = None):
+    """Join (or create) the default process group; returns ``(rank, world_size, local_rank, device)``.
+
+    - An existing process group is reused as it is.
+    - Else the ranks come from ``dist_env()`` (MASTER_ADDR / MASTER_PORT are exported from SLURM's
+      variables when missing); backend nccl with device ``cuda:local_rank`` when CUDA is available,
+      gloo on CPU otherwise (``backend`` overrides).
+    - With no launcher at all, a one-process group on an in-memory store (no port, no network),
+      so that collectives work unchanged with world_size 1.
+    Collectives time out after ``timeout_s`` seconds instead of torch's 30 minutes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        start_heartbeat(timeout_s)
+        env = dist_env()
+        local_rank = env["local_rank"] if env else 0
+        # get_backend() is "undefined" when the user let torch pick, or "cpu:gloo,cuda:nccl"
+        backend_name = str(dist.get_backend())
+        use_cuda = torch.cuda.is_available() and ("nccl" in backend_name or backend_name == "undefined")
+        return rank, world, local_rank, _device_for(local_rank, use_cuda)
+
+    use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    timeout = timedelta(seconds=timeout_s)
+    env = dist_env()
+    if env is None:
+        device = _device_for(0, use_cuda)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return 0, 1, 0, device
+
+    os.environ.setdefault("MASTER_ADDR", env["master_addr"])
+    os.environ.setdefault("MASTER_PORT", str(env["master_port"]))
+    device = _device_for(env["local_rank"], use_cuda)
+    # The rendezvous waits as long as a slow node's start-up may take (under srun every rank
+    # imports torch first); only the collectives get the short timeout.
+    store, rank, world_size = next(
+        dist.rendezvous("env://", rank=env["rank"], world_size=env["world_size"], timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    start_heartbeat(timeout_s)
+    return rank, world_size, env["local_rank"], device
+
+
+
+def start_heartbeat(timeout_s: float) -> None:
+    """Start this rank's liveness counter on the current process group's store (nothing in a
+    one-process run). A later call replaces the beat: a process may destroy its group and make
+    another, whose peers must see it alive too."""
+    import torch.distributed as dist
+
+    _heartbeat["timeout_s"] = float(timeout_s)
+    _heartbeat["generation"] += 1  # the previous beat, if any, stops at its next tick
+    if dist.get_world_size() == 1:
+        return
+    store, key = dist.distributed_c10d._get_default_store(), _ALIVE.format(dist.get_rank())
+    interval, generation = min(5.0, max(0.5, timeout_s / 6)), _heartbeat["generation"]
+
+    def beat() -> None:
+        try:
+            while _heartbeat["generation"] == generation:
+                store.add(key, 1)
+                time.sleep(interval)
+        except Exception:  # the store is gone (its host exited, or the group was destroyed)
+            return
+
+    threading.Thread(target=beat, name="acco-heartbeat", daemon=True).start()
+
+
+def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) -> None:
+    """Wait until every key is set on the default store: up to `slow_timeout_s` while all peers
+    are alive, but fail within the collective timeout once one of them stops (LostWorkerError)."""
+    import torch.distributed as dist
+
+
+    store, world, me = dist.distributed_c10d._get_default_store(), dist.get_world_size(), dist.get_rank()
+    start = time.monotonic()
+    seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+    # Polls with `check`, not a blocking `wait`: the store client holds its lock for the whole of
+    # a wait, which would also hold up this rank's own heartbeat. Peers' counters are read once
+    # a second, to stay light on the store with many ranks.
+    delay, next_liveness_check = 0.001, start
+    while not store.check(keys):
+        time.sleep(delay)
+        delay = min(0.05, delay * 2)
+        now = time.monotonic()
+        if now < next_liveness_check:
+            continue
+        next_liveness_check = now + 1.0
+        if now - start > slow_timeout_s:
+            raise TimeoutError(f"waited {slow_timeout_s:.0f} s for the other workers ({what})")
+        for rank in range(world):
+            if rank == me:
+                continue
+            count = store.add(_ALIVE.format(rank), 0)  # reads the counter (0 if it never beat)
+            last = seen.get(rank)
+            if last is None or count != last[0]:
+                seen[rank] = (count, now)
+            elif now - last[1] > _heartbeat["timeout_s"]:
+                message = (
+                    f"rank {rank} stopped responding (died or stalled) while the workers waited for {what}: "
+                    f"no sign of life for {now - last[1]:.0f} s (launch.timeout_s={_heartbeat['timeout_s']:g})"
+                )
+                report_lost_ranks(me, [rank], message)
+                raise LostWorkerError(message, lost=[rank])
+
+
+# Every rank makes the same calls for a given name in the same order: a count per name makes
+# each key unique, and a call that only some ranks make (save_model on rank 0) shifts no other name.
+_calls: dict[str, int] = {}
+
+
+def _unique(kind: str, key: str) -> str:
+    _calls[kind + key] = _calls.get(kind + key, 0) + 1
+    return f"acco/{kind}/{_calls[kind + key]}/{key}"
+
+
+def after_rank0(work, key: str, slow_timeout_s: float = 3600.0):
+    """Run `work()` on rank 0 while the other ranks wait for it, then return on every rank.
+
+    For one-off work that may take minutes (training a tokenizer, writing a large model): a plain
+    barrier would hit the collective timeout, which is kept short so that a dead or stalled worker
+    is noticed quickly. The others wait on the rendezvous store instead (`wait_on_store`): up to
+    `slow_timeout_s` while rank 0 is alive, within the collective timeout once it is not.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    key = _unique("after_rank0", key)
+    result = work() if rank == 0 else None
+    if world == 1:
+        return result
+    if rank == 0:
+        dist.distributed_c10d._get_default_store().set(key, "done")
+    else:
+        wait_on_store([key], f"rank 0's {key.rsplit('/', 1)[-1] or key}", slow_timeout_s)
+    return result
+
+
+def every_rank_at(key: str, slow_timeout_s: float = 3600.0) -> None:
+    """A barrier on the rendezvous store, with `slow_timeout_s` instead of the collective timeout.
+
+    For the end of per-rank one-off work whose duration may differ between ranks by more than the
+    collective timeout (tokenizing the data, building or loading the model): the first collective
+    after it would otherwise fail on the ranks that finished early. A rank that dies or stalls
+    meanwhile ends the wait within the collective timeout (`wait_on_store`).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    key = _unique("every_rank_at", key)
+    store = dist.distributed_c10d._get_default_store()
+    if store.add(key, 1) == dist.get_world_size():  # the last rank to arrive opens the gate
+        store.set(key + "/all", "1")
+    wait_on_store([key + "/all"], f"every worker to finish its {key.rsplit('/', 1)[-1]}", slow_timeout_s)
+
+
+def decided_by_rank0(work, key: str, slow_timeout_s: float = 3600.0) -> str:
+    """`work()` (a string) computed on rank 0 only, returned on every rank: the others wait on the
+    store for it, as in `after_rank0`. For a decision every rank must follow (whether the job's
+    inputs passed the one validation pass)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    key = _unique("decided_by_rank0", key)
+    if rank == 0:
+        value = work()
+        if world > 1:
+            dist.distributed_c10d._get_default_store().set(key, value)
+        return value
+    wait_on_store([key], f"rank 0's {key.rsplit('/', 1)[-1]}", slow_timeout_s)
+    return dist.distributed_c10d._get_default_store().get(key).decode()
