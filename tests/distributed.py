@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import tempfile
+import textwrap
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,3 +40,44 @@ def run_distributed(fn, world_size: int, *args):
             _entry, args=(world_size, free_port(), fn, args, out_dir), nprocs=world_size, start_method="spawn"
         )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+# Subprocess helpers of the launcher tests (test_launch.py, test_launch_local.py).
+
+REPO = str(Path(__file__).resolve().parents[1])
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+
+
+def clean_env(extra=None):
+    """os.environ without launcher variables, with the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def wait_dead(pid: int, timeout: float = 10.0) -> bool:
+    """True once ``pid`` has exited (a zombie counts as exited); waits on a pidfd, no polling."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(fd)
+
+
+def write_script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)

@@ -341,3 +341,24 @@ def test_cli_worker_side_error_stays_short(tmp_path):
     assert lines and all("the eval set: the corpus gives" in line and "train.eval_fraction" in line
                          for line in lines), lines
     assert sum("acco.launch: rank" in line for line in proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_under_torchrun_rank0_alone_validates_and_the_others_follow(tmp_path):
+    """No local launcher: rank 0 runs the validation pass while rank 1 waits on the store; the
+    one line comes from rank 0, rank 1 exits without repeating it, nothing is written."""
+    from acco.launch import free_port
+
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": "b"\n')
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "acco.cli", f"train.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'out'}",
+        "data=text", f"data.path={bad}",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "ACCO_DEBUG")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("acco: error:")]
+    assert len(lines) == 1 and lines[0].startswith("acco: error: [rank 0] data.path: "), proc.stderr[-3000:]
+    assert "corpus.jsonl, line 2: malformed JSON" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -1,35 +1,14 @@
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from distributed import LAUNCH_VARS, REPO, clean_env, write_script
 
 from acco.launch import DEFAULT_PORT, dist_env, expand_nodelist, free_port, init_distributed, launch_local
-
-REPO = str(Path(__file__).resolve().parents[1])
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-)
-
-
-def clean_env(extra=None):
-    """os.environ without launcher variables, with the repository importable."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra or {})
-    return env
 
 
 @pytest.fixture
@@ -38,19 +17,6 @@ def no_launcher(monkeypatch):
         if k in LAUNCH_VARS or k.startswith("SLURM_"):
             monkeypatch.delenv(k)
     return monkeypatch
-
-
-def wait_dead(pid: int, timeout: float = 10.0) -> bool:
-    """True once ``pid`` has exited (a zombie counts as exited); waits on a pidfd, no polling."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout)
-        return bool(ready)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------- node lists
@@ -190,12 +156,6 @@ ALLREDUCE = """
 """
 
 
-def write_script(tmp_path, name, body):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
 def test_launch_local_allreduce(tmp_path):
     script = write_script(tmp_path, "allreduce.py", ALLREDUCE)
     code = launch_local(2, [sys.executable, script, str(tmp_path)], env_extra={"PYTHONPATH": REPO})
@@ -280,134 +240,6 @@ def test_a_worker_stalled_in_one_off_work_is_named_within_the_timeout(tmp_path):
     lost = json.loads((tmp_path / "lost.json").read_text())
     assert lost["lost"] == [1] and lost["s"] < 8, lost
     assert lost["message"].startswith("rank 1 stopped responding (died or stalled) while the workers waited for")
-
-
-FAILING = """
-    import subprocess, sys, threading
-    from pathlib import Path
-    import torch
-    import torch.distributed as dist
-    from acco.launch import init_distributed
-
-    out = Path(sys.argv[1])
-    rank, world, _, _ = init_distributed(timeout_s=600)
-    (out / f"pid{rank}").write_text(str(__import__("os").getpid()))
-    if rank == 0:  # a descendant that must not outlive the run either
-        child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
-        (out / "grandchild").write_text(str(child.pid))
-    dist.barrier()
-    if rank == 1:
-        sys.exit(3)
-    try:
-        dist.all_reduce(torch.ones(1))  # rank 1 never comes: would wait 600 s
-    except Exception:
-        pass
-    threading.Event().wait()  # whatever gloo does, stay until killed
-"""
-
-
-def test_launch_local_first_failure_stops_all(tmp_path, capfd):
-    script = write_script(tmp_path, "failing.py", FAILING)
-    start = time.monotonic()
-    code = launch_local(2, [sys.executable, script, str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2)
-    elapsed = time.monotonic() - start
-    err = capfd.readouterr().err
-    assert code == 3
-    assert "acco.launch: rank 1" in err and "exited with code 3" in err
-    assert elapsed < 30
-    pids = [int((tmp_path / name).read_text()) for name in ("pid0", "pid1", "grandchild")]
-    for pid in pids:
-        assert wait_dead(pid, timeout=5), f"process {pid} outlived the launcher"
-
-
-LOST_PEER = """
-    import os, signal, sys, time
-    from acco.engine.progress import report_lost_ranks
-
-    rank, scenario = int(os.environ["RANK"]), sys.argv[1]
-    if scenario == "stall" and rank != 2:  # rank 2 stalls; the others time out, rank 1 first
-        time.sleep(0.2 * rank)
-        report_lost_ranks(rank, [2], f"rank 2 stopped responding (died or stalled): seen by rank {rank}")
-        sys.exit(1)
-    ready = os.path.join(sys.argv[2], "rank1-started") if scenario == "crash" else ""
-    if scenario == "crash" and rank == 0:  # rank 0 loses its peer and happens to exit first...
-        while not os.path.exists(ready):
-            time.sleep(0.01)
-        report_lost_ranks(0, [1], "rank 1 stopped responding (died or stalled)")
-        sys.exit(1)
-    if scenario == "crash" and rank == 1:  # ...but rank 1 was killed, a moment later
-        open(ready, "w").close()
-        time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
-"""
-
-
-def test_launcher_relays_the_lost_rank_that_the_survivors_found(tmp_path, capfd):
-    script = write_script(tmp_path, "lost_peer.py", LOST_PEER)
-    start = time.monotonic()
-    code = launch_local(4, [sys.executable, script, "stall"], env_extra={"PYTHONPATH": REPO}, grace_s=2)
-    err = capfd.readouterr().err
-    assert code == 1 and time.monotonic() - start < 10
-    blamed = [line for line in err.splitlines() if line.startswith("acco.launch:")]
-    assert len(blamed) == 1 and blamed[0].startswith("acco.launch: rank 2 stopped responding"), err
-
-
-def test_launcher_prefers_a_crashed_worker_to_one_that_lost_its_peer(tmp_path, capfd):
-    script = write_script(tmp_path, "lost_peer.py", LOST_PEER)
-    code = launch_local(2, [sys.executable, script, "crash", str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2)
-    err = capfd.readouterr().err
-    assert code == 128 + signal.SIGKILL
-    assert "acco.launch: rank 1 (pid" in err and "killed by signal SIGKILL" in err, err
-
-
-BLOCKER = """
-    import os, signal, sys
-    print(f"ready {os.environ['RANK']} {os.getpid()}", flush=True)
-    signal.pause()
-"""
-
-LAUNCHER = """
-    import sys
-    from acco.launch import launch_local
-    sys.exit(launch_local(2, [sys.executable, sys.argv[1]], grace_s=2))
-"""
-
-
-def start_launcher(tmp_path):
-    blocker = write_script(tmp_path, "blocker.py", BLOCKER)
-    launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
-    proc = subprocess.Popen(
-        [sys.executable, launcher, blocker], env=clean_env(), stdout=subprocess.PIPE, text=True
-    )
-    pids = []
-    for _ in range(2):  # both workers up (blocking read of their "ready" lines)
-        line = proc.stdout.readline()
-        assert line.startswith("ready"), line
-        pids.append(int(line.split()[2]))
-    return proc, pids
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_launcher_forwards_signals(tmp_path, sig):
-    proc, pids = start_launcher(tmp_path)
-    proc.send_signal(sig)
-    assert proc.wait(timeout=30) == 128 + sig
-    for pid in pids:
-        assert wait_dead(pid, timeout=5)
-
-
-def test_workers_die_with_killed_launcher(tmp_path):
-    proc, pids = start_launcher(tmp_path)
-    proc.kill()  # no cleanup possible: the parent-death signal must do it
-    proc.wait()
-    for pid in pids:
-        assert wait_dead(pid, timeout=5)
-
-
-def test_launch_local_rejects_bad_nproc():
-    with pytest.raises(ValueError):
-        launch_local(0, [sys.executable, "-c", "pass"])
 
 
 def test_self_command():
