@@ -89,7 +89,7 @@ class TrainArgs:
     warmup: int = 0  # micro-batches over all workers
     use_mixed_precision: bool = False
     accumulate_while_waiting: bool = True
-    n_warmup_steps: int = 0  # updates run as sequential ddp first (dpu, wp)
+    n_warmup_steps: int = 0  # updates (not micro-batches) run as sequential ddp first (dpu, wp, acco)
     max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)
     acco_estimate: str = "lean"  # acco's estimate round: "lean", or the paper's form "paper" (acco/engine/comm.py)
     eval: bool = True

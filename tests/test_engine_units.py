@@ -129,7 +129,9 @@ def test_bf16_buffers_and_loss_falls(method):
     assert comm.master.dtype == torch.float32 and comm.master.numel() == engine.flat.layout.shard_numel
     assert comm.optimizer.exp_avg.dtype == comm.optimizer.exp_avg_sq.dtype == torch.float32
     if method != "ddp":
-        assert engine.comm_buf.dtype == torch.bfloat16
+        assert engine.payload.dtype == torch.bfloat16
+        # payload and result share the spec's one communication buffer: no second model-sized one
+        assert engine.gathered_params.data_ptr() == engine.payload.data_ptr()
     losses = [r.loss for r in engine.run(regression_batches(), mse)]
     engine.close()
     assert sum(losses[:5]) / 5 > 2 * sum(losses[-5:]) / 5, losses
@@ -195,14 +197,38 @@ def test_world_of_one_without_process_group():
     assert [r.samples for r in records] == [2, 4, 6] and all(r.micro_batches == [2] for r in records)
 
 
+def test_rounds_are_named_as_the_spec_names_them(monkeypatch):
+    """acco alternates an estimate round and an update round (after its sequential updates, which
+    are update rounds); every other decoupled method runs update rounds only. The progress marks,
+    which errors about a stalled rank quote, name each round's kind."""
+    from acco.engine import progress
+    from acco.engine.comm import RoundKind
+    from acco.engine.config import METHODS
+    from acco.engine.decoupled import ROUND_SCHEDULE
+
+    assert set(ROUND_SCHEDULE) == set(METHODS) - {"torch-ddp"}
+    assert ROUND_SCHEDULE["acco"] == (RoundKind.ESTIMATE, RoundKind.UPDATE)
+    assert all(ROUND_SCHEDULE[m] == (RoundKind.UPDATE,) for m in ("ddp", "dpu", "wp"))
+    marks = []
+    monkeypatch.setattr(progress, "mark", marks.append)
+    cfg = EngineConfig(method="acco", nb_steps_tot=6, n_warmup_steps=1, accumulate_while_waiting=False)
+    engine = build_engine(mlp(), cfg)
+    records = list(engine.run(regression_batches(), mse))
+    engine.close()
+    assert [r.step for r in records] == [1, 2, 3] and [r.samples for r in records] == [2, 4, 6]
+    assert marks == ["update 1 (update round)",  # the sequential update (n_warmup_steps: 1)
+                     "update 2 (estimate round)", "update 2 (update round)",
+                     "update 3 (estimate round)", "update 3 (update round)"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (dict(method="sgd"), "unknown method"),
+        (dict(method="sgd"), "method must be one of acco, ddp"),
         (dict(n_grad_accumulation=0), "n_grad_accumulation must be a positive"),
         (dict(nb_steps_tot=-1), "nb_steps_tot must be a positive"),
-        (dict(learning_rate=0.0), "learning_rate must be positive"),
-        (dict(scheduler_name="step"), "unknown scheduler_name"),
+        (dict(learning_rate=0.0), "learning_rate must be a positive finite number"),
+        (dict(scheduler_name="step"), "scheduler_name must be one of cosine"),
     ],
 )
 def test_config_errors(bad, match):

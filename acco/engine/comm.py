@@ -7,8 +7,9 @@ micro-batch count, data-exhausted flag) and, on every worker:
   3. divides by the global weight N (an average over every micro-batch of every worker) and,
      with max_grad_norm, clips to the global norm: each worker's squared shard norm travels with
      the statistics, so the norm costs no extra collective and no extra host read,
-  4. runs AdamW on its fp32 master shard, committed or as a trial,
-  5. all-gathers the new shard into the output vector.
+  4. runs AdamW on its fp32 master shard: committed in an update round, as a trial step
+     (Opt_trial, nothing committed) in acco's estimate round (`RoundKind`),
+  5. all-gathers the new parameter shard into the `new_params` vector.
 
 acco's estimate, `acco_estimate: lean` (the default; `paper` is the paper's form): the estimate
 error e_t = theta~_t - theta_t feeds back into the next estimate through the half-batch gradient
@@ -24,6 +25,7 @@ corpus and equals the paper's form on TinyStories.
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Callable
@@ -46,6 +48,17 @@ SHARD_NORM = N_STATS
 N_SENT = N_STATS + 1
 
 
+class RoundKind(enum.Enum):
+    """The spec's two kinds of comm round ("The methods", acco's table); the value is the label
+    that progress marks, and so errors naming a stalled rank, show."""
+
+    # acco only: theta~_{t+1} = Opt_trial(theta_t, g~_t); the optimizer state, the step count and
+    # the samples are left as they were, and the accumulator is kept (g_t adds to g~_t).
+    ESTIMATE = "estimate round"
+    # Every method's update: theta_{t+1} = Opt(theta_t, g) is committed (step and samples advance).
+    UPDATE = "update round"
+
+
 def new_stats(device: torch.device) -> torch.Tensor:
     return torch.zeros(N_STATS, dtype=torch.float64, device=device)
 
@@ -62,12 +75,12 @@ def backward_and_count(out, stats: torch.Tensor) -> None:
 
 @dataclass
 class RoundResult:
-    committed: bool
+    kind: RoundKind
     lr: float
     loss: float  # weighted mean loss of the payload's micro-batches, all workers
-    micro_batches: list[int]  # per worker
-    samples: int  # committed micro-batches over all workers so far (after this round)
-    step: int  # committed updates so far (after this round)
+    micro_batches: list[int]  # the payload's micro-batches, per worker
+    samples: int  # micro-batches over all workers in committed updates so far (after this round)
+    step: int  # committed updates (update rounds that applied a gradient) so far, after this round
     exhausted: bool  # some worker ran out of data
     weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
     busy_s: float  # wall time of the round, collectives and optimizer
@@ -89,8 +102,9 @@ class CommRound:
         # Preallocated shard-sized buffers: nothing model-sized is allocated per round.
         self.grad_shard = torch.empty_like(self.master)  # fp32 gradient the optimizer reads
         lowp = flat.dtype != torch.float32
-        self.recv_shard = torch.empty_like(shard) if lowp else self.grad_shard
-        self.send_shard = torch.empty_like(shard)  # new parameters, model dtype
+        # This worker's slice of the payloads' sum, as the reduce-scatter delivers it (model dtype).
+        self.summed_grad_shard = torch.empty_like(shard) if lowp else self.grad_shard
+        self.new_param_shard = torch.empty_like(shard)  # what the all-gather sends, model dtype
         self.stats_sent = torch.zeros(N_SENT, dtype=torch.float64, device=device)
         self.stats_all = torch.zeros(self.world_size * N_SENT, dtype=torch.float64, device=device)
         self.shard_norm = torch.zeros((), dtype=torch.float32, device=device)
@@ -99,22 +113,28 @@ class CommRound:
         self.lean = cfg.method == "acco" and cfg.acco_estimate == "lean"
         self.estimate_error = torch.zeros_like(self.master) if self.lean else None
         self.estimate_pending = False  # estimate_error holds theta~ (not yet its error)
-        self.samples = 0
-        self.step = 0
+        self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
+        self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
         self.delay_hook: Callable[[], None] | None = None
 
-    def run(self, payload: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, commit: bool) -> RoundResult:
+    def run(
+        self, payload: torch.Tensor, stats: torch.Tensor, new_params: torch.Tensor, kind: RoundKind
+    ) -> RoundResult:
+        """One round of `kind` on this worker's `payload` (summed gradients, with their `stats`);
+        the new parameters (theta_{t+1}, or acco's estimate theta~_{t+1}) land in `new_params`.
+        The two may be one buffer: the payload is read in full before the result is written."""
         start = time.perf_counter()
+        is_update = kind is RoundKind.UPDATE
         # If this round times out, the ranks that never marked it are the ones that stopped.
-        progress.mark(f"update {self.step + 1} ({'commit' if commit else 'trial'} round)")
+        progress.mark(f"update {self.step + 1} ({kind.value})")
         # The ring first: when a peer has died or stalled, its error names the ring neighbours.
         if self.world_size > 1:
-            collectives.reduce_scatter(self.recv_shard, payload, group=self.group)
+            collectives.reduce_scatter(self.summed_grad_shard, payload, group=self.group)
         else:
-            self.recv_shard.copy_(payload[: self.layout.shard_numel])
-        if self.recv_shard is not self.grad_shard:
-            self.grad_shard.copy_(self.recv_shard)
+            self.summed_grad_shard.copy_(payload[: self.layout.shard_numel])
+        if self.summed_grad_shard is not self.grad_shard:
+            self.grad_shard.copy_(self.summed_grad_shard)
         self.stats_sent[:N_STATS].copy_(stats)
         if self.max_grad_norm:  # one pass over the shard; padding is zero, so the shards' squared
             # norms add up to the whole gradient's squared norm
@@ -128,10 +148,11 @@ class CommRound:
         per_worker = self.stats_all.view(self.world_size, N_SENT).tolist()
         weight = sum(row[WEIGHT] for row in per_worker)
         micro_batches = [int(row[MICRO_BATCHES]) for row in per_worker]
-        batch = sum(micro_batches)
-        # A trial estimates the update that follows it, which adds as many micro-batches again
-        # (exactly so with a fixed batch): during warm-up it takes that update's LR, not a smaller one.
-        lr = learning_rate(self.cfg, self.samples, batch if commit else 2 * batch)
+        total_micro_batches = sum(micro_batches)  # the payload's, over all workers
+        # An estimate round estimates the update that follows it, which adds as many micro-batches
+        # again (exactly so with a fixed batch): during warm-up it takes that update's LR, not a smaller one.
+        update_micro_batches = total_micro_batches if is_update else 2 * total_micro_batches
+        lr = learning_rate(self.cfg, self.samples, update_micro_batches)
         grad_norm = float("nan")
         if weight > 0:
             # Divide by the global weight and clip in one pass (torch's clip_grad_norm_ formula).
@@ -140,32 +161,32 @@ class CommRound:
                 grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in per_worker)) / weight
                 scale *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
             self.grad_shard.mul_(scale)
-            if commit:
+            if is_update:
                 self.optimizer.commit(self.grad_shard, lr)
-                self.send_shard.copy_(self.master)
+                self.new_param_shard.copy_(self.master)
                 if self.lean and self.estimate_pending:  # e_{t+1} = theta~_{t+1} - theta_{t+1}
                     self.estimate_error.sub_(self.master)
                     self.estimate_pending = False
             elif self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
                 self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
                 torch.add(self.grad_shard, self.estimate_error, alpha=0.5, out=self.estimate_error)
-                self.send_shard.copy_(self.estimate_error)
+                self.new_param_shard.copy_(self.estimate_error)
                 self.estimate_pending = True
-            else:
-                self.optimizer.trial(self.grad_shard, lr, out=self.send_shard)
+            else:  # theta~_{t+1} = Opt_trial(theta_t, g~_t), the paper's estimate
+                self.optimizer.trial(self.grad_shard, lr, out=self.new_param_shard)
         else:  # nobody had data: nothing to apply
-            self.send_shard.copy_(self.master)
-        if commit and weight > 0:
-            self.samples += batch
+            self.new_param_shard.copy_(self.master)
+        if is_update and weight > 0:
+            self.samples += total_micro_batches
             self.step += 1
         if self.delay_hook is not None:
             self.delay_hook()
         if self.world_size > 1:
-            collectives.all_gather(out, self.send_shard, group=self.group)
+            collectives.all_gather(new_params, self.new_param_shard, group=self.group)
         else:
-            out[: self.layout.shard_numel].copy_(self.send_shard)
+            new_params[: self.layout.shard_numel].copy_(self.new_param_shard)
         return RoundResult(
-            committed=commit,
+            kind=kind,
             lr=lr,
             loss=sum(row[LOSS] for row in per_worker) / weight if weight > 0 else float("nan"),
             micro_batches=micro_batches,

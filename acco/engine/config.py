@@ -46,7 +46,7 @@ class EngineConfig:
     # Keep computing micro-batches until the comm round has finished (the paper's default).
     # False: exactly n_grad_accumulation per round (fixed batch, for exact comparisons).
     accumulate_while_waiting: bool = True
-    # That many first updates of an overlapped method run as sequential ddp.
+    # That many first updates (updates, not micro-batches) of an overlapped method run as sequential ddp.
     n_warmup_steps: int = 0
     # Clip the averaged gradient to this global L2 norm before the optimizer step (Hugging Face's
     # Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient.

@@ -2,11 +2,13 @@
 
 Read this file with the spec's tables (shared docs, algorithm.md) beside it:
 
-    method  rounds, in order        at a round's launch the accumulator is   swap-in writes
-    ddp     commit (no overlap)     zeroed                                   theta_{t+1}
-    dpu     commit                  zeroed                                   theta_{t+1}
-    wp      commit                  zeroed                                   2 theta_{t+1} - theta_t
-    acco    trial, commit, ...      kept (trial) / zeroed (commit)           theta~_{t+1} / theta_{t+1}
+    method  rounds, in order      at a round's launch the accumulator is  swap-in writes
+    ddp     update (no overlap)   zeroed                                  theta_{t+1}
+    dpu     update                zeroed                                  theta_{t+1}
+    wp      update                zeroed                                  2 theta_{t+1} - theta_t
+    acco    estimate, update, ..  kept (estimate) / zeroed (update)       theta~_{t+1} / theta_{t+1}
+
+(ROUND_SCHEDULE holds the rounds column; comm.RoundKind names the two kinds.)
 
 Overlapped methods first compute one payload with no overlap (acco: g~_0 at theta_0), then loop:
 launch a round on the payload, keep computing micro-batches until it is done (at least
@@ -25,7 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine.comm import EXHAUSTED, BackgroundComm, CommRound, RoundResult, backward_and_count, new_stats
+from acco.engine.comm import (
+    EXHAUSTED,
+    BackgroundComm,
+    CommRound,
+    RoundKind,
+    RoundResult,
+    backward_and_count,
+    new_stats,
+)
 from acco.engine.config import EngineConfig, UpdateRecord
 from acco.engine.flat import FlatParams
 
@@ -35,6 +45,15 @@ from acco.engine.flat import FlatParams
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 _END = object()
+
+# The kinds of the comm rounds that make one update, in order (spec: "The methods"): acco
+# alternates an estimate round and an update round, every other method runs update rounds only.
+ROUND_SCHEDULE: dict[str, tuple[RoundKind, ...]] = {
+    "acco": (RoundKind.ESTIMATE, RoundKind.UPDATE),
+    "ddp": (RoundKind.UPDATE,),
+    "dpu": (RoundKind.UPDATE,),
+    "wp": (RoundKind.UPDATE,),
+}
 
 
 class CheckpointError(ValueError):
@@ -69,7 +88,11 @@ class DecoupledEngine:
         self.overlapped = cfg.method != "ddp"
         self.stats = new_stats(self.device)  # statistics of what the accumulator holds
         if self.overlapped:
-            self.comm_buf = torch.zeros_like(self.flat.params)  # payload out, parameters back
+            # The spec's one communication buffer, named for each of its two roles: a round
+            # reduce-scatters its `payload` (the gradients swapped out) before it all-gathers the
+            # new parameters into `gathered_params`, so one model-sized buffer serves both.
+            self.payload = torch.zeros_like(self.flat.params)
+            self.gathered_params = self.payload
             self.payload_stats = new_stats(self.device)
             self.background = BackgroundComm(self.device)
         # wp extrapolates from the last committed parameters, kept in full on every worker.
@@ -109,10 +132,11 @@ class DecoupledEngine:
 
     # ---- one update without overlap (ddp, and the warm-up of overlapped methods) --------------
 
-    def _sequential_update(self, batches: Iterator, loss_fn: LossFn, n: int) -> UpdateRecord:
-        compute_s = self._accumulate(batches, loss_fn, n)
+    def _sequential_update(self, batches: Iterator, loss_fn: LossFn, micro_batches: int) -> UpdateRecord:
+        compute_s = self._accumulate(batches, loss_fn, micro_batches)
         start = time.perf_counter()
-        result = self.comm.run(self.flat.grads, self.stats, self.flat.params, commit=True)
+        # The accumulator is the payload and the model's parameters receive the result: no overlap.
+        result = self.comm.run(self.flat.grads, self.stats, self.flat.params, RoundKind.UPDATE)
         wait_s = time.perf_counter() - start
         self.flat.grads.zero_()
         self.stats.zero_()
@@ -122,23 +146,24 @@ class DecoupledEngine:
 
     # ---- overlapped rounds -----------------------------------------------------------------
 
-    def _launch(self, commit: bool):
-        """Swap-out: the accumulator becomes the payload; zero it unless this is acco's trial round."""
-        self.comm_buf.copy_(self.flat.grads)
+    def _launch(self, kind: RoundKind):
+        """Swap-out: the accumulator becomes the payload; zero it unless this is acco's estimate
+        round (then the gradients g_t computed during the round add to g~_t)."""
+        self.payload.copy_(self.flat.grads)
         self.payload_stats.copy_(self.stats)
-        if commit:
+        if kind is RoundKind.UPDATE:
             self.flat.grads.zero_()
             self.stats.zero_()
         return self.background.submit(
-            lambda: self.comm.run(self.comm_buf, self.payload_stats, self.comm_buf, commit)
+            lambda: self.comm.run(self.payload, self.payload_stats, self.gathered_params, kind)
         )
 
-    def _swap_in(self, commit: bool) -> None:
-        if self.committed is not None and commit:  # wp: compute at the predicted weights
-            torch.lerp(self.committed, self.comm_buf, 2.0, out=self.flat.params)
-            self.committed.copy_(self.comm_buf)
+    def _swap_in(self, kind: RoundKind) -> None:
+        if self.committed is not None and kind is RoundKind.UPDATE:  # wp: compute at the predicted weights
+            torch.lerp(self.committed, self.gathered_params, 2.0, out=self.flat.params)
+            self.committed.copy_(self.gathered_params)
         else:
-            self.flat.params.copy_(self.comm_buf)
+            self.flat.params.copy_(self.gathered_params)
 
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
         """Train until `nb_steps_tot` micro-batches over all workers are committed, or data runs out.
@@ -150,16 +175,20 @@ class DecoupledEngine:
         batches = iter(batches)
         self._t0 = time.perf_counter() - self.wall_time_offset
         self.flat.check_grad_views()
-        rounds = (False, True) if cfg.method == "acco" else (True,)  # commit flags, in order
-        per_update = cfg.n_grad_accumulation * len(rounds)
+        round_kinds = ROUND_SCHEDULE[cfg.method]
+        # n_grad_accumulation counts a worker's micro-batches per round; a sequential update takes
+        # every round's share at once (acco k matches ddp 2k).
+        micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
 
         def finished() -> bool:
             return self.comm.samples >= cfg.nb_steps_tot or self._exhausted
 
         self._exhausted = False
-        n_sequential = cfg.n_warmup_steps if self.overlapped else float("inf")
-        while self.comm.step < n_sequential:
-            yield self._sequential_update(batches, loss_fn, per_update)
+        # n_warmup_steps counts updates (not micro-batches, as `warmup` does): that many first
+        # updates of an overlapped method run as ddp; ddp runs nothing else.
+        sequential_updates = cfg.n_warmup_steps if self.overlapped else float("inf")
+        while self.comm.step < sequential_updates:
+            yield self._sequential_update(batches, loss_fn, micro_batches_per_update)
             if finished():
                 self._finish()
                 return
@@ -172,16 +201,15 @@ class DecoupledEngine:
         self._resume_overlap = False
         self._in_overlap = True
         wait_s = comm_s = 0.0
-        for i in itertools.count():
-            commit = rounds[i % len(rounds)]
-            handle = self._launch(commit)
+        for kind in itertools.cycle(round_kinds):
+            handle = self._launch(kind)
             compute_s += self._accumulate(batches, loss_fn, cfg.n_grad_accumulation, handle)
             start = time.perf_counter()
             result: RoundResult = handle.result()
             wait_s += time.perf_counter() - start
             comm_s += result.busy_s
-            self._swap_in(commit)
-            if not commit:
+            self._swap_in(kind)
+            if kind is RoundKind.ESTIMATE:  # its update round completes the update
                 continue
             record = self._record(result, compute_s, wait_s, comm_s)
             compute_s = wait_s = comm_s = 0.0

@@ -19,7 +19,9 @@ def learning_rate(cfg: EngineConfig, samples_before: int, batch: int) -> float:
     """LR of an update that consumes `batch` micro-batches after `samples_before` were committed.
 
     Advanced by samples, not by updates, so every method and every worker speed follows the same
-    schedule as a function of data seen. Warm-up counts this update's batch (the first update
+    schedule as a function of data seen: `samples_before`, `batch`, `cfg.warmup` and
+    `cfg.nb_steps_tot` all count micro-batches over all workers (`cfg.n_warmup_steps`, which
+    counts updates, plays no part here). Warm-up counts this update's batch (the first update
     already moves); the decay starts from the samples before it.
     """
     lr = cfg.learning_rate

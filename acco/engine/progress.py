@@ -11,8 +11,8 @@ thread runs the phase, never a device sync.
 Every rank runs the same phases in the same order, so the counters line up across ranks. When a
 collective fails, :func:`explain` reads every rank's counter and names the ranks furthest behind:
 they never reached the collective that the others are stuck in, so they are the ones that died or
-stalled (``rank 2 stopped responding (died or stalled): its last progress was update 3 (commit
-round); rank 0 reached update 4 (trial round)``). Not every rank merely behind this one: a
+stalled (``rank 2 stopped responding (died or stalled): its last progress was update 3 (update
+round); rank 0 reached update 4 (estimate round)``). Not every rank merely behind this one: a
 broadcast lets some ranks through while others still wait on the lost one, so healthy ranks may be
 one mark apart. If this rank is itself among the furthest behind, its error is its own and
 nothing is said about the others.
@@ -88,7 +88,7 @@ def _world() -> int:
 
 
 def mark(label: str) -> None:
-    """Record that this rank reached `label` ("update 7 (trial round)"): call it just before a
+    """Record that this rank reached `label` ("update 7 (estimate round)"): call it just before a
     collective phase that every rank runs. Nothing happens in a one-process run."""
     import torch.distributed as dist
 

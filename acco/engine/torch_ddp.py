@@ -57,8 +57,8 @@ class TorchDDPEngine:
             weight_decay=cfg.weight_decay,
         )
         self.stats = new_stats(self.device)
-        self.samples = 0
-        self.step = 0
+        self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
+        self.step = 0  # committed updates
         self.wall_time_offset = self.last_wall_time = 0.0
         self.fetched_ahead = 0  # micro-batches taken from the stream for the next update, not computed yet
 
@@ -81,12 +81,12 @@ class TorchDDPEngine:
         cfg = self.cfg
         batches = iter(batches)
         t0 = time.perf_counter() - self.wall_time_offset
-        n = cfg.n_grad_accumulation
+        per_update = cfg.n_grad_accumulation  # micro-batches per worker per update
         # Every rank must know before a backward that every other rank will run it too (DDP's
         # collectives would hang otherwise): the next update's micro-batches are fetched first,
         # and whether everyone has them travels with the statistics all-reduce.
-        upcoming = self._take(batches, n)
-        ready = torch.tensor([float(len(upcoming) < n)], device=self.device)
+        upcoming = self._take(batches, per_update)
+        ready = torch.tensor([float(len(upcoming) < per_update)], device=self.device)
         progress.mark("the start of training")
         dist.all_reduce(ready, group=self.group)
         exhausted = ready.item() > 0
@@ -98,7 +98,7 @@ class TorchDDPEngine:
             # then its gradient all-reduce in the last backward (a rank may stall in between).
             progress.mark(f"update {self.step + 1} (start)")
             for k, batch in enumerate(upcoming):
-                sync = k == n - 1
+                sync = k == per_update - 1
                 with contextlib.nullcontext() if sync else self.ddp.no_sync(), self._autocast():
                     out = loss_fn(self.ddp, batch)
                 if sync:
@@ -106,14 +106,14 @@ class TorchDDPEngine:
                 backward_and_count(out, self.stats)
             compute_s = time.perf_counter() - start
             start = time.perf_counter()
-            upcoming = self._take(batches, n)
-            self.stats[EXHAUSTED] = float(len(upcoming) < n)
+            upcoming = self._take(batches, per_update)
+            self.stats[EXHAUSTED] = float(len(upcoming) < per_update)
             table = torch.empty(self.world_size * N_STATS, dtype=self.stats.dtype, device=self.device)
             collectives.all_gather_small(table, self.stats, group=self.group)
             table = table.view(self.world_size, N_STATS).tolist()
             weight = sum(row[WEIGHT] for row in table)
             micro_batches = [int(row[MICRO_BATCHES]) for row in table]
-            batch = sum(micro_batches)
+            total_micro_batches = sum(micro_batches)  # this update's, over all workers
             # DDP averaged the summed gradients over workers; make it a mean over the weight. (The
             # list is rebuilt each time: DDP re-buckets, and re-points .grad, after its first step.)
             with_grad = [p for p in self.module.parameters() if p.grad is not None]
@@ -123,11 +123,11 @@ class TorchDDPEngine:
             grad_norm = math.nan
             if cfg.max_grad_norm:
                 grad_norm = float(clip_grad_norm_(with_grad, cfg.max_grad_norm, foreach=True))
-            lr = learning_rate(cfg, self.samples, batch)
+            lr = learning_rate(cfg, self.samples, total_micro_batches)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()  # each rank steps its shard, then broadcasts it
-            self.samples += batch
+            self.samples += total_micro_batches
             self.step += 1
             step_s = time.perf_counter() - start
             exhausted = any(row[EXHAUSTED] > 0 for row in table)
