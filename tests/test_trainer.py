@@ -158,6 +158,21 @@ def test_unknown_train_key_is_rejected():
         TrainArgs.from_any({"batchsize": 4})
 
 
+def test_the_seed_configs_keys_and_numbers_as_strings():
+    """The schema reads YAML 1.1's "6e-4" as a number; the seed's keys that acco does not need
+    are ignored with one warning, unless their value would change the training."""
+    from acco.engine import ConfigError
+    from acco.trainer import TrainArgs
+
+    with pytest.warns(UserWarning, match="ignoring the seed's train key.*group_by_length, dataloader_num_workers"):
+        args = TrainArgs.from_any({"learning_rate": "6e-4", "group_by_length": False, "dataloader_num_workers": 4})
+    assert args.learning_rate == 6e-4
+    with pytest.raises(ConfigError, match="label_smoothing_factor=0.1 is not supported"):
+        TrainArgs.from_any({"label_smoothing_factor": 0.1})
+    with pytest.raises(ConfigError, match="train.learning_rate must be a number, got 'fast'"):
+        TrainArgs.from_any({"learning_rate": "fast"})
+
+
 def test_loss_is_normalised_by_target_tokens_across_micro_batches():
     """Two micro-batches with 3 and 7 target tokens: the update uses the mean over all 10 tokens."""
     torch.manual_seed(0)
