@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from acco.bench import cluster, netns
+from acco.bench import cluster, namespaces
+from acco.bench.analysis import add_comparisons, method_metrics
 from acco.bench.cli import main
+from acco.bench.network import WORKER_ENV, Network
+from acco.bench.settings import BenchError, BenchSettings
 
-REASON = netns.netns_unavailable_reason()
+REASON = namespaces.netns_unavailable_reason()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
 
 # A very small run: 2 workers, a 1-layer model, 16 micro-batches over both workers.
@@ -66,7 +69,7 @@ def test_cluster_loopback(tmp_path):
 def test_sweep_on_namespaces(tmp_path):
     """Two sweep points on emulated hosts: one shaped, one unshaped; nothing left behind. (One
     method per point keeps the test short; the comparisons are checked on loopback above.)"""
-    before = set(netns.list_namespaces(netns.DEFAULT_PREFIX))
+    before = set(namespaces.list_namespaces(namespaces.DEFAULT_PREFIX))
     out = tmp_path / "sweep"
     code = main(["sweep", "--bandwidths", "1000mbit,unshaped", "--methods", "acco", "--out", str(out), *TINY])
     assert code == 0
@@ -80,7 +83,7 @@ def test_sweep_on_namespaces(tmp_path):
     _check_bench(out / "1000mbit", ["acco"], "netns")
     assert "| 1000mbit |" in (out / "sweep.md").read_text()
     assert (out / "sweep_speedup.png").stat().st_size > 0
-    assert set(netns.list_namespaces(netns.DEFAULT_PREFIX)) <= before
+    assert set(namespaces.list_namespaces(namespaces.DEFAULT_PREFIX)) <= before
 
 
 def test_convergence_one_seed(tmp_path):
@@ -193,7 +196,7 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
 
 
 def test_without_namespaces_it_says_so(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(netns, "netns_unavailable_reason", lambda: "Network namespaces need root (test).")
+    monkeypatch.setattr(namespaces, "netns_unavailable_reason", lambda: "Network namespaces need root (test).")
     assert main(["cluster", "--methods", "ddp", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "need root" in err and "--loopback" in err
@@ -201,7 +204,7 @@ def test_without_namespaces_it_says_so(monkeypatch, tmp_path, capsys):
 
 def test_metrics_and_comparisons_from_timers(tmp_path):
     """method_metrics reads the trainer's files: medians, critical-path compute, smallest comm."""
-    settings = cluster.BenchSettings(hosts=2, batch_size=4, max_length=8)
+    settings = BenchSettings(hosts=2, batch_size=4, max_length=8)
     run = tmp_path / "run"
     (run / "workers").mkdir(parents=True)
     lines = []
@@ -214,7 +217,7 @@ def test_metrics_and_comparisons_from_timers(tmp_path):
         rows = [{"step": s, "compute_s": c, "wait_s": m, "comm_s": m, "micro_batches": [2, 2]} for s in range(1, 6)]
         (run / "workers" / f"rank{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (run / "summary.json").write_text(json.dumps({"final_eval_loss": 2.5, "peak_mem_mb": 10.0}))
-    res = cluster.method_metrics(run, settings)
+    res = method_metrics(run, settings)
     assert res["step_time_s"] == pytest.approx(1.0)
     assert res["compute_s_per_update"] == pytest.approx(0.6)  # the slowest worker
     assert res["comm_s_per_update"] == pytest.approx(0.4)  # the smallest over workers
@@ -223,7 +226,7 @@ def test_metrics_and_comparisons_from_timers(tmp_path):
     assert res["tokens_per_s"] == pytest.approx(16.0 * 8)
     assert res["micro_batches_per_update_by_worker"] == [2, 2]
     methods = {"ddp": dict(res), "acco": dict(res, step_time_s=0.5, samples_per_s=32.0)}
-    out = cluster.add_comparisons(methods)
+    out = add_comparisons(methods)
     assert out["bounds"]["ideal_overlap"] == pytest.approx(1.0 / 0.6)
     assert out["bounds"]["ideal_acco"] == pytest.approx(1.0 / 0.8)
     assert methods["acco"]["speedup_step_vs_ddp"] == pytest.approx(2.0)
@@ -234,14 +237,14 @@ def test_timeout_kills_the_workers(tmp_path, monkeypatch):
     """A worker that never finishes is killed at the timeout, with a clear error."""
     script = tmp_path / "hang.py"
     script.write_text("import time\nwhile True: time.sleep(1)\n")
-    monkeypatch.setenv(cluster.WORKER_ENV, f"{sys.executable} {script}")
-    settings = cluster.BenchSettings(hosts=2, loopback=True, timeout_s=1.5, methods=("ddp",))
-    with cluster.Network(2, None, None, loopback=True) as net:
-        with pytest.raises(cluster.BenchError, match="timed out"):
+    monkeypatch.setenv(WORKER_ENV, f"{sys.executable} {script}")
+    settings = BenchSettings(hosts=2, loopback=True, timeout_s=1.5, methods=("ddp",))
+    with Network(2, None, None, loopback=True) as net:
+        with pytest.raises(BenchError, match="timed out"):
             cluster.run_workers(settings, "ddp", tmp_path / "ddp", net)
     for log in (tmp_path / "ddp" / "logs").iterdir():
         assert log.exists()
     # nothing of ours still runs that script
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(script) not in ps
-    assert os.environ.get(cluster.WORKER_ENV)  # monkeypatch restores it afterwards
+    assert os.environ.get(WORKER_ENV)  # monkeypatch restores it afterwards

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from acco.bench.delayline import parse_time
-from acco.bench.netns import (
-    EmulatedCluster,
+from acco.bench.namespaces import (
     available_shapers,
     cleanup_stale,
     list_namespaces,
     netns_unavailable_reason,
     parse_rate,
 )
+from acco.bench.netns import EmulatedCluster
 
 REPO = Path(__file__).resolve().parents[1]
 REASON = netns_unavailable_reason()

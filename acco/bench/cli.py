@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from acco.bench.cluster import ALL_METHODS, DEFAULT_MODEL_SIZE, KNOWN_METHODS, BenchError, BenchSettings
+from acco.bench.settings import ALL_METHODS, DEFAULT_MODEL_SIZE, KNOWN_METHODS, BenchError, BenchSettings
 
 
 def _methods(text: str) -> tuple[str, ...]:

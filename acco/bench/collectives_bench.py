@@ -90,7 +90,7 @@ def _worker(args) -> None:
 
 
 def _report(res: dict, args, world: int, where: str) -> None:
-    from acco.bench.netns import parse_rate
+    from acco.bench.namespaces import parse_rate
 
     rate = parse_rate(args.bandwidth) if args.bandwidth else None
     print(f"\n{world} hosts, {where}, {args.numel:,} elements, median of {args.reps} "
@@ -135,7 +135,8 @@ def main(argv=None) -> int:
         if str(getattr(args, k)).lower() in ("none", "off", "0", ""):
             setattr(args, k, None)
 
-    from acco.bench.netns import EmulatedCluster, netns_unavailable_reason
+    from acco.bench.namespaces import netns_unavailable_reason
+    from acco.bench.netns import EmulatedCluster
 
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),

@@ -32,14 +32,10 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from acco.bench.cluster import (
-    BenchError,
-    BenchSettings,
-    Network,
-    check_worker_available,
-    read_jsonl,
-    run_workers,
-)
+from acco.bench.analysis import read_jsonl
+from acco.bench.cluster import run_workers
+from acco.bench.network import Network, check_worker_available
+from acco.bench.settings import BenchError, BenchSettings
 
 TINYSTORIES = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"
 

@@ -23,8 +23,9 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from acco.bench.cluster import VARIANTS, BenchError, BenchSettings, base_method, read_jsonl
+from acco.bench.analysis import read_jsonl
 from acco.bench.convergence import _stats, run_convergence
+from acco.bench.settings import VARIANTS, BenchError, BenchSettings, base_method
 
 
 def _lr_dir(out: Path, lr: float) -> Path:

@@ -13,9 +13,11 @@ inside the host namespaces directly, so no interface name can collide with the m
 addresses (``10.77.N.0/24``) exist only inside the namespaces this module made.
 
 Everything is removed by :meth:`EmulatedCluster.close` (idempotent), which also runs on leaving
-the ``with`` block, on SIGTERM/SIGINT/SIGHUP and at interpreter exit. :func:`cleanup_stale` removes what
-a crashed (SIGKILLed) run left behind. Needs root and iproute2 (``ip``, ``tc``);
-:func:`netns_unavailable_reason` says why it cannot run here.
+the ``with`` block, on SIGTERM/SIGINT/SIGHUP and at interpreter exit.
+:func:`~acco.bench.namespaces.cleanup_stale` removes what a crashed (SIGKILLed) run left behind.
+Needs root and iproute2 (``ip``, ``tc``); :func:`~acco.bench.namespaces.netns_unavailable_reason`
+says why it cannot run here. That machine-wide side (the ``ip`` commands, the probe, the stale
+clean-up and the signal handlers) is :mod:`acco.bench.namespaces`.
 
 Names: ``{prefix}{pid}-{seq}-h{i}`` and ``{prefix}{pid}-{seq}-br`` (default prefix ``acco-``), so
 two runs, or a run and a stale leftover, never collide, and leftovers can be attributed to a
@@ -24,14 +26,8 @@ two runs, or a run and a stale leftover, never collide, and leftovers can be att
 
 from __future__ import annotations
 
-import atexit
-import functools
-import itertools
 import os
-import re
 import select
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -39,253 +35,21 @@ import warnings
 from collections.abc import Sequence
 
 from acco.bench import delayline
+from acco.bench.namespaces import (
+    _CMD_TIMEOUT,
+    DEFAULT_PREFIX,
+    _delete_namespace,
+    _run,
+    _seq,
+    _tbf_args,
+    available_shapers,
+    netns_unavailable_reason,
+    parse_rate,
+    register,
+    unregister,
+)
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "EmulatedCluster",
-    "cleanup_stale",
-    "list_namespaces",
-    "available_shapers",
-    "netns_unavailable_reason",
-    "parse_rate",
-]
-
-DEFAULT_PREFIX = "acco-"
-_CMD_TIMEOUT = 30.0
-
-_seq = itertools.count()
-_lock = threading.RLock()
-_live: dict[int, EmulatedCluster] = {}  # id -> cluster, clusters not yet closed
-_prev_handlers: dict[int, object] = {}  # signal number -> handler we replaced
-_atexit_registered = False
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-
-
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT
-    )
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(argv)}: {proc.stderr.strip()}")
-    return proc
-
-
-def list_namespaces(prefix: str = "") -> list[str]:
-    """Names of the network namespaces (``ip netns list``) starting with ``prefix``."""
-    proc = _run(["ip", "netns", "list"], check=False)
-    names = []
-    for line in proc.stdout.splitlines():
-        parts = line.split()
-        if parts and parts[0].startswith(prefix):
-            names.append(parts[0])
-    return names
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_pids_in(ns: str) -> None:
-    """SIGKILL every process still running inside namespace ``ns`` (they would keep it alive)."""
-    proc = _run(["ip", "netns", "pids", ns], check=False)
-    for tok in proc.stdout.split():
-        try:
-            pid = int(tok)
-        except ValueError:
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _delete_namespace(ns: str) -> None:
-    _kill_pids_in(ns)
-    # Deleting a namespace destroys its interfaces; a veth pair goes with either end.
-    _run(["ip", "netns", "delete", ns], check=False)
-
-
-_RATE_UNITS = {
-    "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-    "kibit": 1024.0, "mibit": 1024.0**2, "gibit": 1024.0**3,
-}
-
-
-def parse_rate(rate: str) -> float:
-    """A ``tc`` rate such as ``"100mbit"`` or ``"12.5mbps"`` in bits per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", rate)
-    if not m:
-        raise ValueError(f"cannot parse rate {rate!r}")
-    unit = m.group(2).lower() or "bit"
-    if unit not in _RATE_UNITS:
-        raise ValueError(f"unknown rate unit in {rate!r}")
-    return float(m.group(1)) * _RATE_UNITS[unit]
-
-
-# --------------------------------------------------------------------------------------------
-# availability and stale cleanup
-
-
-@functools.lru_cache(maxsize=1)
-def _probe() -> tuple[str | None, tuple[str, ...]]:
-    """(reason why namespaces cannot be used or None, qdiscs usable for shaping)."""
-    if os.name != "posix" or not hasattr(os, "geteuid") or not os.path.isdir("/proc/self/ns"):
-        return "Network namespaces need Linux.", ()
-    if os.geteuid() != 0:
-        return "Network namespaces need root (this process is not running as uid 0).", ()
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"The '{tool}' command (iproute2) is not installed.", ()
-    probe = f"{DEFAULT_PREFIX}{os.getpid()}-probe{next(_seq)}"
-    shapers = []
-    try:
-        proc = _run(["ip", "netns", "add", probe], check=False)
-        if proc.returncode != 0:
-            return f"'ip netns add' failed: {proc.stderr.strip() or 'unknown error'}.", ()
-        proc = _run(["ip", "-n", probe, "link", "add", "vprobe", "type", "veth", "peer", "name",
-                     "pprobe"], check=False)
-        if proc.returncode != 0:
-            return f"veth pairs cannot be created: {proc.stderr.strip() or 'unknown error'}.", ()
-        tc = ["ip", "netns", "exec", probe, "tc", "qdisc", "replace", "dev", "vprobe", "root"]
-        if _run([*tc, "netem", "rate", "100mbit", "delay", "1ms"], check=False).returncode == 0:
-            shapers.append("netem")
-        if _run([*tc, *_tbf_args("100mbit")], check=False).returncode == 0:
-            shapers.append("tbf")
-        if "tbf" in shapers and os.access("/dev/net/tun", os.R_OK | os.W_OK):
-            shapers.append("tbf+delayline")
-        if not shapers:
-            return ("Neither the netem nor the tbf qdisc is available in this kernel "
-                    "(CONFIG_NET_SCH_NETEM / CONFIG_NET_SCH_TBF), so links cannot be shaped."), ()
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"Running 'ip netns' failed: {exc}.", ()
-    finally:
-        _run(["ip", "netns", "delete", probe], check=False)
-    return None, tuple(shapers)
-
-
-def netns_unavailable_reason() -> str | None:
-    """None when an :class:`EmulatedCluster` can be built here, else one sentence saying why not.
-
-    Checks root, ``ip``/``tc``, that ``ip netns add`` and veth pairs work and that a shaping
-    qdisc (netem, else tbf) exists. Probed once per process.
-    """
-    return _probe()[0]
-
-
-def available_shapers() -> tuple[str, ...]:
-    """The shapers this machine offers, in order of preference: ``netem``, ``tbf``,
-    ``tbf+delayline``.
-
-    netem emulates rate and latency; tbf only the rate (many minimal kernels lack netem);
-    tbf+delayline adds the latency with TUN devices and :mod:`acco.bench.delayline`.
-    """
-    return _probe()[1]
-
-
-def _tbf_args(bandwidth: str) -> list[str]:
-    """A token bucket at ``bandwidth``: bucket of ~2 ms of traffic (at least 64 KiB, one GSO
-    super-packet), queue of ~50 ms (at least 4 buckets)."""
-    bytes_per_s = parse_rate(bandwidth) / 8.0
-    burst = max(64 * 1024, int(bytes_per_s * 0.002))
-    limit = max(4 * burst, int(bytes_per_s * 0.05))
-    return ["tbf", "rate", str(bandwidth), "burst", str(burst), "limit", str(limit)]
-
-
-_NAME_RE = re.compile(r"(\d+)-")
-
-
-def cleanup_stale(prefix: str = DEFAULT_PREFIX, include_live: bool = False) -> list[str]:
-    """Remove namespaces named ``{prefix}{pid}-...`` left by runs whose process is gone.
-
-    Namespaces of a live process (another run going on right now) are kept unless
-    ``include_live``; namespaces of this process's open clusters are always kept. Returns the
-    names removed.
-    """
-    with _lock:
-        mine = {ns for c in _live.values() for ns in c.namespaces}
-    removed = []
-    for ns in list_namespaces(prefix):
-        if ns in mine:
-            continue
-        m = _NAME_RE.match(ns[len(prefix):])
-        if m is None:
-            continue  # not one of ours
-        pid = int(m.group(1))
-        if not include_live and pid != os.getpid() and _pid_alive(pid):
-            continue
-        _delete_namespace(ns)
-        removed.append(ns)
-    return removed
-
-
-# --------------------------------------------------------------------------------------------
-# signal / atexit cleanup
-
-
-def _close_all_owned() -> None:
-    with _lock:
-        clusters = list(_live.values())
-    for c in clusters:
-        if c._owner_pid == os.getpid():  # not in a forked child that inherited the registry
-            c.close()
-
-
-def _on_signal(signum, frame):
-    # read before closing: closing the last cluster restores (and forgets) the old handlers
-    prev = _prev_handlers.get(signum, signal.SIG_DFL)
-    _close_all_owned()
-    if callable(prev):
-        prev(signum, frame)
-        return
-    if prev == signal.SIG_IGN:
-        return
-    # default action: restore it and re-deliver, so the exit status says "killed by signal"
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _install_handlers() -> None:
-    global _atexit_registered
-    if not _atexit_registered:
-        atexit.register(_close_all_owned)
-        _atexit_registered = True
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; atexit still covers exit
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if sig in _prev_handlers:
-            continue
-        try:
-            _prev_handlers[sig] = signal.signal(sig, _on_signal)
-        except (ValueError, OSError):
-            pass
-
-
-def _restore_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig, prev in list(_prev_handlers.items()):
-        try:
-            if signal.getsignal(sig) is _on_signal:
-                signal.signal(sig, prev)
-        except (ValueError, OSError, TypeError):
-            pass
-        del _prev_handlers[sig]
-
-
-# --------------------------------------------------------------------------------------------
-# the cluster
+__all__ = ["EmulatedCluster"]
 
 
 class EmulatedCluster:
@@ -368,9 +132,7 @@ class EmulatedCluster:
         self._closed = False  # no more popen()
         self._done = False  # teardown finished
         self._close_lock = threading.RLock()
-        with _lock:
-            _live[id(self)] = self
-            _install_handlers()
+        register(self)
         try:
             self._build(limit)
         except BaseException:
@@ -511,10 +273,7 @@ class EmulatedCluster:
                 if ns in self._created:
                     self._created.remove(ns)
             self._done = True
-            with _lock:
-                _live.pop(id(self), None)
-                if not _live:
-                    _restore_handlers()
+            unregister(self)
 
     def __enter__(self) -> EmulatedCluster:
         return self

@@ -35,17 +35,15 @@ class Case:
 
 def build_case(overrides: list[str]) -> Case:
     """The model, data and settings a `python main.py <overrides>` run would train with, in-process."""
-    from hydra import compose, initialize_config_module
-
-    from acco.cli import load_corpus, prepare_tokenizer, split_corpus
+    from acco.config import compose
     from acco.data import pack_documents
+    from acco.data.prepare import load_corpus_rank0_first, prepare_tokenizer, split_corpus
     from acco.models import build_model
     from acco.trainer import TrainArgs
 
-    with initialize_config_module(config_module="acco.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = compose(list(overrides))
     args = TrainArgs.from_any(cfg.train)
-    train_docs, eval_docs = split_corpus(load_corpus(cfg.data), args)
+    train_docs, eval_docs = split_corpus(load_corpus_rank0_first(cfg.data), args)
     tokenizer = prepare_tokenizer(cfg, train_docs)
     torch.manual_seed(args.seed)  # as the training CLI: the initial weights are a function of the seed
     model = build_model(cfg.model, vocab_size=len(tokenizer), max_length=args.max_length,

@@ -141,7 +141,7 @@ def plot_bench(bench: dict, out: Path) -> list[str]:
     plt.close(fig)
     files.append("step_time.png")
     # 2. training loss against wall time
-    from acco.bench.cluster import read_jsonl
+    from acco.bench.analysis import read_jsonl
 
     fig, ax = plt.subplots(figsize=(7, 4))
     any_curve = False

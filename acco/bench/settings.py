@@ -1,0 +1,145 @@
+"""What one benchmark run is: the methods and their variants, :class:`BenchSettings` (everything
+that defines a run, identical for every method of it, and each worker's Hydra overrides) and
+:class:`BenchError`, the error of a benchmark that cannot run as asked."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from acco.bench import namespaces
+
+ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco")
+# Variants run as methods of their own, side by side: name -> (train config, its overrides).
+VARIANTS = {
+    "acco-paper": ("acco", ("train.acco_estimate=paper",)),
+    "acco-lean": ("acco", ("train.acco_estimate=lean",)),
+}
+KNOWN_METHODS = ALL_METHODS + tuple(VARIANTS)
+OVERLAPPED = ("dpu", "wp", "acco")
+
+
+def base_method(method: str) -> str:
+    """The train config a method or variant name runs (acco-lean: acco)."""
+    return VARIANTS[method][0] if method in VARIANTS else method
+
+
+# A comm-bound default (measured on the 2-core VM, see BENCHMARKS.md): GPT-Neo "tiny" widened to
+# 1.1M parameters, micro-batches of 8 x 96 tokens, 4 per worker per update, 100 Mbit/s links:
+# ddp spends about 40% of its step in its comm round there.
+DEFAULT_MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4}
+
+
+class BenchError(RuntimeError):
+    """A benchmark that cannot run as asked (no namespaces, a worker failed, a timeout)."""
+
+
+@dataclass
+class BenchSettings:
+    """Everything that defines one run of the methods; identical for every method of the run."""
+
+    hosts: int = 2
+    bandwidth: str | None = "100mbit"  # None: unshaped
+    latency: str | None = "1ms"  # one-way, per link (netem, or tbf + the delay line)
+    methods: tuple[str, ...] = ALL_METHODS
+    model: str = "tiny"
+    model_size: dict = field(default_factory=lambda: dict(DEFAULT_MODEL_SIZE))
+    nb_steps_tot: int = 200  # micro-batches over all workers, whatever the method
+    grad_accum: int = 4  # micro-batches per worker per update (ddp); acco runs grad_accum // 2 per round
+    batch_size: int = 8
+    max_length: int = 96
+    seed: int = 0
+    slow_worker: tuple[int, float] | None = None  # (rank, factor)
+    accumulate_while_waiting: bool = False  # acco (and dpu/wp): keep computing while a round runs
+    mixed_precision: bool = False  # bf16 is slower than fp32 on this CPU
+    loopback: bool = False
+    timeout_s: float = 600.0  # per method
+    repeats: int = 1  # every method runs that many times, interleaved; the median run is reported
+    retry_disturbed: int = 0  # run a method again (that many times at most) when other processes loaded the CPU
+    # "normal": workers under the default scheduler; "batch": under SCHED_BATCH, so that gloo's
+    # I/O thread, woken thousands of times a second by a shaped link, does not preempt the compute
+    # thread on every wake-up (see BENCHMARKS.md: the emulation's cores are shared with the network)
+    sched: str = "normal"
+    threads: int | None = None  # torch threads per worker (default: cores // hosts)
+    data: str = "synthetic"
+    data_path: str | None = None
+    tokenizer: str | None = None
+    eval_step: int | None = None  # None: only the final evaluation matters (a large value)
+    extra: tuple[str, ...] = ()  # more Hydra overrides, for every method and rank
+
+    def validate(self) -> None:
+        bad = [m for m in self.methods if m not in KNOWN_METHODS]
+        if bad:
+            raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}")
+        if not self.methods:
+            raise BenchError("no method to run")
+        if self.hosts < 1:
+            raise BenchError("--hosts must be >= 1")
+        if self.repeats < 1:
+            raise BenchError("--repeats must be >= 1")
+        if self.sched not in ("normal", "batch"):
+            raise BenchError(f"--sched must be normal or batch, got {self.sched!r}")
+        if self.sched == "batch" and not hasattr(os, "SCHED_BATCH"):
+            raise BenchError("--sched batch needs Linux (SCHED_BATCH)")
+        if self.grad_accum < 2 or self.grad_accum % 2:
+            raise BenchError(
+                f"--grad-accum must be even (got {self.grad_accum}): acco runs half of it per round, "
+                "two rounds per update, to match the other methods' effective batch"
+            )
+        if self.slow_worker is not None:
+            rank, factor = self.slow_worker
+            if not 0 <= rank < self.hosts:
+                raise BenchError(f"--slow-worker rank {rank} is not one of the {self.hosts} hosts")
+            if factor < 1:
+                raise BenchError(f"--slow-worker factor must be >= 1, got {factor}")
+        if self.bandwidth is not None:
+            try:
+                namespaces.parse_rate(self.bandwidth)
+            except ValueError as e:
+                raise BenchError(str(e)) from e
+
+    def grad_accum_for(self, method: str) -> int:
+        return self.grad_accum // 2 if base_method(method) == "acco" else self.grad_accum
+
+    def worker_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // max(1, self.hosts))
+
+    def overrides(self, method: str, out_dir: Path, rank: int) -> list[str]:
+        """The Hydra overrides of one worker."""
+        o = [
+            f"train={base_method(method)}",
+            *VARIANTS.get(method, (None, ()))[1],
+            f"model={self.model}",
+            f"data={self.data}",
+            f"train.nb_steps_tot={self.nb_steps_tot}",
+            f"train.output_dir={out_dir}",
+            f"train.seed={self.seed}",
+            "launch.nproc=1",
+            f"train.n_grad_accumulation={self.grad_accum_for(method)}",
+            f"train.batch_size={self.batch_size}",
+            f"train.max_length={self.max_length}",
+            f"train.accumulate_while_waiting={str(self.accumulate_while_waiting).lower()}",
+            f"train.use_mixed_precision={str(self.mixed_precision).lower()}",
+            f"train.eval_step={self.eval_step if self.eval_step else 10**9}",
+            "train.save=false",
+        ]
+        o += [f"model.{k}={v}" for k, v in self.model_size.items()]
+        if self.data_path:
+            o.append(f"data.path={self.data_path}")
+        if self.tokenizer:
+            o.append(f"model.tokenizer={self.tokenizer}")
+        if self.slow_worker is not None and self.slow_worker[0] == rank:
+            o.append(f"train.slowdown={self.slow_worker[1]}")
+        o += list(self.extra)
+        return o
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d["methods"] = list(self.methods)
+        d["slow_worker"] = list(self.slow_worker) if self.slow_worker else None
+        d["grad_accum_per_method"] = {m: self.grad_accum_for(m) for m in self.methods}
+        d["worker_threads"] = self.worker_threads()
+        return d
