@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from acco.config import AlreadyCompleted
 from acco.engine import CheckpointError
 from acco.engine.comm import MICRO_BATCHES
 from acco.launch.process_group import after_rank0, wait_on_store
@@ -245,11 +246,6 @@ def data_position(old_states: list[dict], batch_size: int, world_size: int, batc
 
 
 # --------------------------------------------------------------------------- a run's save and resume
-
-
-class AlreadyCompleted(Exception):
-    """Not an error: the checkpoint to resume has already consumed train.nb_steps_tot. The message
-    is the one line to print; the run then exits 0 without writing anything."""
 
 
 def check_resumable(args, world_size: int, numel=None, model_label: str = "this run's model") -> tuple[Path, dict] | None:

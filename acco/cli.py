@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from acco.config import InputError, compose, one_line_error
+from acco.config import AlreadyCompleted, InputError, compose, one_line_error
 from acco.launch.env import dist_env, self_command
 from acco.launch.local import launch_local, local_nproc, wait_for_go
 
@@ -41,51 +41,27 @@ def quiet_progress_bars(rank: int) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
 
 
-def validated(cfg: DictConfig, world_size: int) -> str | None:
-    """The one validation pass: None when the job may train, else the line that ends it with
-    exit 0 (the checkpoint to resume has completed the budget). Bad input raises InputError."""
-    from acco.checkpoint import AlreadyCompleted
-    from acco.validate import validate_job
-
-    try:
-        validate_job(cfg, world_size)
-    except AlreadyCompleted as done:
-        return str(done)
-    return None
-
-
 def run(cfg: DictConfig) -> int:
     env = dist_env()
     quiet_progress_bars(env["rank"] if env else 0)
     if env is not None:  # a worker: of this launcher, of torchrun or of srun
         return train_worker(cfg, checked=os.environ.get(JOB_CONFIG_ENV) is not None)
+    from acco.validate import validate_job
+
     nproc = local_nproc(cfg.launch.nproc)
-    if nproc == 1:
-        done = validated(cfg, 1)
-        if done:
-            print(done, flush=True)
-            return 0
-        return train_worker(cfg, checked=True)
-
-    outcome: list[str | None] = []
-    with _job_config_file(cfg) as path:
-        # As torchrun does: workers sharing a machine must not each spin up a thread per core.
-        threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
-
-        def check() -> None:  # runs while the workers import; a done run stops them before any work
-            outcome.append(validated(cfg, nproc))
-            if outcome[0]:
-                raise _Done(outcome[0])
-
-        try:
-            return launch_local(nproc, self_command(), env_extra={**threads, JOB_CONFIG_ENV: path}, check=check)
-        except _Done as done:
-            print(done, flush=True)
-            return 0
-
-
-class _Done(Exception):
-    """The validation pass found nothing to do: stop the workers, exit 0."""
+    try:
+        if nproc == 1:
+            validate_job(cfg, 1)
+            return train_worker(cfg, checked=True)
+        with _job_config_file(cfg) as path:
+            # As torchrun does: workers sharing a machine must not each spin up a thread per core.
+            threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
+            # The workers import while the launcher validates; they start work once it has passed.
+            return launch_local(nproc, self_command(), env_extra={**threads, JOB_CONFIG_ENV: path},
+                                check=lambda: validate_job(cfg, nproc))  # fmt: skip
+    except AlreadyCompleted as done:  # the checkpoint to resume has completed the budget
+        print(done, flush=True)
+        return 0
 
 
 @contextlib.contextmanager
@@ -154,11 +130,15 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
 
 def _verdict(cfg: DictConfig, world_size: int) -> str:
     """Rank 0's validation, as the one word and line every rank acts on: ok, done or error."""
+    from acco.validate import validate_job
+
     try:
-        done = validated(cfg, world_size)
+        validate_job(cfg, world_size)
+    except AlreadyCompleted as done:
+        return f"done {done}"
     except Exception as e:
         return f"error {one_line_error(e)}"
-    return f"done {done}" if done else "ok "
+    return "ok "
 
 
 def _report(e: BaseException) -> None:

@@ -27,6 +27,7 @@ from acco.engine.config import ConfigError, EngineConfig
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
+    "AlreadyCompleted",
     "Config",
     "DataConfig",
     "InputError",
@@ -44,6 +45,11 @@ DEFAULT_CACHE_DIR = "~/.cache/acco"
 
 class InputError(ValueError):
     """A bad input found before training: the message is one line naming the key and the value."""
+
+
+class AlreadyCompleted(Exception):
+    """Not an error: the checkpoint to resume has already consumed train.nb_steps_tot. The message
+    is the one line to print; the run then exits 0 without writing anything."""
 
 
 def one_line_error(e: BaseException, limit: int = 1000) -> str:
@@ -266,6 +272,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.format not in ("pretrain", "instruct"):
             raise ConfigError(f"data.format must be 'pretrain' or 'instruct', got {self.format!r}")
+        if self.name == "synthetic" and (self.n_docs is None or self.n_docs < 1):
+            raise ConfigError(f"data.n_docs must be a positive integer, got {self.n_docs!r}")
 
 
 @dataclass

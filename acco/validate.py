@@ -248,10 +248,7 @@ def load_corpus(data: DataConfig):
     from acco.data.errors import DataError
     from acco.data.text import load_corpus as load
 
-    if data.name == "synthetic":
-        if isinstance(data.n_docs, bool) or not isinstance(data.n_docs, int) or data.n_docs < 1:
-            _fail(f"data.n_docs must be a positive integer, got {data.n_docs!r}")
-    elif not data.path:
+    if data.name != "synthetic" and not data.path:
         _fail(f"data.path is not set (data={data.name} needs a file, a folder or a Hub name)")
     try:
         return load(OmegaConf.structured(data))
@@ -373,7 +370,7 @@ def check_resume(args, model: Mapping, pretrained_config: Any, tokenizer, world_
 def validate_job(cfg: DictConfig, world_size: int | None = None) -> None:
     """Check a job's config, output folders, model, tokenizer, checkpoint and data for
     `world_size` workers (default: launch.nproc's); raise ``InputError`` (or
-    ``acco.checkpoint.AlreadyCompleted``)."""
+    ``acco.config.AlreadyCompleted``)."""
     resolved = check_config_values(cfg)
     args, launch, data = typed_config(cfg)
     if world_size is None:
