@@ -22,7 +22,9 @@ where a check needs them (a named tokenizer, a pretrained model, a resume).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -243,6 +245,36 @@ def _as_workers_load_it(tokenizer):
 # --------------------------------------------------------------------------- data
 
 
+@contextlib.contextmanager
+def _quiet_datasets():
+    """datasets' own logs and bars while the data is checked: they would only repeat, in other
+    words, the one line we print ("Failed to load JSON ..."). datasets may not be imported yet (it
+    costs a second): its environment variables cover that case, its functions the other."""
+    names = {"DATASETS_VERBOSITY": "critical", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    saved = {name: os.environ.get(name) for name in names}
+    module = sys.modules.get("datasets")
+    if module is not None:
+        verbosity, bars = module.logging.get_verbosity(), module.is_progress_bar_enabled()
+        module.logging.set_verbosity(module.logging.CRITICAL)
+        module.disable_progress_bars()
+    else:
+        verbosity, bars = None, saved["HF_DATASETS_DISABLE_PROGRESS_BARS"] is None
+        os.environ.update(names)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        module = sys.modules.get("datasets")
+        if module is not None:
+            module.logging.set_verbosity(verbosity if verbosity is not None else module.logging.WARNING)
+            if bars:
+                module.enable_progress_bars()
+
+
 def load_corpus(data: DataConfig):
     """Documents or instruction records, as the workers will load them (acco.data.prepare)."""
     from acco.data.errors import DataError
@@ -251,7 +283,8 @@ def load_corpus(data: DataConfig):
     if data.name != "synthetic" and not data.path:
         _fail(f"data.path is not set (data={data.name} needs a file, a folder or a Hub name)")
     try:
-        return load(OmegaConf.structured(data))
+        with _quiet_datasets():
+            return load(OmegaConf.structured(data))
     except DataError as e:
         _fail(f"data.path: {one_line_error(e)}", e)
     except OSError as e:  # unreadable file or folder

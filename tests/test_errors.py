@@ -304,6 +304,7 @@ def test_cli_malformed_data_starts_no_worker_and_overwrites_nothing(tmp_path):
     proc = cli(tmp_path, "data=text", f"data.path={bad}")
     line = one_error(proc, "corpus.jsonl, line 2: malformed JSON")
     assert line.startswith("acco: error: data.path: ")  # the launcher's line, no rank, no type
+    assert proc.stderr.strip() == line  # datasets' own "Failed to load JSON" log is not repeated
     assert (
         sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     )
