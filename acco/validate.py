@@ -247,32 +247,30 @@ def _as_workers_load_it(tokenizer):
 
 @contextlib.contextmanager
 def _quiet_datasets():
-    """datasets' own logs and bars while the data is checked: they would only repeat, in other
-    words, the one line we print ("Failed to load JSON ..."). datasets may not be imported yet (it
-    costs a second): its environment variables cover that case, its functions the other."""
-    names = {"DATASETS_VERBOSITY": "critical", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    saved = {name: os.environ.get(name) for name in names}
+    """datasets' own logs (and bars, where it is imported already) while the data is checked: they
+    would only repeat, in other words, the one line we print ("Failed to load JSON ..."). Where
+    datasets is not imported yet (it costs a second), DATASETS_VERBOSITY sets its first level."""
     module = sys.modules.get("datasets")
+    saved = os.environ.get("DATASETS_VERBOSITY")
     if module is not None:
         verbosity, bars = module.logging.get_verbosity(), module.is_progress_bar_enabled()
         module.logging.set_verbosity(module.logging.CRITICAL)
         module.disable_progress_bars()
     else:
-        verbosity, bars = None, saved["HF_DATASETS_DISABLE_PROGRESS_BARS"] is None
-        os.environ.update(names)
+        os.environ["DATASETS_VERBOSITY"] = "critical"
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        module = sys.modules.get("datasets")
+        if saved is None:
+            os.environ.pop("DATASETS_VERBOSITY", None)
+        else:
+            os.environ["DATASETS_VERBOSITY"] = saved
         if module is not None:
-            module.logging.set_verbosity(verbosity if verbosity is not None else module.logging.WARNING)
+            module.logging.set_verbosity(verbosity)
             if bars:
                 module.enable_progress_bars()
+        elif "datasets" in sys.modules:  # imported here: its default level from now on
+            sys.modules["datasets"].logging.set_verbosity_warning()
 
 
 def load_corpus(data: DataConfig):
