@@ -181,10 +181,12 @@ def check_files(folder: Path, meta: dict) -> None:
             raise CheckpointError(f"{path}: corrupted checkpoint file (entry {damaged} fails its CRC check)")
 
 
-def load_worker(folder: Path, rank: int, world_size: int) -> dict:
+def load_worker(folder: Path, rank: int, world_size: int, mmap: bool = False) -> dict:
+    """Worker `rank`'s file; with `mmap`, its tensors are mapped, not read: only what is then
+    touched is read from disk (resharding reads slices of the old shards)."""
     path = rank_file(folder, rank, world_size)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError as e:
         raise CheckpointError(f"{folder}: missing {path.name}") from e
     except Exception as e:  # truncated or corrupted file: torch raises several types
@@ -296,8 +298,11 @@ def save_run(engine, position, record, args: dict, rank: int, world_size: int, d
             f"{', '.join(bad[:6])}); no checkpoint written"
         )
     data = position.state_dict()
-    if state.get("fetched_ahead"):  # torch-ddp has read the next update's micro-batches
-        data = rewind(data, state["fetched_ahead"])
+    # Micro-batches read but in no saved state: torch-ddp's next update, already fetched, and an
+    # accumulator not kept (accumulate_while_waiting): the resumed run reads them again.
+    back = state.get("fetched_ahead", 0) + state.get("dropped_micro_batches", 0)
+    if back:
+        data = rewind(data, back)
     worker = {"engine": state, "data": data, "rng": torch.get_rng_state()}
     if device.type == "cuda":
         worker["cuda_rng"] = torch.cuda.get_rng_state(device)
@@ -308,17 +313,26 @@ def save_run(engine, position, record, args: dict, rank: int, world_size: int, d
 
 def resume_run(engine, position, folder: Path, meta: dict, rank: int, world_size: int, device, batch_size: int) -> bool:
     """Load a checkpoint into `engine` and the data `position`: exactly on the same world size
-    (True), else resharded from every old worker's state, from the same samples (False)."""
+    (True), from this worker's own file; else resharded from the same samples (False), each old
+    file memory-mapped so that only the slices this worker needs are read."""
     old_world = int(meta["world_size"])
-    same_world = old_world == world_size
-    mine = load_worker(folder, rank if same_world else 0, old_world)
-    old_states = None if same_world else [load_worker(folder, r, old_world) for r in range(old_world)]
-    exact = engine.load_state_dict(mine["engine"], lambda: [s["engine"] for s in old_states])
-    if exact:
-        position.load_state_dict(mine["data"])
-        torch.set_rng_state(mine["rng"])
-        if device.type == "cuda" and "cuda_rng" in mine:
-            torch.cuda.set_rng_state(mine["cuda_rng"], device)
-    else:
-        position.load_state_dict(data_position(old_states, batch_size, world_size, position.batches_per_epoch))
-    return exact
+    if old_world != world_size:
+        def old(r: int) -> dict:
+            return load_worker(folder, r, old_world, mmap=True)
+
+        engine.load_state_dict(old(0)["engine"], lambda r: old(r)["engine"])
+        # The data positions and pending micro-batch counts: a few numbers of each old file.
+        positions = []
+        for r in range(old_world):
+            state = old(r)
+            positions.append({"data": state["data"], "engine": {k: state["engine"].get(k) for k in ("accumulator", "accumulator_stats")}})
+            del state
+        position.load_state_dict(data_position(positions, batch_size, world_size, position.batches_per_epoch))
+        return False
+    mine = load_worker(folder, rank, old_world)
+    engine.load_state_dict(mine["engine"])
+    position.load_state_dict(mine["data"])
+    torch.set_rng_state(mine["rng"])
+    if device.type == "cuda" and "cuda_rng" in mine:
+        torch.cuda.set_rng_state(mine["cuda_rng"], device)
+    return True

@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from acco.engine import collectives
 from acco.engine.comm import (
     EXHAUSTED,
+    MICRO_BATCHES,
     BackgroundComm,
     CommRound,
     RoundKind,
@@ -37,7 +39,7 @@ from acco.engine.comm import (
     new_stats,
 )
 from acco.engine.config import EngineConfig, UpdateRecord
-from acco.engine.flat import FlatParams
+from acco.engine.flat import FlatParams, ShardLayout
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
 # the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
@@ -260,8 +262,16 @@ class DecoupledEngine:
     # ---- checkpoints: taken between two yielded updates, when no round is in flight -----------
 
     def state_dict(self) -> dict:
-        """This worker's training state: its optimizer shard, and what its model and accumulator hold."""
+        """This worker's training state, each distinct tensor once across workers: its fp32 optimizer
+        shard (master, moments), acco's estimate-error shard, wp's predicted-weights shard, and the
+        gradient accumulator only where an exact resume needs it (a fixed batch). The parameters
+        are not saved: the committed ones are the gathered master (`load_state_dict`). With
+        accumulate_while_waiting (the default) the micro-batch counts follow timing, so a resume
+        restarts the overlapped regime from its warm start and the accumulator's micro-batches
+        are read again (``dropped_micro_batches``: the data position goes back by that many)."""
         opt = self.comm.optimizer
+        keep_accumulator = self._in_overlap and not self.cfg.accumulate_while_waiting
+        dropped = int(self.stats[MICRO_BATCHES].item()) if self._in_overlap and not keep_accumulator else 0
         return {
             "method": self.cfg.method,
             "numel": self.flat.layout.numel,
@@ -273,19 +283,22 @@ class DecoupledEngine:
             "master": opt.master,
             "exp_avg": opt.exp_avg,
             "exp_avg_sq": opt.exp_avg_sq,
-            "params": self.flat.params,  # wp: the predicted weights the model computes at
-            "committed": self.committed,  # wp only: the true parameters
-            # Overlapped methods: the gradients computed during the last round, the next payload.
-            "accumulator": self.flat.grads if self._in_overlap else None,
-            "accumulator_stats": self.stats,
+            # wp: this shard of the predicted weights the model computes at (the committed ones are the master)
+            "predicted": self.flat.params[self.flat.shard] if self.committed is not None else None,
+            # Overlapped methods with a fixed batch: the gradients computed during the last round, the next payload.
+            "accumulator": self.flat.grads if keep_accumulator else None,
+            "accumulator_stats": self.stats if keep_accumulator else None,
+            "dropped_micro_batches": dropped,
             # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
             "estimate_error": self.comm.estimate_error,
         }
 
-    def load_state_dict(self, state: dict, all_states: Callable[[], list[dict]] | None = None) -> bool:
+    def load_state_dict(self, state: dict, old_state: Callable[[int], dict] | None = None) -> bool:
         """Restore a worker's state. On the world size it was saved with the run continues exactly
-        (True); on another, `all_states()` must give every old worker's state: the fp32 master and
-        moments are resharded, and the overlapped regime restarts from its warm start (False)."""
+        (True); on another, `old_state(r)` gives old worker r's state (memory-mapped: only the
+        slices of the old shards that overlap this worker's new one are read), the fp32 master and
+        moments are resharded, and the overlapped regime restarts from its warm start (False).
+        Every worker calls it together: the parameters are all-gathered from the master shards."""
         if state["method"] != self.cfg.method:
             raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}")
         if state["numel"] != self.flat.layout.numel:
@@ -297,37 +310,54 @@ class DecoupledEngine:
         opt.restore_step(self.comm.step)
         self.wall_time_offset = float(state["wall_time"])
         exact = state["world_size"] == self.world_size and state["rank"] == self.rank
-        if exact:
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(opt, name).copy_(state[name])
-            self.flat.params.copy_(state["params"])
-            if self.committed is not None:
-                self.committed.copy_(state["committed"])
-            if self.comm.estimate_error is not None:  # older checkpoints and other estimates: none
-                saved = state.get("estimate_error")
-                self.comm.estimate_error.copy_(saved) if saved is not None else self.comm.estimate_error.zero_()
-            if state["accumulator"] is not None:
-                self.flat.grads.copy_(state["accumulator"])
-                self.stats.copy_(state["accumulator_stats"])
-                self._resume_overlap = True
-            return True
-        if all_states is None:
+        if not exact and old_state is None:
             raise CheckpointError(
                 f"checkpoint was written by {state['world_size']} workers, this run has {self.world_size}: "
                 "resharding needs every worker's file"
             )
-        old = all_states()
-        numel, shard = self.flat.layout.numel, self.flat.shard
+        if exact:
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(opt, name).copy_(state[name])
+        else:
+            self._reshard(old_state, int(state["world_size"]))
+        self._gather(opt.master, self.committed if self.committed is not None else self.flat.params)
+        if self.committed is not None:  # wp computes at its prediction, saved by shard
+            predicted = state.get("predicted") if exact else None
+            self._gather(predicted if predicted is not None else opt.master, self.flat.params)
+        if not exact:
+            return False
+        if self.comm.estimate_error is not None:  # older checkpoints and other estimates: none
+            saved = state.get("estimate_error")
+            self.comm.estimate_error.copy_(saved) if saved is not None else self.comm.estimate_error.zero_()
+        if state.get("accumulator") is not None:
+            self.flat.grads.copy_(state["accumulator"])
+            self.stats.copy_(state["accumulator_stats"])
+            self._resume_overlap = True
+        return True
+
+    def _reshard(self, old_state: Callable[[int], dict], old_world: int) -> None:
+        """This worker's new shard of the fp32 master and moments, copied slice by slice from the
+        old shards that overlap it (at most a few old files are touched, each only in that range)."""
+        opt, numel = self.comm.optimizer, self.flat.layout.numel
+        old_size = ShardLayout(numel, old_world, 0).shard_numel
+        lo, hi = self.flat.shard.start, min(self.flat.shard.stop, numel)
         for name in ("master", "exp_avg", "exp_avg_sq"):
-            full = torch.cat([s[name] for s in old])[:numel]
-            padded = torch.zeros(self.flat.layout.padded_numel, dtype=full.dtype)
-            padded[:numel] = full
-            getattr(opt, name).copy_(padded[shard])
-        true_params = state["committed"] if state["committed"] is not None else state["params"]
-        self.flat.params[:numel].copy_(true_params[:numel])
-        if self.committed is not None:
-            self.committed.copy_(self.flat.params)
-        return False
+            getattr(opt, name).zero_()  # the padding stays zero
+        for r in range(lo // old_size, -(-hi // old_size)) if hi > lo else ():
+            old = old_state(r)
+            a, b = max(lo, r * old_size), min(hi, (r + 1) * old_size)
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(opt, name)[a - lo : b - lo].copy_(old[name][a - r * old_size : b - r * old_size])
+            del old  # a memory-mapped file is released before the next one is touched
+
+    def _gather(self, shard: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` (a full padded vector in the model's dtype) = every worker's `shard`, gathered, as
+        the update round does it."""
+        self.comm.new_param_shard.copy_(shard)
+        if self.world_size > 1:
+            collectives.all_gather(out, self.comm.new_param_shard, group=self.group)
+        else:
+            out[: self.flat.layout.shard_numel].copy_(self.comm.new_param_shard)
 
     @contextlib.contextmanager
     def committed_params(self):

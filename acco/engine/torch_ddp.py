@@ -25,6 +25,7 @@ from acco.engine import collectives, progress
 from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, backward_and_count, new_stats
 from acco.engine.config import EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, world_of
+from acco.engine.flat import ShardLayout
 from acco.engine.optim import learning_rate
 
 _END = object()
@@ -150,16 +151,20 @@ class TorchDDPEngine:
                 break
 
     def state_dict(self) -> dict:
-        params = [p.detach() for p in self.module.parameters()]
+        """This rank's ZeRO optimizer shard and its slice of the parameters (replicated by DDP:
+        each worker saves one slice, and a resume all-gathers them)."""
+        layout = self._layout()
+        flat = torch.zeros(layout.padded_numel, dtype=self._dtype(), device=self.device)
+        torch.cat([p.detach().flatten() for p in self.module.parameters()], out=flat[: layout.numel])
         return {
             "method": "torch-ddp",
-            "numel": sum(p.numel() for p in params),
+            "numel": layout.numel,
             "world_size": self.world_size,
             "rank": self.rank,
             "samples": self.samples,
             "step": self.step,
             "wall_time": self.last_wall_time,
-            "params": torch.cat([p.flatten() for p in params]),
+            "params_shard": flat[layout.shard_slice].clone(),
             "optimizer": self.optimizer.optim.state_dict(),  # this rank's ZeRO shard
             # run() has already read the next update's micro-batches when it yields: the data
             # position saved beside this state must be moved back by that many (exact resume).
@@ -173,16 +178,28 @@ class TorchDDPEngine:
             raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is 'torch-ddp'")
         if state["world_size"] != self.world_size:
             raise CheckpointError("torch-ddp resumes only on the world size it was saved with (ZeRO shards by parameter)")
-        params = list(self.module.parameters())
-        if state["numel"] != sum(p.numel() for p in params):
+        params, layout = list(self.module.parameters()), self._layout()
+        if state["numel"] != layout.numel:
             raise CheckpointError(f"checkpoint holds {state['numel']:,} parameters, the model has a different size")
+        flat = torch.empty(layout.padded_numel, dtype=self._dtype(), device=self.device)
+        shard = state["params_shard"].to(self.device)
+        if self.world_size > 1:
+            collectives.all_gather(flat, shard, group=self.group)
+        else:
+            flat.copy_(shard)
         with torch.no_grad():
-            for p, saved in zip(params, state["params"].split([p.numel() for p in params])):
+            for p, saved in zip(params, flat[: layout.numel].split([p.numel() for p in params])):
                 p.copy_(saved.view_as(p))
         self.optimizer.optim.load_state_dict(state["optimizer"])
         self.samples, self.step = int(state["samples"]), int(state["step"])
         self.wall_time_offset = float(state["wall_time"])
         return True
+
+    def _layout(self) -> ShardLayout:
+        return ShardLayout(sum(p.numel() for p in self.module.parameters()), self.world_size, self.rank)
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
 
     @contextlib.contextmanager
     def committed_params(self):
