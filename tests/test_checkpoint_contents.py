@@ -117,8 +117,14 @@ def _save_every_method(rank: int, world_size: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    return run_distributed(_save_every_method, 2, str(tmp_path_factory.mktemp("contents")))[0]
+def saved_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contents")
+    return root, run_distributed(_save_every_method, 2, str(root))[0]
+
+
+@pytest.fixture(scope="module")
+def saved(saved_root):
+    return saved_root[1]
 
 
 def test_no_rank_file_holds_the_parameter_vector_and_the_accumulator_only_for_a_fixed_batch(saved):
@@ -131,3 +137,29 @@ def test_no_rank_file_holds_the_parameter_vector_and_the_accumulator_only_for_a_
         overlapped_and_timed = not fixed and method in ("acco", "dpu", "wp")
         assert (got["dropped"] > 0) == overlapped_and_timed, (method, fixed, got["dropped"])
         assert got["samples"] >= 24, (method, fixed)  # resumed (exactly, or from its warm start) to the budget
+
+
+def test_a_resharded_resume_maps_the_old_files_instead_of_reading_them(saved_root, monkeypatch):
+    """2 -> 1 worker through DecoupledTrainer: every old file is opened memory-mapped (only what
+    is then touched is read), and the engine takes its slices from the old shards it overlaps."""
+    from test_checkpoint import tiny_args, tiny_data, tiny_model
+
+    from acco import checkpoint
+    from acco.trainer import DecoupledTrainer
+
+    root, _ = saved_root
+    folder = checkpoint.list_checkpoints(root / "acco-True")[0]
+    loads = []
+    load_worker = checkpoint.load_worker
+
+    def recording(folder, rank, world_size, mmap=False):
+        loads.append((rank, mmap))
+        return load_worker(folder, rank, world_size, mmap=mmap)
+
+    monkeypatch.setattr(checkpoint, "load_worker", recording)
+    args = tiny_args("acco", root / "one", nb_steps_tot=24)
+    summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
+        resume_from_checkpoint=str(folder)
+    )
+    assert summary["samples"] >= 24
+    assert loads and {rank for rank, _ in loads} == {0, 1} and all(mmap for _, mmap in loads), loads
