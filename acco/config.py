@@ -94,6 +94,7 @@ class TrainArgs:
     scheduler_name: str = "cosine"
     warmup: int = 0  # micro-batches over all workers
     use_mixed_precision: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (Hugging Face's)
     accumulate_while_waiting: bool = True
     n_warmup_steps: int = 0  # updates (not micro-batches) run as sequential ddp first (dpu, wp, acco)
     max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)

@@ -17,37 +17,23 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from acco import checkpoint
 from acco.config import TrainArgs
 from acco.data.errors import DataError
-from acco.data.instruct import IGNORE_INDEX
 from acco.data.loader import Rows, eval_batches, split_train_eval
 from acco.data.prepare import collate, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.launch.process_group import after_rank0, every_rank_at, init_distributed
+from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
 
 __all__ = ["DecoupledTrainer", "TrainArgs", "causal_lm_loss"]
-
-
-def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of next-token losses, number of target tokens): the engine divides by the tokens
-    summed over micro-batches and workers, so a padded or masked batch counts each token once."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return loss, (labels != IGNORE_INDEX).sum()
 
 
 class _OnDevice:
@@ -99,6 +85,11 @@ class DecoupledTrainer:
         self.rank, self.world_size, self.local_rank, self.device = init_distributed(self.args.timeout_s)
         torch.manual_seed(self.args.seed)
         self.model = model.to(self.device)
+        if self.args.gradient_checkpointing:  # activations recomputed layer by layer in the backward pass
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ValueError("train.gradient_checkpointing needs a transformers model (gradient_checkpointing_enable)")
+            # Non-reentrant: the parameters' gradients land in the engine's flat buffer as usual.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = None
         self.train_data = self._prepare(train_dataset) if train_dataset is not None else None
         if eval_dataset is not None:
