@@ -24,7 +24,7 @@ def _old_states(numel: int, old_world: int, full: dict) -> list[dict]:
             padded = torch.zeros(size * old_world)
             padded[:numel] = vector
             shard[name] = padded[r * size : (r + 1) * size].clone()
-        states.append({"method": "acco", "numel": numel, "world_size": old_world, "rank": r, "samples": 40,
+        states.append({"method": "acco", "order": "decayed-first", "numel": numel, "world_size": old_world, "rank": r, "samples": 40,
                        "step": 5, "wall_time": 1.0, "predicted": None, "accumulator": torch.ones(numel),
                        "accumulator_stats": torch.ones(4), "estimate_error": None, **shard})  # fmt: skip
     return states
@@ -83,6 +83,9 @@ def test_resharding_refuses_another_method_or_model():
         build_engine(nn.Linear(7, 3), EngineConfig(method="dpu")).load_state_dict(old[0], old.__getitem__)
     with pytest.raises(CheckpointError, match="parameters, the model has"):
         build_engine(nn.Linear(8, 3), EngineConfig(method="acco")).load_state_dict(old[0], old.__getitem__)
+    with pytest.raises(CheckpointError, match="ordered the parameters otherwise"):
+        older = [{k: v for k, v in state.items() if k != "order"} for state in old]
+        build_engine(nn.Linear(7, 3), EngineConfig(method="acco")).load_state_dict(older[0], older.__getitem__)
 
 
 def _save_every_method(rank: int, world_size: int, root: str) -> dict:

@@ -113,6 +113,14 @@ def run_engine(rank, world, kind, cfgs, delay_s=0.0):
     return out
 
 
+def decay_groups(model, weight_decay: float) -> list[dict]:
+    """Hugging Face's and nanoGPT's convention: decay the matrices and embeddings, not the
+    biases and norm weights."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+
+
 class Reference:
     """Plain single-process AdamW with the spec's operations on flat parameter vectors."""
 
@@ -120,11 +128,10 @@ class Reference:
         self.kind, self.cfg, self.world, self.counts = kind, cfg, world, counts
         self.model = make_model(kind)
         self.opt = torch.optim.AdamW(
-            self.model.parameters(),
+            decay_groups(self.model, cfg.weight_decay),
             lr=cfg.learning_rate,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
         )
         self.samples = 0
         self.consumed = [0] * world  # micro-batches read so far by each worker

@@ -27,14 +27,22 @@ def test_shard_layout_pads_to_a_multiple_of_the_world():
     assert layout.shard_slice == slice(8, 12)
 
 
+def in_flat_order(tensors) -> torch.Tensor:
+    """The matrices first, then the vectors (biases): the order of FlatParams' buffers."""
+    tensors = list(tensors)
+    return torch.cat([t.flatten() for t in tensors if t.dim() >= 2] + [t.flatten() for t in tensors if t.dim() < 2])
+
+
 def test_parameters_and_grads_are_views_of_the_flat_buffers():
     model = mlp()
-    before = torch.cat([p.detach().flatten() for p in model.parameters()])
+    before = in_flat_order(p.detach() for p in model.parameters())
     flat = FlatParams(model, torch.float32, world_size=3, rank=0)
     assert flat.params.numel() % 3 == 0 and flat.params.numel() >= before.numel()
     assert torch.equal(flat.params[: before.numel()], before)
+    assert flat.decay_numel == 8 * 16 + 16 * 4  # the two weight matrices come first, then the biases
+    assert torch.equal(flat.master_shard, before[: flat.layout.shard_numel])
     F.mse_loss(model(torch.randn(5, 8)), torch.randn(5, 4)).backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    grads = in_flat_order(p.grad for p in model.parameters())
     assert grads.abs().sum() > 0
     assert torch.equal(flat.grads[: grads.numel()], grads)  # backward accumulated in place
     flat.params.zero_()
@@ -43,6 +51,17 @@ def test_parameters_and_grads_are_views_of_the_flat_buffers():
     model.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match="flat gradient buffer"):
         flat.check_grad_views()
+
+
+def test_bf16_casts_only_the_trainable_parameters_and_the_master_keeps_their_fp32_values():
+    torch.manual_seed(0)
+    model = mlp()
+    model.register_buffer("inv_freq", torch.rand(8))  # a floating buffer, as a rotary embedding's
+    weights = in_flat_order(p.detach().clone() for p in model.parameters())
+    flat = FlatParams(model, torch.bfloat16, world_size=1, rank=0)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and model.inv_freq.dtype == torch.float32
+    assert torch.equal(flat.master_shard[: weights.numel()], weights)  # fp32 values, not bf16-rounded ones
+    assert not torch.equal(flat.params[: weights.numel()].float(), weights)
 
 
 def _adamw_cfg():
@@ -83,6 +102,32 @@ def test_commit_matches_torch_adamw():
         ref_opt.step()
         opt.commit(g, lr=1e-2)
     torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)  # fused kernel vs the reference loop
+
+
+def test_weight_decay_only_on_the_first_range_as_torch_adamw_with_two_groups():
+    """The shard's first 30 elements (matrices) decay, the last 20 (biases, norms) do not: the same
+    as torch's AdamW with two parameter groups, for commits and for a trial step."""
+    torch.manual_seed(0)
+    p = torch.randn(50)
+    decayed, plain = nn.Parameter(p[:30].clone()), nn.Parameter(p[30:].clone())
+    ref_opt = torch.optim.AdamW([{"params": [decayed], "weight_decay": 0.1}, {"params": [plain], "weight_decay": 0.0}],
+                                lr=1e-2, betas=(0.9, 0.95))  # fmt: skip
+    opt = ShardedAdamW(p, _adamw_cfg(), decayed=30)
+    for _ in range(4):
+        g = torch.randn(50)
+        decayed.grad, plain.grad = g[:30].clone(), g[30:].clone()
+        ref_opt.step()
+        out = torch.empty(50)
+        opt.trial(g.clone(), lr=1e-2, out=out)
+        opt.commit(g, lr=1e-2)
+        torch.testing.assert_close(out, p, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(p, torch.cat([decayed.detach(), plain.detach()]), rtol=1e-6, atol=1e-7)
+    everywhere = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    split = everywhere.clone()
+    for opt in (ShardedAdamW(everywhere, _adamw_cfg()), ShardedAdamW(split, _adamw_cfg(), decayed=30)):
+        opt.commit(torch.zeros(50), lr=1.0)  # a zero gradient: only the decay moves anything
+    assert torch.equal(split[30:], torch.randn(50, generator=torch.Generator().manual_seed(1))[30:])
+    torch.testing.assert_close(split[:30], everywhere[:30])
 
 
 @pytest.mark.parametrize(

@@ -113,8 +113,11 @@ class _Optimizer:
 
     def __init__(self, params, t: dict, max_grad_norm: float | None):
         self.params = params
-        self.opt = torch.optim.AdamW(params, lr=t["learning_rate"], betas=(t["adam_beta1"], t["adam_beta2"]),
-                                     eps=t["adam_eps"], weight_decay=t["weight_decay"], foreach=False)
+        # weight decay on the matrices and embeddings only, as Hugging Face's Trainer decides it
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t["weight_decay"]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        self.opt = torch.optim.AdamW(groups, lr=t["learning_rate"], betas=(t["adam_beta1"], t["adam_beta2"]),
+                                     eps=t["adam_eps"], foreach=False)
         self.max_grad_norm = max_grad_norm
 
     def step(self, theta: torch.Tensor, grad: torch.Tensor, lr: float, commit: bool) -> tuple[torch.Tensor, float]:

@@ -97,8 +97,10 @@ class CommRound:
         self.world_size = flat.layout.world_size
         shard = flat.params[flat.shard]
         device = flat.params.device
-        self.master = shard.detach().to(torch.float32, copy=True)
-        self.optimizer = ShardedAdamW(self.master, cfg)
+        self.master = flat.master_shard  # fp32, from the weights before any cast
+        # weight decay applies to the first `decayed` elements of this shard (FlatParams' order)
+        decayed = min(max(flat.decay_numel - flat.shard.start, 0), self.layout.shard_numel)
+        self.optimizer = ShardedAdamW(self.master, cfg, decayed)
         # Preallocated shard-sized buffers: nothing model-sized is allocated per round.
         self.grad_shard = torch.empty_like(self.master)  # fp32 gradient the optimizer reads
         lowp = flat.dtype != torch.float32

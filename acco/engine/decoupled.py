@@ -39,7 +39,7 @@ from acco.engine.comm import (
     new_stats,
 )
 from acco.engine.config import EngineConfig, UpdateRecord
-from acco.engine.flat import FlatParams, ShardLayout
+from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
 # the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
@@ -274,6 +274,7 @@ class DecoupledEngine:
         dropped = int(self.stats[MICRO_BATCHES].item()) if self._in_overlap and not keep_accumulator else 0
         return {
             "method": self.cfg.method,
+            "order": FLAT_ORDER,
             "numel": self.flat.layout.numel,
             "world_size": self.world_size,
             "rank": self.rank,
@@ -305,6 +306,9 @@ class DecoupledEngine:
             raise CheckpointError(
                 f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.layout.numel:,}"
             )
+        if state.get("order") != FLAT_ORDER:
+            raise CheckpointError("checkpoint was written by an earlier acco that ordered the parameters otherwise; "
+                                  "it cannot be resumed by this version")
         opt = self.comm.optimizer
         self.comm.samples, self.comm.step = int(state["samples"]), int(state["step"])
         opt.restore_step(self.comm.step)

@@ -3,6 +3,12 @@
 Every trainable parameter of the module becomes a view of one flat vector, and its `.grad` a view
 of another, so that a whole model is moved, zeroed, reduced or copied with one tensor operation.
 Both vectors are padded to a multiple of the world size: worker i owns the i-th contiguous slice.
+
+The parameters that weight decay applies to (matrices and embeddings: two or more dimensions, as
+nanoGPT decides it and as Hugging Face's Trainer does for GPT-Neo and Llama) come first, then the
+others (biases, norm weights): each group is one contiguous range, so the optimizer runs over two
+views of a shard. In bf16 mode only the trainable parameters are cast (buffers such as rotary
+frequencies keep their dtype), and the fp32 master shard is taken from the weights before the cast.
 """
 
 from __future__ import annotations
@@ -11,6 +17,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+# The order of the flat vector (decayed parameters first), recorded in checkpoints: a checkpoint
+# of another order cannot be resumed, its shards would land on other parameters.
+FLAT_ORDER = "decayed-first"
 
 
 @dataclass(frozen=True)
@@ -38,19 +48,26 @@ class FlatParams:
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, world_size: int, rank: int):
         self.module = module
-        module.to(dtype=dtype)  # bf16 mode: the model itself runs in bf16, as in the spec
-        self.trainable = [p for p in module.parameters() if p.requires_grad]
-        if not self.trainable:
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable:
             raise ValueError("the module has no trainable parameters")
+        self.trainable = [p for p in trainable if p.dim() >= 2] + [p for p in trainable if p.dim() < 2]
+        self.decay_numel = sum(p.numel() for p in self.trainable if p.dim() >= 2)  # weight decay: [0, decay_numel)
         device = self.trainable[0].device
         numel = sum(p.numel() for p in self.trainable)
         self.layout = ShardLayout(numel, world_size, rank)
         self.dtype = dtype
         self.params = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         self.grads = torch.zeros_like(self.params)
+        # This worker's fp32 master shard, from the weights as given (before any cast to bf16).
+        self.master_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+        lo, hi = self.shard.start, self.shard.stop
         offset = 0
         for p in self.trainable:
             n = p.numel()
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                self.master_shard[a - lo : b - lo].copy_(p.detach().flatten()[a - offset : b - offset])
             view = self.params[offset : offset + n].view_as(p)
             view.copy_(p.detach())
             # Re-point the parameter at the flat storage; autograd then accumulates into the
@@ -58,6 +75,9 @@ class FlatParams:
             p.data = view
             p.grad = self.grads[offset : offset + n].view_as(p)
             offset += n
+        for p in module.parameters():  # frozen weights compute in the same dtype as the others
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
 
     def check_grad_views(self) -> None:
         """Fail loudly if something (e.g. zero_grad(set_to_none=True)) detached a .grad from the flat buffer."""

@@ -48,15 +48,17 @@ class TorchDDPEngine:
         )
         if cfg.use_mixed_precision:
             self.ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        trainable = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = ZeroRedundancyOptimizer(
-            [p for p in module.parameters() if p.requires_grad],
+            # weight decay on the matrices and embeddings, not biases and norms (as FlatParams)
+            [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+             {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}],
             optimizer_class=torch.optim.AdamW,
             process_group=group,
             lr=cfg.learning_rate,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-        )
+        )  # fmt: skip
         self.stats = new_stats(self.device)
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
