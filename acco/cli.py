@@ -84,12 +84,12 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
 
     from acco.data.prepare import load_corpus_rank0_first, prepare_tokenizer, split_corpus
     from acco.launch.process_group import decided_by_rank0, init_distributed
-    from acco.models import build_model
+    from acco.models import attention_for, build_model
     from acco.trainer import DecoupledTrainer, TrainArgs
 
     wait_for_go()
     args = TrainArgs.from_any(cfg.train)
-    rank, world_size, _, _ = init_distributed(args.timeout_s)
+    rank, world_size, _, device = init_distributed(args.timeout_s)
     if not checked:  # torchrun / srun: rank 0 validates once for all, the others wait on the store
         verdict = decided_by_rank0(lambda: _verdict(cfg, world_size), key="validation")
         kind, _, line = verdict.partition(" ")
@@ -109,10 +109,17 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
     train_corpus, eval_corpus = split_corpus(load_corpus_rank0_first(cfg.data), args)
     tokenizer = prepare_tokenizer(cfg, train_corpus)
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    if not model_cfg.get("attn_implementation"):  # chosen for the device (a pretrained model: by its type)
+        chosen = attention_for(model_cfg.get("arch"), device.type, args.use_mixed_precision)
+        if chosen == "flash_attention_2" or not model_cfg.get("pretrained"):
+            model_cfg["attn_implementation"] = chosen
     model = build_model(
-        cfg.model, vocab_size=len(tokenizer), max_length=args.max_length, bos_token_id=tokenizer.bos_token_id,
+        model_cfg, vocab_size=len(tokenizer), max_length=args.max_length, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
+    if rank == 0:
+        print(f"attention: {model.config._attn_implementation} (model.attn_implementation=... to choose)", flush=True)
     trainer = DecoupledTrainer(
         model=model, tokenizer=tokenizer, train_dataset=train_corpus, eval_dataset=eval_corpus,
         text_column_name=cfg.data.text_column, args=args,

@@ -44,6 +44,17 @@ __all__ = [
 _DEFAULT_ATTN = {"gpt_neo": "eager", "llama": "sdpa"}
 
 
+def attention_for(arch: str | None, device_type: str, half_precision: bool) -> str:
+    """The attention kernel for this architecture on this device: flash_attention_2 on CUDA in
+    bf16 where the flash-attn package is installed (both architectures support it), SDPA where
+    transformers has it for the architecture (Llama), eager otherwise (GPT-Neo on CPU)."""
+    import importlib.util
+
+    if device_type == "cuda" and half_precision and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return _DEFAULT_ATTN.get(arch or "", "eager")
+
+
 def _to_dict(cfg: Any) -> dict:
     """A model config as a dict, keys left null by the schema dropped (their defaults apply)."""
     if cfg is None:
@@ -131,7 +142,7 @@ def _check_max_length(config: PretrainedConfig, max_length: int | None, label: s
 
 
 def _load_pretrained(
-    name: str, dtype: torch.dtype | None, vocab_size: int | None, max_length: int | None
+    name: str, dtype: torch.dtype | None, vocab_size: int | None, max_length: int | None, attn: str | None = None
 ) -> PreTrainedModel:
     """Checks what the checkpoint's config can tell before loading any weights."""
     name = os.path.expanduser(str(name))
@@ -150,7 +161,7 @@ def _load_pretrained(
             f"{name!r} ({rows} rows)"
         )
     kwargs: dict[str, Any] = {_dtype_kwarg(): dtype or torch.float32}
-    attn = _DEFAULT_ATTN.get(config.model_type)
+    attn = attn or _DEFAULT_ATTN.get(config.model_type)
     if attn is not None:
         kwargs["attn_implementation"] = attn
     try:
@@ -185,7 +196,7 @@ def build_model(
     c = _to_dict(cfg)
     pretrained = c.get("pretrained")
     if pretrained:
-        model = _load_pretrained(str(pretrained), dtype, vocab_size, max_length)
+        model = _load_pretrained(str(pretrained), dtype, vocab_size, max_length, c.get("attn_implementation"))
         rows = model.get_input_embeddings().num_embeddings
         if vocab_size is not None and vocab_size > rows:  # the weights disagree with their config
             raise ModelError(
