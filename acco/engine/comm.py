@@ -212,7 +212,9 @@ class BackgroundComm:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        # High priority (lower is higher): the round's kernels go first when both streams have
+        # work queued, so a round is not held up behind the next micro-batch's compute.
+        self.stream = torch.cuda.Stream(device=device, priority=-1) if self.cuda else None
         init = (lambda: torch.cuda.set_device(device)) if self.cuda else None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-comm", initializer=init)
 

@@ -83,7 +83,10 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
     store, rank, world_size = next(
         dist.rendezvous("env://", rank=env["rank"], world_size=env["world_size"], timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     )
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # device_id on CUDA binds the process to its GPU and creates the NCCL communicator now, inside
+    # init_process_group's timeout, rather than at the first collective.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)  # fmt: skip
     start_heartbeat(timeout_s)
     return rank, world_size, env["local_rank"], device
 
