@@ -205,8 +205,8 @@ class BackgroundComm:
     """Runs comm rounds on one background thread; on CUDA also on a side stream.
 
     The compute stream only records an event for the comm stream to wait on: no host sync on the
-    compute side. The comm thread synchronises its own stream before reporting a round done, so
-    `Future.done()` means the new parameters are really there.
+    compute side. The comm thread waits for its own stream's work (a blocking event) before
+    reporting a round done, so `Future.done()` means the new parameters are really there.
     """
 
     def __init__(self, device: torch.device):
@@ -228,7 +228,9 @@ class BackgroundComm:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(payload_ready)
                 result = round_fn()
-                self.stream.synchronize()
+                done = torch.cuda.Event(blocking=True)  # the comm thread sleeps, it does not spin a core
+                done.record(self.stream)
+            done.synchronize()
             return result
 
         return self.executor.submit(on_side_stream)

@@ -111,8 +111,9 @@ class DecoupledEngine:
         backward_and_count(loss_fn(self.module, batch), self.stats)
         if self.device.type == "cuda":
             # Bound how far the host runs ahead of the GPU, so that "is the round done yet?"
-            # is asked at the pace of real computation; the GPU always has one queued.
-            event = torch.cuda.Event()
+            # is asked at the pace of real computation; the GPU always has one queued. A blocking
+            # event: the host sleeps in the wait instead of spinning a core.
+            event = torch.cuda.Event(blocking=True)
             event.record()
             self._inflight.append(event)
             if len(self._inflight) > 2:
