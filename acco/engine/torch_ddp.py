@@ -55,6 +55,8 @@ class TorchDDPEngine:
              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}],
             optimizer_class=torch.optim.AdamW,
             process_group=group,
+            # the updated shards are broadcast bucket by bucket, not parameter by parameter
+            parameters_as_bucket_view=True,
             lr=cfg.learning_rate,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
