@@ -12,7 +12,8 @@ the store. Workers never repeat it. In order, cheap checks first:
 - ``train.resume_from_checkpoint``: a whole checkpoint this run can continue (acco.checkpoint);
 - the data: readable, and at least one global batch. Data is tokenized only when its size alone
   cannot tell (a small corpus), and packed blocks go to the packing cache, so the workers' own
-  tokenization is then a cache hit.
+  tokenization is then a cache hit. A large corpus (``PREPARE_FROM_TOKENS``) must have been
+  tokenized into the cache before the job, by ``acco-prepare`` (acco/prepare.py).
 
 Every failure is an ``InputError`` (a ValueError) whose message is one line naming the config key
 and the file, value or numbers at fault. Nothing here writes to ``train.output_dir``; writability
@@ -22,8 +23,8 @@ where a check needs them (a named tokenizer, a pretrained model, a resume).
 
 from __future__ import annotations
 
-import contextlib
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -43,11 +44,14 @@ from acco.config import (
 )
 from acco.engine.config import ConfigError
 
-__all__ = ["InputError", "check_output_dir", "validate_job"]
+__all__ = ["PREPARE_FROM_TOKENS", "InputError", "check_output_dir", "check_prepared", "validate_job"]
 
 # The data is tokenized in the validation pass only while its size alone cannot tell whether it
 # fills one global batch: while an upper bound on its samples is below this many global batches.
 EXACT_CHECK_MARGIN = 10
+# A corpus of more than this many tokens (estimated at 4 bytes of text a token) must have been
+# tokenized before the job, by acco-prepare: its workers do not wait on rank 0 tokenizing it.
+PREPARE_FROM_TOKENS = 100_000_000
 # Files that show that a run already wrote to an output_dir (config.yaml and tokenizer/ do not:
 # they are written before training starts, so a run that failed early can simply be started again).
 RUN_MARKERS = ("summary.json", "metrics.jsonl")
@@ -104,7 +108,7 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
-def _check_writable_dir(path: Path, key: str) -> None:
+def check_writable_dir(path: Path, key: str) -> None:
     """``path`` is a folder we can write to, or one we can create; nothing is left behind."""
     existing = _nearest_existing(path)
     if existing != path and not existing.is_dir():
@@ -131,7 +135,7 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
     if output_dir is None or not str(output_dir).strip():
         _fail("train.output_dir is empty; give the folder the run writes to")
     out = Path(os.path.expanduser(str(output_dir)))
-    _check_writable_dir(out, "train.output_dir")
+    check_writable_dir(out, "train.output_dir")
     if out.is_dir() and not resume and not overwrite:
         found = [name for name in RUN_MARKERS if (out / name).exists()]
         found += sorted(p.name for p in out.glob("checkpoint-*"))[:1]
@@ -219,84 +223,38 @@ def _load_tokenizer(spec: str, pretrained: str | None = None):
         _fail(f"model.tokenizer: {one_line_error(e)}", e)
 
 
-def _train_bpe_as_rank0(texts: list[str], vocab_size: int):
-    """The BPE rank 0 will train, saved and loaded again as the workers get it (same fingerprint)."""
+def _train_bpe_as_rank0(texts, vocab_size: int, cache_dir: str | None, text_column: str):
+    """The BPE rank 0 will train, saved and loaded again as the workers get it (same fingerprint);
+    cached in train.cache_dir as rank 0 caches it, so that rank 0 then finds it there."""
     from acco.data.errors import DataError
-    from acco.data.tokenizer import load_tokenizer
+    from acco.data.tokenizer import as_saved, load_tokenizer
 
     try:
-        with tempfile.TemporaryDirectory(prefix="acco-validate-") as tmp:
-            load_tokenizer("bpe", train_texts=texts, vocab_size=vocab_size, save_dir=tmp)
-            return load_tokenizer(tmp)
+        return as_saved(load_tokenizer("bpe", train_texts=texts, vocab_size=vocab_size, cache_dir=cache_dir or None,
+                                       text_column=text_column))  # fmt: skip
     except DataError as e:
         _fail(f"model.tokenizer=bpe: {one_line_error(e)}", e)
 
 
-def _as_workers_load_it(tokenizer):
-    """The tokenizer saved and loaded again, as the workers load it from output_dir/tokenizer, so
-    that packing here fills the cache entry the workers will look up."""
-    from acco.data.tokenizer import load_tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="acco-validate-") as tmp:
-        tokenizer.save_pretrained(tmp)
-        return load_tokenizer(tmp)
-
-
 # --------------------------------------------------------------------------- data
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """datasets' own logs (and bars, where it is imported already) while the data is checked: they
-    would only repeat, in other words, the one line we print ("Failed to load JSON ..."). Where
-    datasets is not imported yet (it costs a second), DATASETS_VERBOSITY sets its first level."""
-    module = sys.modules.get("datasets")
-    saved = os.environ.get("DATASETS_VERBOSITY")
-    if module is not None:
-        verbosity, bars = module.logging.get_verbosity(), module.is_progress_bar_enabled()
-        module.logging.set_verbosity(module.logging.CRITICAL)
-        module.disable_progress_bars()
-    else:
-        os.environ["DATASETS_VERBOSITY"] = "critical"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("DATASETS_VERBOSITY", None)
-        else:
-            os.environ["DATASETS_VERBOSITY"] = saved
-        if module is not None:
-            module.logging.set_verbosity(verbosity)
-            if bars:
-                module.enable_progress_bars()
-        elif "datasets" in sys.modules:  # imported here: its default level from now on
-            sys.modules["datasets"].logging.set_verbosity_warning()
 
 
 def load_corpus(data: DataConfig):
     """Documents or instruction records, as the workers will load them (acco.data.prepare)."""
     from acco.data.errors import DataError
     from acco.data.text import load_corpus as load
+    from acco.data.text import quiet_datasets
 
     if data.name != "synthetic" and not data.path:
         _fail(f"data.path is not set (data={data.name} needs a file, a folder or a Hub name)")
     try:
-        with _quiet_datasets():
+        with quiet_datasets():
             return load(OmegaConf.structured(data))
     except DataError as e:
         _fail(f"data.path: {one_line_error(e)}", e)
     except OSError as e:  # unreadable file or folder
         where = e.filename or data.path
         _fail(f"data.path: cannot read {str(where)!r}: {e.strerror or one_line_error(e)}", e)
-
-
-def _text_bytes(docs, text_column: str) -> int:
-    """UTF-8 bytes of the documents; for a memory-mapped Dataset its Arrow size (no reading)."""
-    from acco.data.text import is_hf_dataset
-
-    if is_hf_dataset(docs):
-        return docs.data.nbytes
-    return sum(len(d.encode("utf-8")) for d in docs)
 
 
 def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: int) -> None:
@@ -306,6 +264,8 @@ def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: 
     from acco.data.instruct import format_alpaca, tokenize_instructions
     from acco.data.packing import pack_documents
     from acco.data.prepare import split_corpus
+    from acco.data.text import text_bytes
+    from acco.data.tokenizer import as_saved
 
     data = cfg["data"]
     need = args.batch_size * world_size
@@ -315,7 +275,7 @@ def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: 
     if instruct:
         typical = len(corpus) * train_fraction
     else:  # one token per 2 bytes (+ one eos per document): with the margin, safe up to 20 bytes/token
-        typical = (_text_bytes(corpus, text_column) / 2 + len(corpus)) * train_fraction / args.max_length
+        typical = (text_bytes(corpus, text_column) / 2 + len(corpus)) * train_fraction / args.max_length
     if typical >= EXACT_CHECK_MARGIN * need:
         return  # plenty for any real tokenizer: the exact count below would tokenise it all
     source = "data.n_docs" if data.get("name") == "synthetic" else f"data.path {str(data.get('path'))!r}"
@@ -326,9 +286,9 @@ def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: 
 
     if tokenizer is None:  # bpe: train it as rank 0 will (the corpus is small here)
         texts = ["".join(format_alpaca(r)) for r in corpus] if instruct else corpus
-        tokenizer = _train_bpe_as_rank0(texts, int(cfg["model"]["vocab_size"]))
+        tokenizer = _train_bpe_as_rank0(texts, int(cfg["model"]["vocab_size"]), args.cache_dir, text_column)
     else:
-        tokenizer = _as_workers_load_it(tokenizer)
+        tokenizer = as_saved(tokenizer)  # as the workers load it: packing here fills their cache entry
     try:
         if instruct:
             n = len(tokenize_instructions(corpus, tokenizer, args.max_length)["input_ids"])
@@ -344,6 +304,33 @@ def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: 
             f"dataset too small: {source} gives {what}{split}, fewer than one global batch of "
             f"train.batch_size {args.batch_size} x {world_size} worker(s) = {need}"
         )
+
+
+def check_prepared(cfg: Mapping, args, corpus, tokenizer) -> None:
+    """A corpus of more than PREPARE_FROM_TOKENS tokens (estimated from its size, so a small one
+    costs nothing more) has been tokenized into train.cache_dir by acco-prepare, for the splits and
+    tokenizer of this run. Without a cache every rank tokenizes for itself: the user's choice."""
+    data, model = cfg["data"], cfg["model"]
+    text_column = data.get("text_column") or "text"
+    if data.get("format") == "instruct" or not args.cache_dir:
+        return
+    from acco.data.text import text_bytes
+
+    tokens = text_bytes(corpus, text_column) // 4
+    if tokens <= PREPARE_FROM_TOKENS:
+        return
+    from acco.data.prepare import is_prepared, split_corpus
+
+    splits = [docs for docs in split_corpus(corpus, args) if docs is not None]
+    if is_prepared(splits, tokenizer, int(model.get("vocab_size") or 0), args.cache_dir, text_column):
+        return
+    argv = sys.argv[1:]  # the launcher's or the worker's command line: the same overrides
+    command = f"`acco-prepare {shlex.join(argv)}`" if argv and all(
+        "=" in a and not a.startswith("-") for a in argv) else "acco-prepare with this run's overrides"  # fmt: skip
+    source = f"data.path {str(data.get('path'))!r}" if data.get("path") else f"data={data.get('name')}"
+    _fail(f"{source}: about {tokens:,} tokens, not prepared yet in train.cache_dir {str(args.cache_dir)!r}: "
+          f"run {command} first (or set train.cache_dir to where it was prepared), rather than have "
+          "every worker wait for rank 0 to tokenize it")
 
 
 # --------------------------------------------------------------------------- resume
@@ -410,7 +397,7 @@ def validate_job(cfg: DictConfig, world_size: int | None = None) -> None:
         world_size = local_nproc(launch.nproc)
     check_output_dir(args.output_dir, overwrite=args.overwrite_output_dir, resume=args.resume_from_checkpoint)
     if args.cache_dir:
-        _check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
+        check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
 
     model = resolved["model"]
     pretrained_config = check_model(model, args.max_length)
@@ -431,3 +418,4 @@ def validate_job(cfg: DictConfig, world_size: int | None = None) -> None:
 
     corpus = load_corpus(data)
     check_fills_global_batch(resolved, args, corpus, tokenizer, world_size)
+    check_prepared(resolved, args, corpus, tokenizer)

@@ -71,25 +71,26 @@ def token_stream(
     tokenizer,
     cache_dir: str | os.PathLike | None = DEFAULT_CACHE_DIR,
     text_column: str = "text",
+    num_proc: int | None = None,
 ) -> np.ndarray:
     """All documents' tokens, each document as [bos] tokens eos, as one flat array.
 
     Empty and missing texts are skipped. The cache file is written atomically, so processes
     that share a cache may build the same entry at once; the trainer lets rank 0 build it while
-    the others wait (`acco.launch.after_rank0`).
+    the others wait (`acco.launch.after_rank0`). `num_proc` (acco-prepare's): tokenize in that
+    many processes, with a progress bar (`_parallel_chunks`); None: as a training job does.
     """
     if tokenizer.eos_token_id is None:
         raise DataError("packing needs a tokenizer with an eos token (use acco.data.load_tokenizer)")
     dtype = np.dtype("<u2") if len(tokenizer) <= 1 << 16 else np.dtype("<i4")
-    chunks = functools.partial(_encoded_chunks, docs, tokenizer, text_column, dtype)
+    chunks = functools.partial(_encoded_chunks, docs, tokenizer, text_column, dtype, num_proc)
     if cache_dir is None:
         stream = np.concatenate([np.zeros(0, dtype), *chunks()])
         if len(stream) == 0:
             raise DataError("no tokens to pack: every document is empty")
         return stream
 
-    key = packing_cache_key(docs, tokenizer, text_column)
-    path = Path(cache_dir).expanduser() / f"{_FORMAT_VERSION}-{key[:32]}.npy"
+    path = cache_path(docs, tokenizer, cache_dir, text_column)
     if path.exists():
         log.info("token stream loaded from cache %s", path)
     else:
@@ -104,6 +105,12 @@ def packing_cache_key(docs, tokenizer, text_column: str = "text") -> str:
     h.update(corpus_fingerprint(docs, text_column).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
     return h.hexdigest()
+
+
+def cache_path(docs, tokenizer, cache_dir: str | os.PathLike, text_column: str = "text") -> Path:
+    """The cache file of these documents' token stream (it may not exist yet)."""
+    key = packing_cache_key(docs, tokenizer, text_column)
+    return Path(cache_dir).expanduser() / f"{_FORMAT_VERSION}-{key[:32]}.npy"
 
 
 def _encode(texts, tokenizer) -> list[list[int]]:
@@ -128,8 +135,11 @@ def _encode_batch(batch: dict, tokenizer, text_column: str) -> dict:
     return {"ids": _encode(batch[text_column], tokenizer)}
 
 
-def _encoded_chunks(docs, tokenizer, text_column: str, dtype: np.dtype):
+def _encoded_chunks(docs, tokenizer, text_column: str, dtype: np.dtype, num_proc: int | None = None):
     """The stream in flat pieces, so that no piece holds more than a batch of documents."""
+    if num_proc is not None:
+        yield from _parallel_chunks(docs, tokenizer, text_column, dtype, num_proc)
+        return
     if is_hf_dataset(docs):
         yield from _dataset_chunks(docs, tokenizer, text_column, dtype)
         return
@@ -158,6 +168,50 @@ def _dataset_chunks(docs, tokenizer, text_column: str, dtype: np.dtype):
     )
     for table in encoded.with_format("arrow").iter(batch_size=100 * _TOKENIZE_BATCH):
         yield pc.list_flatten(table.column("ids")).to_numpy().astype(dtype, copy=False)
+
+
+_WORKER: dict = {}  # what a process of `_parallel_chunks` tokenizes: set before it forks
+
+
+def _set_worker(docs, tokenizer, text_column: str, dtype: np.dtype) -> None:
+    _WORKER.update(docs=docs, tokenizer=tokenizer, text_column=text_column, dtype=dtype)
+
+
+def _encode_from(start: int) -> np.ndarray:
+    """The flat tokens of documents [start, start + _TOKENIZE_BATCH) of `_WORKER`'s corpus."""
+    docs, dtype = _WORKER["docs"], _WORKER["dtype"]
+    texts = docs[start : start + _TOKENIZE_BATCH]
+    if is_hf_dataset(docs):  # read from the memory-mapped Arrow table, not copied
+        texts = texts[_WORKER["text_column"]]
+    rows = _encode(texts, _WORKER["tokenizer"])
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype, count=sum(map(len, rows)))
+
+
+def _parallel_chunks(docs, tokenizer, text_column: str, dtype: np.dtype, num_proc: int):
+    """The stream batch by batch, in corpus order, from `num_proc` forked processes that each read
+    their batches of `docs` (a list, or a Dataset's memory-mapped table) and send back 2 or 4 bytes
+    a token: neither the corpus nor its tokens are copied to disk on the way (Dataset.map would
+    write all tokens to datasets' cache first). With one process, tokenizers' own threads work."""
+    import multiprocessing
+
+    from tqdm.auto import tqdm
+
+    if is_hf_dataset(docs) and text_column not in docs.column_names:
+        raise DataError(f"dataset has no column {text_column!r} (columns: {', '.join(docs.column_names)})")
+    starts = range(0, len(docs), _TOKENIZE_BATCH)
+    procs = min(num_proc, len(starts)) if "fork" in multiprocessing.get_all_start_methods() else 1
+    _set_worker(docs, tokenizer, text_column, dtype)
+    pool = multiprocessing.get_context("fork").Pool(procs) if procs > 1 else None
+    bar = tqdm(total=len(docs), unit="docs", desc=f"tokenizing ({procs} process{'es' if procs > 1 else ''})")
+    try:
+        for start, chunk in zip(starts, pool.imap(_encode_from, starts) if pool else map(_encode_from, starts)):
+            bar.update(min(_TOKENIZE_BATCH, len(docs) - start))
+            yield chunk
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+        _WORKER.clear()
 
 
 def _write_npy(path: Path, chunks, dtype: np.dtype) -> None:

@@ -2,7 +2,8 @@
 
 - ``load_corpus_rank0_first(data)``: documents or instruction records (``text.load_corpus``).
 - ``split_corpus(corpus, args)``: the (train, eval) split, by document, from train.seed.
-- ``prepare_tokenizer(cfg, train_corpus)``: the tokenizer the run saves and every rank loads.
+- ``prepare_tokenizer(cfg, train_corpus)``: the tokenizer the run saves and every rank loads
+  (``build_tokenizer``: what rank 0 does for it).
 - ``prepare_dataset(dataset, ...)``: any dataset DecoupledTrainer accepts (strings, a text column,
   instruction records, pre-tokenized ids, or examples for a data collator) as ``Rows`` of packed
   blocks, masked prompts or padded ids.
@@ -25,10 +26,10 @@ from acco.launch.process_group import after_rank0
 from .errors import DataError
 from .instruct import IGNORE_INDEX, cached_instructions, format_alpaca, tokenize_instructions
 from .loader import MicroBatchStream, Rows, split_train_eval
-from .packing import blocks_of, pack_documents, token_stream
+from .packing import blocks_of, cache_path, pack_documents, token_stream
 from .text import is_hf_dataset, load_corpus
 from .tokenized import pad_token_ids
-from .tokenizer import load_tokenizer
+from .tokenizer import as_saved, bpe_cache_folder, load_tokenizer
 
 
 def load_corpus_rank0_first(data: Mapping):
@@ -58,19 +59,34 @@ def prepare_tokenizer(cfg, train_corpus):
     run; the others load that copy. A trained BPE is cached in train.cache_dir, keyed by the
     training texts and vocab_size, so that the next run on the same data reuses it."""
     saved = Path(cfg.train.output_dir) / "tokenizer"
-
-    def build():
-        if cfg.data.format == "pretrain":
-            texts = train_corpus
-        else:
-            texts = ["".join(format_alpaca(r)) for r in train_corpus]
-        load_tokenizer(
-            cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=saved,
-            cache_dir=cfg.train.get("cache_dir") or None, text_column=cfg.data.text_column,
-        )  # fmt: skip
-
-    after_rank0(build, key=f"tokenizer/{saved.resolve()}")
+    after_rank0(lambda: build_tokenizer(cfg, train_corpus, save_dir=saved), key=f"tokenizer/{saved.resolve()}")
     return load_tokenizer(str(saved))
+
+
+def build_tokenizer(cfg, train_corpus, save_dir=None):
+    """What rank 0 does in `prepare_tokenizer`: load model.tokenizer, or train the BPE on the
+    training split (from train.cache_dir when it was trained there before), saved to `save_dir`."""
+    if cfg.data.format == "pretrain":
+        texts = train_corpus
+    else:
+        texts = ["".join(format_alpaca(r)) for r in train_corpus]
+    return load_tokenizer(
+        cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=save_dir,
+        cache_dir=cfg.train.get("cache_dir") or None, text_column=cfg.data.text_column,
+    )  # fmt: skip
+
+
+def is_prepared(splits, tokenizer, vocab_size: int, cache_dir, text_column: str = "text") -> bool:
+    """Whether the token stream of every split is in `cache_dir`, for the tokenizer the run's
+    workers will load: `tokenizer` (model.tokenizer's), or with None the BPE that rank 0 trains on
+    the first split, looked up in the BPE cache (not there: nothing was prepared with it)."""
+    if tokenizer is None:
+        folder = bpe_cache_folder(splits[0], vocab_size, cache_dir, text_column)
+        if not folder.is_dir():
+            return False
+        tokenizer = load_tokenizer(str(folder))  # as rank 0 finds it, before saving it for the run
+    tokenizer = as_saved(tokenizer)
+    return all(cache_path(docs, tokenizer, cache_dir, text_column).exists() for docs in splits)
 
 
 def prepare_dataset(dataset, *, tokenizer, max_length: int, cache_dir: str | None, text_column: str = "text",

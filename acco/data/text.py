@@ -8,6 +8,7 @@ the file (and the line or record where we can tell).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -90,10 +91,46 @@ def open_documents(
     return corpus
 
 
+@contextlib.contextmanager
+def quiet_datasets():
+    """datasets' own logs (and bars, where it is imported already) while acco.validate checks the
+    data: they would only repeat, in other words, the one line it prints ("Failed to load JSON
+    ..."). Where datasets is not imported yet (it costs a second), DATASETS_VERBOSITY sets its
+    first level."""
+    module = sys.modules.get("datasets")
+    saved = os.environ.get("DATASETS_VERBOSITY")
+    if module is not None:
+        verbosity, bars = module.logging.get_verbosity(), module.is_progress_bar_enabled()
+        module.logging.set_verbosity(module.logging.CRITICAL)
+        module.disable_progress_bars()
+    else:
+        os.environ["DATASETS_VERBOSITY"] = "critical"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DATASETS_VERBOSITY", None)
+        else:
+            os.environ["DATASETS_VERBOSITY"] = saved
+        if module is not None:
+            module.logging.set_verbosity(verbosity)
+            if bars:
+                module.enable_progress_bars()
+        elif "datasets" in sys.modules:  # imported here: its default level from now on
+            sys.modules["datasets"].logging.set_verbosity_warning()
+
+
 def is_hf_dataset(data) -> bool:
     """True for a `datasets.Dataset` (checked without importing datasets, which is slow)."""
     module = sys.modules.get("datasets")
     return module is not None and isinstance(data, module.Dataset)
+
+
+def text_bytes(docs, text_column: str = "text") -> int:
+    """UTF-8 bytes of the documents; for a memory-mapped Dataset its Arrow size (no reading)."""
+    if is_hf_dataset(docs):
+        return docs.data.nbytes
+    return sum(len(d.encode("utf-8")) for d in docs)
 
 
 def corpus_fingerprint(docs, text_column: str = "text") -> str:

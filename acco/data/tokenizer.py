@@ -119,10 +119,7 @@ def _cached_bpe(texts, vocab_size: int, cache_dir, text_column: str) -> PreTrain
     """train_bpe, cached under a key of the training texts' fingerprint and vocab_size."""
     if cache_dir is None:
         return train_bpe(texts, vocab_size, text_column)
-    key = hashlib.sha256(
-        f"{_BPE_VERSION} vocab_size={vocab_size} {corpus_fingerprint(texts, text_column)}".encode()
-    ).hexdigest()
-    folder = Path(cache_dir).expanduser() / "tokenizers" / f"{_BPE_VERSION}-{key[:32]}"
+    folder = bpe_cache_folder(texts, vocab_size, cache_dir, text_column)
     if folder.is_dir():
         log.info("BPE tokenizer loaded from cache %s", folder)
         return _load_folder(str(folder))
@@ -135,6 +132,22 @@ def _cached_bpe(texts, vocab_size: int, cache_dir, text_column: str) -> PreTrain
     except OSError:  # another process cached the same tokenizer first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
+
+
+def bpe_cache_folder(texts, vocab_size: int, cache_dir: str | os.PathLike, text_column: str = "text") -> Path:
+    """Where `load_tokenizer("bpe", ...)` caches the BPE trained on `texts` (it may not exist yet)."""
+    key = hashlib.sha256(
+        f"{_BPE_VERSION} vocab_size={vocab_size} {corpus_fingerprint(texts, text_column)}".encode()
+    ).hexdigest()
+    return Path(cache_dir).expanduser() / "tokenizers" / f"{_BPE_VERSION}-{key[:32]}"
+
+
+def as_saved(tokenizer) -> PreTrainedTokenizerFast:
+    """The tokenizer saved and loaded again, as every rank of a run loads it from
+    output_dir/tokenizer: its fingerprint, and so its packing cache keys, are then the workers'."""
+    with tempfile.TemporaryDirectory(prefix="acco-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        return load_tokenizer(tmp)
 
 
 def bos_to_prepend(tokenizer) -> int | None:
