@@ -52,7 +52,13 @@ class _OnDevice:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
         batch = next(self.stream)
         self._last = time.perf_counter()
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        # Each distinct tensor is sent once (packed blocks: the labels are the input_ids); on CUDA
+        # from pinned memory, so that the copy runs asynchronously to the host.
+        moved: dict[int, torch.Tensor] = {}
+        for v in batch.values():
+            if id(v) not in moved:
+                moved[id(v)] = (v.pin_memory() if self.device.type == "cuda" else v).to(self.device, non_blocking=True)
+        return {k: moved[id(v)] for k, v in batch.items()}
 
 
 # Dense bf16 peaks (FLOP/s) of common accelerators, by a substring of their name.
@@ -255,10 +261,14 @@ class DecoupledTrainer:
     def _write_model(self, output_dir) -> None:
         committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
         with committed:
-            # The parameters are views of one flat buffer: hand save_pretrained its own tensors,
-            # one per storage so that tied weights stay tied.
+            # The parameters are views of one flat buffer: hand save_pretrained its own host
+            # tensors (no copy on the GPU), one per storage so that tied weights stay tied.
             copies: dict[int, torch.Tensor] = {}
-            state = {k: copies.setdefault(v.data_ptr(), v.detach().clone()) for k, v in self.model.state_dict().items()}
+            state = {}
+            for k, v in self.model.state_dict().items():
+                if v.data_ptr() not in copies:
+                    copies[v.data_ptr()] = v.detach().to("cpu", copy=True)
+                state[k] = copies[v.data_ptr()]
         self.model.save_pretrained(str(output_dir), state_dict=state, safe_serialization=True)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(output_dir))

@@ -103,7 +103,11 @@ class Rows:
         idx = np.asarray(idx, dtype=np.int64)
         if self.index is not None:
             idx = self.index[idx]
-        return {key: _read(value, idx) for key, value in self.columns.items()}
+        read: dict[int, torch.Tensor] = {}  # a column given twice (packed blocks' labels) is read once
+        for value in self.columns.values():
+            if id(value) not in read:
+                read[id(value)] = _read(value, idx)
+        return {key: read[id(value)] for key, value in self.columns.items()}
 
 
 def _read(column: Array, idx: np.ndarray) -> torch.Tensor:
