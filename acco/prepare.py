@@ -20,7 +20,6 @@ train.output_dir.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -58,27 +57,12 @@ def parse_args(argv: list[str]) -> tuple[int, list[str]]:
     return num_proc, overrides
 
 
-@contextlib.contextmanager
-def _tokenizers_single_threaded(num_proc: int):
-    """With several processes, each tokenizes in one thread (tokenizers' own threads would only
-    compete with them, and a forked process warns about them); with one, tokenizers' threads work."""
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    if num_proc > 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
-
-
 def prepare(cfg, num_proc: int | None = None) -> dict:
     """Tokenize the run's training and eval splits into train.cache_dir; returns what was done:
     ``{"splits": {name: {"tokens", "path", "cached"}}, "tokens", "seconds", "tokenize_seconds"}``."""
     from acco.data.packing import cache_path, token_stream
     from acco.data.prepare import build_tokenizer, split_corpus
+    from acco.data.text import temporary_environ
     from acco.data.tokenizer import as_saved
     from acco.validate import check_config_values, check_writable_dir, load_corpus, typed_config
 
@@ -102,7 +86,9 @@ def prepare(cfg, num_proc: int | None = None) -> dict:
         raise InputError(f"model.tokenizer: {one_line_error(e)}") from e
 
     done, tokenize_start = {}, time.perf_counter()
-    with _tokenizers_single_threaded(num_proc):
+    # With several processes each tokenizes in one thread: tokenizers' own threads would only
+    # compete with them (and a forked process warns about them); with one, they work.
+    with temporary_environ("TOKENIZERS_PARALLELISM", "false" if num_proc > 1 else None):
         for name, docs in splits.items():
             if docs is None:  # train.eval=false
                 continue

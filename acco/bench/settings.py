@@ -17,7 +17,6 @@ VARIANTS = {
     "acco-lean": ("acco", ("train.acco_estimate=lean",)),
 }
 KNOWN_METHODS = ALL_METHODS + tuple(VARIANTS)
-OVERLAPPED = ("dpu", "wp", "acco")
 
 
 def base_method(method: str) -> str:

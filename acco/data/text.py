@@ -98,26 +98,36 @@ def quiet_datasets():
     ..."). Where datasets is not imported yet (it costs a second), DATASETS_VERBOSITY sets its
     first level."""
     module = sys.modules.get("datasets")
-    saved = os.environ.get("DATASETS_VERBOSITY")
     if module is not None:
         verbosity, bars = module.logging.get_verbosity(), module.is_progress_bar_enabled()
         module.logging.set_verbosity(module.logging.CRITICAL)
         module.disable_progress_bars()
-    else:
-        os.environ["DATASETS_VERBOSITY"] = "critical"
+    with temporary_environ("DATASETS_VERBOSITY", "critical" if module is None else None):
+        try:
+            yield
+        finally:
+            if module is not None:
+                module.logging.set_verbosity(verbosity)
+                if bars:
+                    module.enable_progress_bars()
+            elif "datasets" in sys.modules:  # imported here: its default level from now on
+                sys.modules["datasets"].logging.set_verbosity_warning()
+
+
+@contextlib.contextmanager
+def temporary_environ(name: str, value: str | None):
+    """The environment variable `name` set to `value` inside the block (None: left as it is),
+    restored after it."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop("DATASETS_VERBOSITY", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["DATASETS_VERBOSITY"] = saved
-        if module is not None:
-            module.logging.set_verbosity(verbosity)
-            if bars:
-                module.enable_progress_bars()
-        elif "datasets" in sys.modules:  # imported here: its default level from now on
-            sys.modules["datasets"].logging.set_verbosity_warning()
+            os.environ[name] = saved
 
 
 def is_hf_dataset(data) -> bool:

@@ -175,7 +175,9 @@ class TorchDDPEngine:
             "fetched_ahead": self.fetched_ahead,
         }
 
-    def load_state_dict(self, state: dict, all_states=None) -> bool:
+    def load_state_dict(self, state: dict, old_state=None) -> bool:
+        """Restore on the world size the state was saved with (ZeRO shards by parameter); `old_state`
+        (resharding, DecoupledEngine's) is refused by the world-size check below."""
         from acco.engine.decoupled import CheckpointError
 
         if state["method"] != "torch-ddp":
