@@ -99,6 +99,13 @@ class TrainArgs:
     n_warmup_steps: int = 0  # updates (not micro-batches) run as sequential ddp first (dpu, wp, acco)
     max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)
     acco_estimate: str = "lean"  # acco's estimate round: "lean", or the paper's form "paper" (acco/engine/comm.py)
+    bucket_cap_mb: float = 25.0  # torch-ddp: DDP's gradient bucket size, MiB
+    sync_every: int = 50  # diloco/streaming-diloco: inner steps between two syncs of a fragment (H)
+    num_fragments: int = 1  # streaming-diloco: fragments synchronised in turn (F)
+    fragment_sync_delay: int = 0  # streaming-diloco: inner steps a fragment's all-reduce overlaps (tau)
+    fragment_update_alpha: float = 0.0  # streaming-diloco: share of local progress kept at a merge
+    outer_lr: float = 0.7  # diloco: outer Nesterov SGD
+    outer_momentum: float = 0.9
     eval: bool = True
     eval_step: int = 50  # optimizer updates between evaluations
     eval_batch_size: int | None = None

@@ -6,7 +6,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp")
+METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
+# Methods with no per-update collective: local steps, and every sync_every of them an outer step.
+LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
 # acco's estimate round: "lean" (the default) adds half of the last estimate's error
 # theta~_t - theta_t to Opt_trial(theta_t, g~_t), which damps the error's feedback loop; "paper"
 # is Opt_trial(theta_t, g~_t) as the paper writes it (acco/engine/comm.py's docstring; the
@@ -52,6 +54,18 @@ class EngineConfig:
     # Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient.
     max_grad_norm: float | None = 1.0
     acco_estimate: str = "lean"
+    # torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep).
+    bucket_cap_mb: float = 25.0
+    # diloco / streaming-diloco (acco/engine/diloco.py): inner AdamW steps between two syncs of a
+    # fragment (H), contiguous fragments synchronised in turn (F, 1 for diloco), inner steps between
+    # a fragment's all-reduce launch and its use (tau < H / F), the share of local progress kept
+    # when a fragment is merged (alpha: 0 takes the global parameters), the outer Nesterov SGD.
+    sync_every: int = 50
+    num_fragments: int = 1
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +91,31 @@ class EngineConfig:
         for name in ("warmup", "n_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.bucket_cap_mb < math.inf:
+            raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
+        self._validate_local_sgd()
+
+    def _validate_local_sgd(self) -> None:
+        for name in ("sync_every", "num_fragments"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_fragments > self.sync_every:
+            raise ConfigError(f"num_fragments ({self.num_fragments}) must be <= sync_every ({self.sync_every}): "
+                              "one fragment is synchronised at a time")
+        if self.method == "diloco" and (self.num_fragments != 1 or self.fragment_sync_delay != 0):
+            raise ConfigError("diloco synchronises the whole model at once: num_fragments=1 and fragment_sync_delay=0 "
+                              "(method_name=streaming-diloco for fragments)")
+        spacing = self.sync_every // self.num_fragments
+        if not 0 <= self.fragment_sync_delay < spacing:
+            raise ConfigError(f"fragment_sync_delay must be in [0, sync_every // num_fragments = {spacing}), got "
+                              f"{self.fragment_sync_delay!r}: a fragment's all-reduce must land before the next one starts")
+        if not 0 <= self.fragment_update_alpha <= 1:
+            raise ConfigError(f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha!r}")
+        if not 0 < self.outer_lr < math.inf:
+            raise ConfigError(f"outer_lr must be a positive finite number, got {self.outer_lr!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
 
     @classmethod
     def from_mapping(cls, values, key_prefix: str = "") -> EngineConfig:
