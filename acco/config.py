@@ -111,6 +111,7 @@ class TrainArgs:
     eval_batch_size: int | None = None
     eval_fraction: float = 0.05  # carved out of the training data when no eval set is given
     max_eval_batches: int | None = None  # per worker, None: the whole eval set
+    stop_at_eval_loss: float | None = None  # stop after the first evaluation at or below it (acco-bench race)
     save: bool = True  # the final model (save_pretrained) and a final checkpoint
     save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
     save_total_limit: int | None = None  # keep only the newest checkpoints
@@ -150,6 +151,8 @@ class TrainArgs:
             self.resume_from_checkpoint = None
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+        if self.stop_at_eval_loss is not None and not math.isfinite(self.stop_at_eval_loss):
+            raise ConfigError(f"train.stop_at_eval_loss must be null or a finite number, got {self.stop_at_eval_loss!r}")
         if not 1 <= self.slowdown < math.inf:
             raise ConfigError(f"train.slowdown must be >= 1, got {self.slowdown!r}")
         if not 0 < self.timeout_s < math.inf:

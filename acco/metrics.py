@@ -112,8 +112,11 @@ class RunLog:
             )
         return line
 
-    def evaluation(self, step: int, samples: int, eval_loss: float) -> None:
+    def evaluation(self, step: int, samples: int, eval_loss: float, eval_s: float | None = None) -> None:
+        """``eval_s``: the evaluation's own seconds, inside the wall_time of later updates."""
         entry = {"type": "eval", "step": step, "samples": samples, "eval_loss": eval_loss}
+        if eval_s is not None:
+            entry["eval_s"] = eval_s
         self.evals.append(entry)
         if self.rank != 0:
             return

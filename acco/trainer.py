@@ -162,6 +162,7 @@ class DecoupledTrainer:
         log.start_progress(args.nb_steps_tot, self.engine.samples)
         every_rank_at("start")
         last = summary = None
+        stopped = False
         try:
             for record in self.engine.run(stream, causal_lm_loss):
                 log.update(record)
@@ -169,21 +170,42 @@ class DecoupledTrainer:
                 if not math.isfinite(record.loss):
                     raise FloatingPointError(f"training loss is {record.loss} at update {record.step}; stopping")
                 if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
-                    log.evaluation(record.step, record.samples, self.evaluate()["eval_loss"])
+                    stopped = self._evaluate_and_log(log, record)
                 if args.save_step and record.step % args.save_step == 0:
                     self._checkpoint(record, position)
+                if stopped:
+                    break
             if last is not None:
                 if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
-                    log.evaluation(last.step, last.samples, self.evaluate()["eval_loss"])
+                    self._evaluate_and_log(log, last)
                 if args.save and not (args.save_step and last.step % args.save_step == 0):
                     self._checkpoint(last, position)
-            summary = log.summary(args.method_name, self.device, self._utilisation(log))
+            summary = log.summary(args.method_name, self.device, {**self._utilisation(log), **self._run_facts(stopped)})
         finally:
             self.engine.close()
             log.close(summary)
         if args.save:
             self.save_model(str(out / "model"))
         return summary
+
+    def _evaluate_and_log(self, log: RunLog, record) -> bool:
+        """Evaluate and log the loss with the evaluation's own seconds (training time excludes
+        them); True when train.stop_at_eval_loss is reached (the loss is all-reduced: every rank
+        decides alike)."""
+        start = time.perf_counter()
+        loss = self.evaluate()["eval_loss"]
+        log.evaluation(record.step, record.samples, loss, eval_s=time.perf_counter() - start)
+        return self.args.stop_at_eval_loss is not None and loss <= self.args.stop_at_eval_loss
+
+    def _run_facts(self, stopped: bool) -> dict:
+        """For summary.json: whether the run stopped at train.stop_at_eval_loss, and the engine's
+        state bytes on this worker where the engine reports them."""
+        facts = {}
+        if self.args.stop_at_eval_loss is not None:
+            facts["stopped_at_eval_loss"] = stopped
+        if hasattr(self.engine, "state_bytes"):
+            facts["state_bytes"] = int(sum(self.engine.state_bytes().values()))
+        return facts
 
     def _clear_old_checkpoints(self, out: Path) -> None:
         """A fresh run must not leave another run's checkpoints for `latest` to pick up."""
