@@ -291,10 +291,10 @@ def check_resumable(args, world_size: int, numel=None, model_label: str = "this 
     check_files(folder, meta)
     if meta["method"] != args.method_name:
         raise CheckpointError(f"{folder} was written by method {meta['method']!r}, this run is {args.method_name!r}")
-    if args.method_name == "torch-ddp" and int(meta["world_size"]) != world_size:
+    if args.method_name in ("torch-ddp", "diloco", "streaming-diloco") and int(meta["world_size"]) != world_size:
         raise CheckpointError(
             f"{folder} was written by {meta['world_size']} workers, this run has {world_size}; "
-            "torch-ddp resumes only on the world size it was saved with"
+            f"{args.method_name} resumes only on the world size it was saved with"
         )
     numel = numel(folder) if numel is not None else None
     if numel is not None and numel != int(meta["numel"]):

@@ -1,4 +1,5 @@
-"""The acco engine: flat buffers, sharded AdamW, the comm round, and the schedules of each method.
+"""The acco engine: flat buffers, sharded AdamW, the comm round, the schedules of each method, and
+diloco / streaming-diloco (local steps and outer steps, diloco.py).
 
 It imports nothing from transformers or datasets: give it any nn.Module, a function that computes
 one micro-batch's loss, and an iterator of micro-batches.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from acco.engine.config import METHODS, ConfigError, EngineConfig, UpdateRecord
+from acco.engine.config import LOCAL_SGD_METHODS, METHODS, ConfigError, EngineConfig, UpdateRecord
 
 if TYPE_CHECKING:
     from acco.engine.decoupled import CheckpointError, DecoupledEngine, LossFn
@@ -49,6 +50,10 @@ def build_engine(module, cfg: EngineConfig, group=None):
         from acco.engine.torch_ddp import TorchDDPEngine
 
         return TorchDDPEngine(module, cfg, group)
+    if cfg.method in LOCAL_SGD_METHODS:
+        from acco.engine.diloco import DiLoCoEngine
+
+        return DiLoCoEngine(module, cfg, group)
     from acco.engine.decoupled import DecoupledEngine
 
     return DecoupledEngine(module, cfg, group)

@@ -1,0 +1,371 @@
+"""diloco and streaming-diloco: local AdamW steps, and now and then an outer step on the average.
+
+DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (Douillard et al. 2025), with the semantics of
+torchft's ``local_sgd.py``, the reference implementation:
+
+- Every worker runs the inner optimizer, AdamW with ddp's hyper-parameters and schedule, on its
+  own data and its own full copy of the parameters, with no collective per step. Its state is not
+  sharded: every worker keeps the fp32 local parameters and both moments in full.
+- The model is cut into F fragments, contiguous runs of its parameters in registration order (the
+  order of its layers); diloco has one. Fragment i is prepared at inner steps s with
+  (s - offset_i) % H == 0, offset_i = floor(H / F * (i + 1)): its pseudo-gradient, the global
+  minus the local parameters, is all-reduced (averaged) in the background, and tau =
+  fragment_sync_delay inner steps later it is applied by the outer Nesterov SGD to the fragment's
+  global parameters. The local parameters then become the global ones, or with alpha =
+  fragment_update_alpha keep that share of their own progress: local = lerp(global, local, alpha).
+- Every worker holds the global parameters (identical everywhere) and the outer momentum.
+
+Evaluation and checkpoints see the global parameters; at the end of the run every fragment with
+local progress is synchronised once more, so the final model is the global one. In mixed precision
+the pseudo-gradients travel in bf16 and are averaged back into fp32.
+
+Per inner step the loss and gradient norm reported are this worker's (there is no per-step
+collective to make them global); the data-exhausted flag travels with the next all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from acco.engine import collectives, progress
+from acco.engine.comm import LOSS, MICRO_BATCHES, WEIGHT, BackgroundComm, backward_and_count, new_stats
+from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
+from acco.engine.decoupled import CheckpointError, LossFn, world_of
+from acco.engine.flat import FLAT_ORDER, FlatParams
+from acco.engine.optim import ShardedAdamW, learning_rate
+
+_END = object()
+
+
+def fragment_slices(flat: FlatParams, module: nn.Module, num_fragments: int) -> list[list[slice]]:
+    """The flat-vector ranges of each fragment: the trainable parameters in registration order cut
+    into `num_fragments` runs of about equal size (a run of layers), adjacent ranges merged."""
+    offsets, offset = {}, 0
+    for p in flat.trainable:
+        offsets[id(p)] = offset
+        offset += p.numel()
+    ordered = [p for p in module.parameters() if p.requires_grad]
+    if num_fragments > len(ordered):
+        raise ValueError(f"num_fragments={num_fragments} but the model has only {len(ordered)} parameter tensors")
+    total, before, last = flat.layout.numel, 0, -1
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(num_fragments)]
+    for k, p in enumerate(ordered):
+        # The fragment where the parameter's middle falls; but no fragment is skipped (at most one
+        # past the last one used) and the parameters left suffice for the fragments left.
+        i = min((2 * before + p.numel()) * num_fragments // (2 * total), num_fragments - 1)
+        i = min(max(i, num_fragments - (len(ordered) - k)), last + 1)
+        last = i
+        ranges[i].append((offsets[id(p)], offsets[id(p)] + p.numel()))
+        before += p.numel()
+    fragments = []
+    for runs in ranges:
+        merged: list[list[int]] = []
+        for a, b in sorted(runs):
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        fragments.append([slice(a, b) for a, b in merged])
+    return fragments
+
+
+class DiLoCoEngine:
+    """Trains `module` in place with diloco or streaming-diloco; `run` yields one record per inner step."""
+
+    def __init__(self, module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None):
+        if cfg.method not in LOCAL_SGD_METHODS:
+            raise ValueError(f"DiLoCoEngine runs {', '.join(LOCAL_SGD_METHODS)}, not {cfg.method!r}")
+        self.cfg, self.module, self.group = cfg, module, group
+        self.world_size, self.rank = world_of(group)
+        dtype = torch.bfloat16 if cfg.use_mixed_precision else torch.float32
+        # One "shard" holding everything: the inner optimizer is not sharded.
+        self.flat = FlatParams(module, dtype, 1, 0)
+        self.device = self.flat.params.device
+        self.local = self.flat.master_shard  # fp32 local parameters, the inner AdamW's master
+        if self.world_size > 1:  # identical initial weights everywhere
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            dist.broadcast(self.local, src=src, group=group)
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=src, group=group)
+        self.flat.params.copy_(self.local)
+        self.inner = ShardedAdamW(self.local, cfg, self.flat.decay_numel)
+        self.global_params = self.local.clone()  # the last synchronised parameters, fp32
+        self.outer_momentum = torch.zeros_like(self.local)
+        self.fragments = fragment_slices(self.flat, module, cfg.num_fragments)
+        sizes = [sum(s.stop - s.start for s in f) for f in self.fragments]
+        H, F = cfg.sync_every, cfg.num_fragments
+        self.offsets = [math.floor(H / F * (i + 1)) for i in range(F)]
+        # The wire: one fragment's pseudo-gradient (model dtype) and the data-exhausted flag,
+        # padded to a multiple of the world size for the reduce-scatter + all-gather.
+        padded = -(-(max(sizes) + 1) // self.world_size) * self.world_size
+        self.wire = torch.zeros(padded, dtype=dtype, device=self.device)
+        self.wire_shard = torch.empty(padded // self.world_size, dtype=dtype, device=self.device)
+        self.averaged = torch.empty(max(sizes), dtype=torch.float32, device=self.device)  # fp32 average
+        self.grad = self.flat.grads if dtype == torch.float32 else torch.empty_like(self.local)
+        self.stats = new_stats(self.device)
+        self.background = BackgroundComm(self.device)
+        self.pending: tuple[int, Future] | None = None  # the fragment whose all-reduce is in flight
+        self.averaged_fragment: int | None = None  # `averaged` holds this fragment's landed result
+        self.last_merge = [0] * F  # inner step at which each fragment last took the global parameters
+        self.step = 0  # inner steps
+        self.samples = 0  # micro-batches over all workers in inner steps so far
+        self._stop = False  # some worker ran out of data (learnt from an all-reduce)
+        self._exhausted = False  # this worker ran out of data
+        self._last_loss = float("nan")
+        self.wall_time_offset = 0.0
+        self.last_wall_time = 0.0
+
+    # ---- the inner step: local AdamW, no collective ----------------------------------------
+
+    def _inner_step(self, batches: Iterator, loss_fn: LossFn) -> tuple[int, float, float, float]:
+        """Compute up to n_grad_accumulation micro-batches and take one AdamW step on them.
+        Returns this worker's (micro-batches, lr, gradient norm before clipping, loss weight)."""
+        n = 0
+        while n < self.cfg.n_grad_accumulation and not self._exhausted:
+            batch = next(batches, _END)
+            if batch is _END:
+                self._exhausted = True
+                break
+            backward_and_count(loss_fn(self.module, batch), self.stats)
+            n += 1
+        lr = learning_rate(self.cfg, self.samples, self.world_size * self.cfg.n_grad_accumulation)
+        norm = torch.zeros((), device=self.device)
+        if n:
+            if self.grad is not self.flat.grads:
+                self.grad.copy_(self.flat.grads[: self.grad.numel()])
+            self.grad.div_(self.stats[WEIGHT].to(self.grad.dtype))
+            torch.linalg.vector_norm(self.grad, out=norm)
+            if self.cfg.max_grad_norm:  # torch's clip_grad_norm_ formula, on the device
+                self.grad.mul_((self.cfg.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0))
+            self.inner.commit(self.grad, lr)
+            self.flat.params.copy_(self.local)
+        # The only host read of an inner step: the record's loss and norm, after the step is queued.
+        loss_sum, weight, norm = torch.stack([self.stats[LOSS], self.stats[WEIGHT], norm.double()]).tolist()
+        self.flat.grads.zero_()
+        self.stats.zero_()
+        self.step += 1
+        self.samples += self.world_size * self.cfg.n_grad_accumulation
+        if n:
+            self._last_loss = loss_sum / weight
+        return n, lr, (norm if self.cfg.max_grad_norm else float("nan")), weight
+
+    # ---- fragments: prepare (launch the all-reduce) and sync (outer step, merge) ---------------
+
+    def _prepare(self, i: int) -> None:
+        """Launch the average of fragment i's pseudo-gradient, global - local, in the background."""
+        n = 0
+        for s in self.fragments[i]:
+            k = s.stop - s.start
+            torch.sub(self.global_params[s], self.local[s], out=self.wire[n : n + k])
+            n += k
+        self.wire[n] = float(self._exhausted)
+        m = -(-(n + 1) // self.world_size) * self.world_size  # this fragment's wire, padded
+        self.wire[n + 1 : m].zero_()
+        step = self.step
+        self.pending = (i, self.background.submit(lambda: self._all_reduce(i, step, m)))
+
+    def _all_reduce(self, i: int, step: int, m: int) -> float:
+        """On the comm thread: sum the first `m` wire elements over the workers in place (a
+        bandwidth-optimal reduce-scatter then all-gather); returns its busy seconds."""
+        start = time.perf_counter()
+        progress.mark(f"update {step} (all-reduce of fragment {i})")
+        if self.world_size > 1:
+            shard = self.wire_shard[: m // self.world_size]
+            collectives.reduce_scatter(shard, self.wire[:m], group=self.group)
+            collectives.all_gather(self.wire[:m], shard, group=self.group)
+        return time.perf_counter() - start
+
+    def _land(self) -> tuple[float, float]:
+        """Wait for the all-reduce in flight and keep its fp32 average; (wait_s, busy_s)."""
+        i, future = self.pending
+        start = time.perf_counter()
+        busy = future.result()
+        wait = time.perf_counter() - start
+        n = sum(s.stop - s.start for s in self.fragments[i])
+        torch.div(self.wire[:n], self.world_size, out=self.averaged[:n])
+        if float(self.wire[n]) > 0:  # some worker ran out of data: this sync is the last
+            self._stop = True
+        self.pending, self.averaged_fragment = None, i
+        return wait, busy
+
+    def _sync(self, i: int, alpha: float) -> None:
+        """Outer Nesterov SGD on fragment i's global parameters (torch.optim.SGD's update with
+        nesterov=True, dampening 0), then the local parameters take them (keeping alpha of theirs)."""
+        mu, n = self.cfg.outer_momentum, 0
+        for s in self.fragments[i]:
+            g = self.averaged[n : n + s.stop - s.start]
+            n += s.stop - s.start
+            buf = self.outer_momentum[s]
+            buf.mul_(mu).add_(g)
+            g.add_(buf, alpha=mu)
+            self.global_params[s].sub_(g, alpha=self.cfg.outer_lr)
+            if alpha:
+                self.local[s].lerp_(self.global_params[s], 1.0 - alpha)
+            else:
+                self.local[s].copy_(self.global_params[s])
+            self.flat.params[s].copy_(self.local[s])
+        self.averaged_fragment = None
+        self.last_merge[i] = self.step
+
+    def _due(self, i: int, delay: int) -> bool:
+        return self.step >= self.offsets[i] + delay and (self.step - self.offsets[i] - delay) % self.cfg.sync_every == 0
+
+    def _fragments_step(self) -> tuple[float, float]:
+        """The prepares and syncs due at this inner step (torchft's order: prepares first)."""
+        wait = busy = 0.0
+        tau = self.cfg.fragment_sync_delay
+        for i in range(self.cfg.num_fragments):
+            if self._due(i, 0):
+                self._prepare(i)
+        for i in range(self.cfg.num_fragments):
+            if self._due(i, tau):
+                if self.pending is not None and self.pending[0] == i:
+                    w, b = self._land()
+                    wait, busy = wait + w, busy + b
+                if self.averaged_fragment == i:
+                    self._sync(i, self.cfg.fragment_update_alpha)
+        return wait, busy
+
+    def _synchronise_all(self) -> tuple[float, float]:
+        """End of the run: the pending fragment is applied, then every fragment with local progress
+        since its last merge is synchronised once more (alpha 0: the final model is the global one)."""
+        wait = busy = 0.0
+        if self.pending is not None:
+            wait, busy = self._land()
+        if self.averaged_fragment is not None:
+            self._sync(self.averaged_fragment, 0.0)
+        for i in range(self.cfg.num_fragments):
+            if self.last_merge[i] < self.step:
+                self._prepare(i)
+                w, b = self._land()
+                wait, busy = wait + w, busy + b
+                self._sync(i, 0.0)
+        # A fragment merged at this very step kept alpha of its local progress: drop it too.
+        self.local.copy_(self.global_params)
+        self.flat.params.copy_(self.local)
+        return wait, busy
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
+        """Train until `nb_steps_tot` micro-batches over all workers have gone into inner steps (or
+        a worker's data ran out); one record per inner step. Between two records the model holds
+        this worker's local parameters; `committed_params` gives the global ones."""
+        batches = iter(batches)
+        t0 = time.perf_counter() - self.wall_time_offset
+        self.flat.check_grad_views()
+        while True:
+            start = time.perf_counter()
+            n, lr, norm, weight = self._inner_step(batches, loss_fn)
+            compute = time.perf_counter() - start
+            wait, busy = self._fragments_step()
+            finished = self.samples >= self.cfg.nb_steps_tot or self._stop
+            if finished:
+                w, b = self._synchronise_all()
+                wait, busy = wait + w, busy + b
+            self.last_wall_time = time.perf_counter() - t0
+            yield UpdateRecord(step=self.step, samples=self.samples, loss=self._last_loss, lr=lr,
+                               micro_batches=[n] * self.world_size, compute_s=compute, wait_s=wait, comm_s=busy,
+                               wall_time=self.last_wall_time, weight=weight * self.world_size, grad_norm=norm)  # fmt: skip
+            if finished:
+                return
+
+    @contextlib.contextmanager
+    def committed_params(self):
+        """The model holds the global parameters inside this block (it computes at its local ones)."""
+        self._quiesce()
+        self.flat.params.copy_(self.global_params)
+        try:
+            yield self.module
+        finally:
+            self.flat.params.copy_(self.local)
+
+    def _quiesce(self) -> None:
+        """No all-reduce in flight: the caller may run collectives of its own (its result is kept
+        and applied at its scheduled step, as if it had landed then)."""
+        if self.pending is not None:
+            self._land()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for training, by component."""
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        out = {"params": size(self.flat.params), "grads": size(self.flat.grads), "local_fp32": size(self.local),
+               "exp_avg": size(self.inner.exp_avg), "exp_avg_sq": size(self.inner.exp_avg_sq),
+               "global_params": size(self.global_params), "outer_momentum": size(self.outer_momentum),
+               "wire": size(self.wire) + size(self.wire_shard), "averaged": size(self.averaged)}  # fmt: skip
+        if self.grad is not self.flat.grads:
+            out["grad_fp32"] = size(self.grad)
+        return out
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This worker's local parameters and inner AdamW state (its own: not sharded); rank 0 alone
+        saves what every worker holds identically: the global parameters, the outer momentum and a
+        landed all-reduce result not yet applied."""
+        self._quiesce()
+        shared = self.rank == 0
+        averaged = self.averaged_fragment
+        n = sum(s.stop - s.start for s in self.fragments[averaged]) if averaged is not None else 0
+        return {
+            "method": self.cfg.method, "order": FLAT_ORDER, "numel": self.flat.layout.numel,
+            "world_size": self.world_size, "rank": self.rank, "samples": self.samples, "step": self.step,
+            "wall_time": self.last_wall_time, "fragments": self.cfg.num_fragments,
+            "sync_every": self.cfg.sync_every, "last_merge": list(self.last_merge),
+            "inner_steps": self.inner.step_count,
+            "master": self.local, "exp_avg": self.inner.exp_avg, "exp_avg_sq": self.inner.exp_avg_sq,
+            "global_params": self.global_params if shared else None,
+            "outer_momentum": self.outer_momentum if shared else None,
+            "averaged_fragment": averaged, "averaged": self.averaged[:n] if shared and n else None,
+            "stop": self._stop,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict, old_state=None) -> bool:
+        """Restore a worker's state exactly; only on the world size it was saved with (every
+        worker's local parameters and inner moments are its own). Every worker calls it together:
+        the shared tensors are broadcast from rank 0."""
+        if state["method"] != self.cfg.method:
+            raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}")
+        if state["numel"] != self.flat.layout.numel or state.get("order") != FLAT_ORDER:
+            raise CheckpointError(f"checkpoint holds {state['numel']:,} parameters in another order or number; "
+                                  f"the model has {self.flat.layout.numel:,}")
+        if state["world_size"] != self.world_size or state["rank"] != self.rank:
+            raise CheckpointError(f"{self.cfg.method} resumes only on the world size it was saved with "
+                                  f"({state['world_size']} workers; every worker's local state is its own)")
+        if (state["fragments"], state["sync_every"]) != (self.cfg.num_fragments, self.cfg.sync_every):
+            raise CheckpointError(f"checkpoint synchronised {state['fragments']} fragment(s) every {state['sync_every']} "
+                                  f"steps; this run: {self.cfg.num_fragments} every {self.cfg.sync_every}")
+        self.samples, self.step = int(state["samples"]), int(state["step"])
+        self.wall_time_offset = float(state["wall_time"])
+        self.last_merge = list(state["last_merge"])
+        self._stop = bool(state.get("stop", False))
+        self.local.copy_(state["master"])
+        self.inner.exp_avg.copy_(state["exp_avg"])
+        self.inner.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.inner.restore_step(int(state["inner_steps"]))
+        if self.rank == 0:
+            self.global_params.copy_(state["global_params"])
+            self.outer_momentum.copy_(state["outer_momentum"])
+        self.averaged_fragment = state["averaged_fragment"]
+        n = sum(s.stop - s.start for s in self.fragments[self.averaged_fragment]) if self.averaged_fragment is not None else 0
+        if self.rank == 0 and n:
+            self.averaged[:n].copy_(state["averaged"])
+        if self.world_size > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for t in (self.global_params, self.outer_momentum, self.averaged[:n]) if n else (self.global_params, self.outer_momentum):
+                dist.broadcast(t, src=src, group=self.group)
+        self.flat.params.copy_(self.local)
+        return True
+
+    def close(self) -> None:
+        self.background.close()

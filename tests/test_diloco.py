@@ -1,0 +1,236 @@
+"""diloco and streaming-diloco, on real gloo processes, equal a plain single-process reference.
+
+The reference keeps W copies of the model, each with torch.optim.AdamW (ddp's parameter groups),
+and a global copy with torch.optim.SGD(nesterov=True): torchft's local_sgd.py recurrence written
+out with whole parameters, fragment by fragment.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_engine_methods import assert_close, config, decay_groups, loss_fn, make_model, micro_batch, reference_lr, stream
+from torch import nn
+from torch.nn.utils import clip_grad_norm_, parameters_to_vector
+
+from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine.diloco import DiLoCoEngine, fragment_slices
+from acco.engine.flat import FlatParams
+
+
+def reference_fragments(model: nn.Module, num_fragments: int) -> list[list[int]]:
+    """Parameter indices (registration order) of each fragment: where each parameter's middle falls
+    when the parameters are laid end to end and cut into equal parts."""
+    sizes = [p.numel() for p in model.parameters()]
+    total, before, out = sum(sizes), 0, [[] for _ in range(num_fragments)]
+    for k, n in enumerate(sizes):
+        out[min(int((before + n / 2) / total * num_fragments), num_fragments - 1)].append(k)
+        before += n
+    return out
+
+
+def reference_diloco(kind: str, cfg: EngineConfig, world: int) -> tuple[torch.Tensor, list[float]]:
+    """Final global parameters and worker 0's loss per inner step."""
+    n, H, F, tau = cfg.n_grad_accumulation, cfg.sync_every, cfg.num_fragments, cfg.fragment_sync_delay
+    alpha = cfg.fragment_update_alpha
+    glob = make_model(kind)
+    outer = torch.optim.SGD(glob.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+    workers = [copy.deepcopy(glob) for _ in range(world)]
+    inner = [torch.optim.AdamW(decay_groups(w, cfg.weight_decay), lr=cfg.learning_rate,
+                               betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps) for w in workers]  # fmt: skip
+    fragments = reference_fragments(glob, F)
+    offsets = [math.floor(H / F * (i + 1)) for i in range(F)]
+    read = [0] * world
+    losses, pending, merged, samples, step = [], {}, [0] * F, 0, 0
+
+    def params(model, i):
+        ps = list(model.parameters())
+        return [ps[k] for k in fragments[i]]
+
+    def due(i, delay):
+        return step >= offsets[i] + delay and (step - offsets[i] - delay) % H == 0
+
+    def outer_step(i, pseudo, keep):
+        for p in glob.parameters():
+            p.grad = None
+        for p, g in zip(params(glob, i), pseudo):
+            p.grad = g.clone()
+        outer.step()
+        with torch.no_grad():
+            for w in workers:
+                for p, g in zip(params(w, i), params(glob, i)):
+                    p.copy_(keep * p + (1 - keep) * g)
+        merged[i] = step
+
+    while samples < cfg.nb_steps_tot:
+        lr = reference_lr(cfg, samples, world * n)
+        for r, (w, opt) in enumerate(zip(workers, inner)):
+            opt.zero_grad()
+            total = 0.0
+            for _ in range(n):
+                loss = loss_fn(w, micro_batch(kind, read[r] * world + r))
+                (loss / n).backward()
+                total += loss.item()
+                read[r] += 1
+            if r == 0:
+                losses.append(total / n)
+            clip_grad_norm_(w.parameters(), cfg.max_grad_norm or math.inf)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        step, samples = step + 1, samples + world * n
+        for i in range(F):
+            if due(i, 0):  # the pseudo-gradient: global minus local, averaged over the workers
+                pending[i] = [sum(g.detach() - p.detach() for p in ps) / world
+                              for g, *ps in zip(params(glob, i), *(params(w, i) for w in workers))]  # fmt: skip
+        for i in range(F):
+            if due(i, tau) and i in pending:
+                outer_step(i, pending.pop(i), alpha)
+    for i in list(pending):  # the end: what is in flight, then every fragment with progress
+        outer_step(i, pending.pop(i), 0.0)
+    for i in range(F):
+        if merged[i] < step:
+            pseudo = [sum(g.detach() - p.detach() for p in ps) / world
+                      for g, *ps in zip(params(glob, i), *(params(w, i) for w in workers))]  # fmt: skip
+            outer_step(i, pseudo, 0.0)
+    return parameters_to_vector(glob.parameters()).detach(), losses
+
+
+def run_diloco(rank, world, kind, cfgs):
+    out = []
+    for cfg in cfgs:
+        model = make_model(kind)
+        engine = build_engine(model, cfg)
+        records = list(engine.run(stream(kind, rank, world), loss_fn))
+        engine.close()
+        out.append((parameters_to_vector(model.parameters()).detach(), records))
+    return out
+
+
+# Budgets that are not a multiple of a sync cycle: the end-of-run synchronisation is exercised too.
+@pytest.mark.parametrize("kind,world", [("mlp", 2), ("block", 3)])
+def test_diloco_and_streaming_equal_their_reference(kind, world):
+    n = 2
+    cfgs = [
+        config(method="diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 10, sync_every=3, max_grad_norm=0.5),
+        config(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 11, sync_every=4,
+               num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5, outer_momentum=0.8),
+    ]  # fmt: skip
+    results = run_distributed(run_diloco, world, kind, cfgs)
+    for rank_result in results[1:]:  # the final model is the global one, the same everywhere
+        for (theta, _), (theta0, _) in zip(rank_result, results[0]):
+            assert torch.equal(theta, theta0)
+    finals = []
+    for cfg, (theta, records) in zip(cfgs, results[0]):
+        expected, losses = reference_diloco(kind, cfg, world)
+        assert [r.step for r in records] == list(range(1, len(losses) + 1))
+        assert records[-1].samples == cfg.nb_steps_tot
+        assert_close(theta, expected, f"{cfg.method} vs its reference")
+        assert_close(torch.tensor([r.loss for r in records]), torch.tensor(losses), f"{cfg.method} losses")
+        finals.append(theta)
+    assert not torch.allclose(finals[0], finals[1], atol=1e-4)
+
+
+def test_pseudo_gradient_is_global_minus_local_with_a_fake_all_reduce():
+    """One worker, the all-reduce replaced by a fake that records the wire and adds a second
+    worker's pseudo-gradient: the outer step with lr 1 and no momentum lands exactly on the
+    average of the two workers' local parameters (a flipped sign lands far from it)."""
+    cfg = config(method="diloco", n_grad_accumulation=1, nb_steps_tot=2, sync_every=2, outer_lr=1.0,
+                 outer_momentum=0.0, learning_rate=0.05)  # fmt: skip
+    model = make_model("mlp")
+    engine = DiLoCoEngine(model, cfg)
+    theta0 = engine.global_params.clone()
+    other = theta0 + 0.01 * torch.randn(theta0.shape, generator=torch.Generator().manual_seed(0))
+    sent = []
+
+    def fake_all_reduce(i, step, m):
+        n = theta0.numel()
+        sent.append((engine.wire[:n].clone(), engine.local.clone()))
+        # as if a second worker's pseudo-gradient were summed in and the sum divided by two
+        engine.wire[:n] = (engine.wire[:n] + theta0 - other) / 2
+        return 0.0
+
+    engine._all_reduce = fake_all_reduce
+    records = list(engine.run(stream("mlp", 0, 1), loss_fn))
+    engine.close()
+    assert len(records) == 2 and len(sent) == 1
+    wire, local = sent[0]
+    assert (local - theta0).abs().max() > 1e-3  # the inner steps moved it
+    torch.testing.assert_close(wire, theta0 - local, rtol=0, atol=0)  # worker 0 sent global - local
+    torch.testing.assert_close(engine.global_params, (local + other) / 2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(engine.flat.params, engine.global_params, rtol=0, atol=0)  # the model holds it
+
+
+def test_fragments_are_runs_of_layers_of_about_equal_size():
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)], nn.LayerNorm(16))
+    flat = FlatParams(model, torch.float32, 1, 0)
+    for f in (1, 3, 4, 17):
+        fragments = fragment_slices(flat, model, f)
+        assert len(fragments) == f and all(fragments)
+        covered = torch.zeros(flat.layout.numel, dtype=torch.int64)
+        for slices in fragments:
+            for s in slices:
+                covered[s] += 1
+        assert torch.equal(covered, torch.ones_like(covered))  # a partition of the parameters
+        offsets, offset = {}, 0
+        for p in flat.trainable:
+            offsets[id(p)], offset = offset, offset + p.numel()
+        which = [next(i for i, sl in enumerate(fragments) for s in sl if s.start <= offsets[id(p)] < s.stop)
+                 for p in model.parameters()]  # fmt: skip
+        assert which == sorted(which)  # contiguous in registration order (the order of the layers)
+        sizes = [sum(s.stop - s.start for s in sl) for sl in fragments]
+        if f <= 4:
+            assert max(sizes) - min(sizes) <= 2 * 16 * 17, sizes
+    with pytest.raises(ValueError, match="num_fragments=30"):
+        fragment_slices(flat, model, 30)
+
+
+def test_checkpoint_resume_is_exact_with_an_all_reduce_in_flight():
+    world, n = 2, 1
+    cfg = config(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=world * 14, sync_every=4,
+                 num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.25)  # fmt: skip
+    # Fragments sync at offsets 2 and 4 of every 4 steps: fragment 0's all-reduce is launched at step 6
+    # and applied at step 7, so the checkpoint after step 6 is taken with it in flight.
+    results = run_distributed(_resume_run, world, cfg, 6)
+    for straight, resumed, in_flight in results:
+        assert in_flight
+        assert torch.equal(straight, resumed)
+
+
+def _resume_run(rank, world, cfg, stop_at):
+    straight_model = make_model("block")
+    engine = build_engine(straight_model, cfg)
+    list(engine.run(stream("block", rank, world), loss_fn))
+    engine.close()
+    model = make_model("block")
+    engine = build_engine(model, cfg)
+    batches = stream("block", rank, world)
+    for record in engine.run(batches, loss_fn):
+        if record.step == stop_at:
+            in_flight = engine.pending is not None
+            state = copy.deepcopy(engine.state_dict())
+            break
+    engine.close()
+    model = make_model("block")
+    engine = build_engine(model, cfg)
+    engine.load_state_dict(state)
+    list(engine.run(batches, loss_fn))  # the stream continues where it was
+    engine.close()
+    vec = parameters_to_vector
+    return vec(straight_model.parameters()).detach(), vec(model.parameters()).detach(), in_flight
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(method="diloco", num_fragments=2), "num_fragments=1"),
+    (dict(method="streaming-diloco", sync_every=8, num_fragments=4, fragment_sync_delay=2), r"fragment_sync_delay must be in \[0, sync_every // num_fragments = 2\)"),
+    (dict(method="streaming-diloco", fragment_update_alpha=1.5), "fragment_update_alpha"),
+    (dict(method="diloco", outer_momentum=1.0), "outer_momentum"),
+    (dict(method="diloco", sync_every=0), "sync_every must be a positive integer"),
+])  # fmt: skip
+def test_bad_settings_are_refused_with_one_line(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kw)
