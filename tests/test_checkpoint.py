@@ -302,7 +302,7 @@ def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):
 
 # ---- exact resume of every method, through DecoupledTrainer on 2 processes (tiny and fast) ---------
 
-METHODS = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp")
+METHODS = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
 
 
 def tiny_model():
@@ -317,6 +317,10 @@ def tiny_args(method: str, output_dir, **more) -> dict:
     # runs cross epochs; fixed counts (no accumulate_while_waiting) make the runs reproducible.
     if method == "acco-paper":  # acco (its default, lean estimate) keeps its estimate error as state too
         method, more = "acco", {"acco_estimate": "paper", **more}
+    if method == "diloco":
+        more = {"sync_every": 3, **more}
+    if method == "streaming-diloco":  # fragment 0's all-reduce is in flight at checkpoint-2
+        more = {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, **more}
     return dict(method_name=method, batch_size=2, n_grad_accumulation=2, nb_steps_tot=48, max_length=16,
                 learning_rate=3e-3, accumulate_while_waiting=False, eval=False, save_step=2,
                 output_dir=str(output_dir)) | more  # fmt: skip
