@@ -192,6 +192,10 @@ class DecoupledTrainer:
         """Evaluate and log the loss with the evaluation's own seconds (training time excludes
         them); True when train.stop_at_eval_loss is reached (the loss is all-reduced: every rank
         decides alike)."""
+        if self.world_size > 1:
+            # Overlapped methods' ranks leave a round up to a micro-batch apart: the wait for the
+            # last one counts as training time, the evaluation's seconds start when all are here.
+            dist.barrier()
         start = time.perf_counter()
         loss = self.evaluate()["eval_loss"]
         log.evaluation(record.step, record.samples, loss, eval_s=time.perf_counter() - start)
@@ -235,8 +239,11 @@ class DecoupledTrainer:
 
     def _checkpoint(self, record, position) -> Path:
         progress.mark(f"the checkpoint of update {record.step}")  # names a rank that misses it
-        return checkpoint.save_run(self.engine, position, record, dataclasses.asdict(self.args), self.rank,
-                                   self.world_size, self.device, self._write_model)  # fmt: skip
+        # Every rank enters committed_params here, not rank 0 alone in _write_model: for wp it
+        # all-gathers the committed parameters from the master shards (a collective).
+        with self.engine.committed_params():
+            return checkpoint.save_run(self.engine, position, record, dataclasses.asdict(self.args), self.rank,
+                                       self.world_size, self.device, self._write_model)  # fmt: skip
 
     def _resume(self, folder: Path, meta: dict, position) -> None:
         exact = checkpoint.resume_run(self.engine, position, folder, meta, self.rank, self.world_size, self.device,
