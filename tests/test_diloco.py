@@ -234,3 +234,22 @@ def _resume_run(rank, world, cfg, stop_at):
 def test_bad_settings_are_refused_with_one_line(kw, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**kw)
+
+
+def _bf16_run(rank, world):
+    cfg = config(method="streaming-diloco", n_grad_accumulation=1, nb_steps_tot=world * 8, sync_every=4,
+                 num_fragments=2, fragment_sync_delay=1, use_mixed_precision=True)  # fmt: skip
+    model = make_model("mlp")
+    engine = build_engine(model, cfg)
+    records = list(engine.run(stream("mlp", rank, world), lambda m, b: loss_fn(m, (b[0].bfloat16(), b[1].bfloat16()))))
+    engine.close()
+    return engine.wire.dtype, engine.local.dtype, engine.flat.params.clone(), engine.global_params.clone(), records
+
+
+def test_mixed_precision_sends_bf16_and_keeps_fp32_state():
+    results = run_distributed(_bf16_run, 2)
+    wire, local, params, global_params, records = results[0]
+    assert wire == torch.bfloat16 and local == torch.float32 and params.dtype == torch.bfloat16
+    assert torch.equal(params, global_params.to(torch.bfloat16))  # the final model is the global one
+    assert torch.equal(global_params, results[1][3])  # and the same on every worker
+    assert all(math.isfinite(r.loss) for r in records) and records[-1].samples == 16
