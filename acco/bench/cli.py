@@ -3,6 +3,7 @@
     acco-bench cluster     [--hosts 2 --bandwidth 100mbit --methods ddp,torch-ddp,dpu,wp,acco ...]
     acco-bench sweep       [--bandwidths 50mbit,200mbit,1000mbit,unshaped ...]
     acco-bench convergence --data ../shared/data/tinystories/TinyStories-valid-head.txt [--seeds 0,1 ...]
+    acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco --bandwidth 100mbit]
     acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
     acco-bench report DIR                      (re-render a finished run's tables and plots)
@@ -159,6 +160,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-updates", type=int, default=20,
                    help="updates of the plain reference run beside the engine at ddp's best learning rate (0: none)")
 
+    p = sub.add_parser("race", help="time to ddp's final eval loss: ddp to its budget, then every other method "
+                                    "until its eval loss reaches ddp's or it has seen twice ddp's samples")
+    from acco.bench.race import RACE_BUDGET, RACE_METHODS
+
+    _add_common(p, "outputs/bench/race", RACE_BUDGET, methods=RACE_METHODS)
+    p.set_defaults(accumulate_while_waiting=True, retry_disturbed=0)
+    p.add_argument("--fixed-batch", dest="accumulate_while_waiting", action="store_false",
+                   help="overlapped methods compute exactly their micro-batches per round (default: they keep "
+                        "accumulating while it runs, the paper's setting)")
+    p.add_argument("--bandwidth", type=_none, default="100mbit", help="as for cluster")
+    p.add_argument("--latency", type=_none, default="1ms", help="as for cluster")
+    p.add_argument("--eval-step", type=int, default=2, help="evaluate every that many updates (every method)")
+    p.add_argument("--eval-batches", type=int, default=8, help="eval batches per worker per evaluation")
+    p.add_argument("--scheduler", choices=("constant", "cosine", "linear"), default="constant",
+                   help="LR schedule after a warm-up of a tenth of the budget (a decaying one ends at each run's "
+                        "own budget: ddp's, or the cap; see acco/bench/race.py)")
+
     p = sub.add_parser("report", help="re-render the tables and plots of a finished run (cluster runs: "
                                       "the figures are recomputed from the run folders)")
     p.add_argument("dir", help="the --out folder of an acco-bench cluster, sweep or convergence run")
@@ -220,12 +238,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[acco-bench] wrote {args.out}/lr_sweep.json and lr_sweep.md")
             print((Path(args.out) / "lr_sweep.md").read_text())
             return 1 if sweep.get("failed") else 0
+        if args.command == "race":
+            from acco.bench.race import run_race
+
+            if args.repeats != 1 or args.retry_disturbed:
+                raise BenchError("race runs every method once: --repeats and --retry-disturbed do not apply "
+                                 "(each method's CPU load is recorded in bench.json)")
+            if args.eval_step < 1 or args.eval_batches < 1:
+                raise BenchError("--eval-step and --eval-batches must be >= 1")
+            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, eval_step=args.eval_step)
+            race = run_race(s, Path(args.out), scheduler=args.scheduler, eval_batches=args.eval_batches)
+            print(f"[acco-bench] wrote {args.out}/bench.json, race.md and race.png")
+            print((Path(args.out) / "race.md").read_text())
+            return 1 if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values()) else 0
         if args.command == "report":
             from acco.bench import report
             from acco.bench.cluster import rerender
 
             d = Path(args.dir)
-            if (d / "bench.json").exists():
+            if (d / "race.md").exists() and (d / "bench.json").exists():
+                from acco.bench.race import write_race_report
+
+                write_race_report(report.load_json(d / "bench.json"), d)
+                print((d / "race.md").read_text())
+            elif (d / "bench.json").exists():
                 rerender(d)
                 print((d / "bench.md").read_text())
             elif (d / "sweep.json").exists():

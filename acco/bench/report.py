@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 COLORS = {"ddp": "#1f77b4", "torch-ddp": "#9467bd", "dpu": "#ff7f0e", "wp": "#8c564b", "acco": "#d62728",
-          "acco-paper": "#e377c2", "acco-lean": "#2ca02c",
+          "acco-paper": "#e377c2", "acco-lean": "#2ca02c", "diloco": "#17becf", "streaming-diloco": "#bcbd22",
           "adam": "#7f7f7f"}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from acco.bench import namespaces
 
-ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco")
+ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco", "diloco", "streaming-diloco")
 # Variants run as methods of their own, side by side: name -> (train config, its overrides).
 VARIANTS = {
     "acco-paper": ("acco", ("train.acco_estimate=paper",)),

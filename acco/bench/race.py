@@ -1,0 +1,331 @@
+"""``acco-bench race``: the wall-clock time every method needs to reach ddp's loss.
+
+On the emulated cluster of ``acco-bench cluster`` (:class:`~acco.bench.network.Network`, the same
+workers through :func:`~acco.bench.cluster.run_workers`), in the paper's setting (acco, dpu and wp
+keep accumulating micro-batches while their round runs: ``accumulate_while_waiting``):
+
+1. ddp trains to its budget (``nb_steps_tot`` micro-batches over all workers); its final eval loss
+   is the **target**;
+2. every other method trains until an evaluation is at or below the target
+   (``train.stop_at_eval_loss``), or stops at twice ddp's samples.
+
+Every method evaluates every ``eval_step`` updates on the same eval batches. The crossing is
+interpolated linearly (in loss) between the last evaluation above the target and the first at or
+below it, in training time and in samples; ``crossing_bracket`` says how far apart those two
+evaluations were, relative to the crossing time: the crossing is known to within it.
+
+**Training time** is the engine's wall clock (from the start of training, after the set-up of
+every rank) minus the seconds spent in earlier evaluations (each logged as ``eval_s``): an
+evaluation runs between two updates with no comm round in flight, so it adds to the clock without
+overlapping anything, and methods with more updates would otherwise pay for more evaluations.
+
+**LR schedule**: constant after a linear warm-up by default. The schedule is a function of samples
+seen, and its decay ends at a run's ``nb_steps_tot``: ddp's budget for ddp, the cap for the others.
+A decaying schedule would therefore differ between ddp and the others (ending it at ddp's budget
+instead would stop every method from moving past it, and the cap would mean nothing).
+``--scheduler cosine`` or ``linear`` runs it anyway, with that caveat.
+
+**Bytes sent per worker** are measured: the tx byte counter of each emulated host's link, read
+before and after the run (every packet: the gradients and parameters, the rendezvous, the
+evaluations' all-reduce, TCP/IP headers). On loopback there is no per-worker link: not measured.
+**State bytes per worker** are the engine's ``state_bytes()`` on rank 0, as the trainer records it
+in summary.json (null for an engine without it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from acco.bench.analysis import read_jsonl
+from acco.bench.cluster import LoadMeter, machine_description, run_workers
+from acco.bench.network import Network, check_worker_available, worker_command
+from acco.bench.settings import BenchError, BenchSettings
+
+REFERENCE = "ddp"
+RACE_METHODS = ("ddp", "torch-ddp", "acco", "diloco", "streaming-diloco")
+RACE_BUDGET = 480  # ddp's budget in micro-batches over all workers (the defaults: 60 updates of 4 x 2)
+CAP_FACTOR = 2  # the other methods stop at this many times ddp's samples
+
+
+# --------------------------------------------------------------------------------------------
+# the curves and their crossing of the target
+
+
+def crossing(points: list[tuple[float, float, float]], target: float) -> dict | None:
+    """Where a curve of (training time s, samples, eval loss), in training order, first reaches
+    ``target``: linearly interpolated in loss between the last point above it and the first at or
+    below it. ``bracket_s`` is the time between those two evaluations (0 when the first point is
+    already at the target). None when no point reaches it."""
+    for i, (t, s, loss) in enumerate(points):
+        if loss > target:
+            continue
+        if i == 0:
+            return {"time_s": t, "samples": s, "bracket_s": 0.0, "bracket_samples": 0.0, "eval_index": 0}
+        t0, s0, l0 = points[i - 1]
+        frac = (l0 - target) / (l0 - loss)  # l0 > target >= loss, so 0 < frac <= 1
+        return {"time_s": t0 + frac * (t - t0), "samples": s0 + frac * (s - s0), "bracket_s": t - t0,
+                "bracket_samples": s - s0, "eval_index": i}
+    return None
+
+
+def eval_curve(run_dir: Path, batch_size: int) -> list[dict]:
+    """A run's evaluations: update, samples (sequences, all workers), eval loss, and the training
+    time at that update (its wall time minus the seconds of the evaluations before it)."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    wall = {r["step"]: r["wall_time"] for r in rows if r.get("type") == "train"}
+    curve, eval_s = [], 0.0
+    for r in rows:
+        if r.get("type") != "eval" or r["step"] not in wall:
+            continue
+        curve.append({"step": r["step"], "samples": r["samples"] * batch_size, "eval_loss": r["eval_loss"],
+                      "time_s": wall[r["step"]] - eval_s, "wall_s": wall[r["step"]], "eval_s": r.get("eval_s")})
+        eval_s += r.get("eval_s") or 0.0
+    return curve
+
+
+def eval_interval(curve: list[dict]) -> dict:
+    """Median training seconds and samples between two evaluations, and an evaluation's seconds."""
+    dt = [b["time_s"] - a["time_s"] for a, b in zip(curve, curve[1:])]
+    ds = [b["samples"] - a["samples"] for a, b in zip(curve, curve[1:])]
+    es = [c["eval_s"] for c in curve if c.get("eval_s") is not None]
+    return {"median_s": statistics.median(dt) if dt else None, "median_samples": statistics.median(ds) if ds else None,
+            "eval_s_median": statistics.median(es) if es else None, "evaluations": len(curve)}
+
+
+def add_targets(methods: dict, target: float) -> None:
+    """Each method's time and samples to the target, and the ratios to ddp's (in place)."""
+    for res in methods.values():
+        if "error" in res:
+            continue
+        hit = crossing([(c["time_s"], c["samples"], c["eval_loss"]) for c in res["eval_curve"]], target)
+        res["reached_target"] = hit is not None
+        res["time_to_target_s"] = hit["time_s"] if hit else None
+        res["samples_to_target"] = hit["samples"] if hit else None
+        res["crossing_bracket_s"] = hit["bracket_s"] if hit else None
+        res["crossing_bracket"] = hit["bracket_s"] / hit["time_s"] if hit and hit["time_s"] > 0 else None
+    ref = methods.get(REFERENCE) or {}
+    for res in methods.values():
+        if "error" in res:
+            continue
+        for key, out in (("time_to_target_s", "time_to_target_vs_ddp"), ("samples_to_target", "samples_to_target_vs_ddp")):
+            res[out] = res[key] / ref[key] if res.get(key) is not None and ref.get(key) else None
+
+
+# --------------------------------------------------------------------------------------------
+# bytes on the links
+
+
+def tx_bytes(net: Network) -> list[int] | None:
+    """The tx byte counter of every emulated host's link (None on loopback)."""
+    if net.cluster is None:
+        return None
+    from acco.bench.namespaces import _run
+
+    counts = []
+    for i in range(net.hosts):
+        proc = _run(["ip", "-n", net.cluster.netns(i), "-s", "-j", "link", "show", "dev", net.cluster.ifname(i)])
+        counts.append(int(json.loads(proc.stdout)[0]["stats64"]["tx"]["bytes"]))
+    return counts
+
+
+# --------------------------------------------------------------------------------------------
+# the race
+
+
+def _has_key(extra, key: str) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in extra)
+
+
+def race_overrides(settings: BenchSettings, budget: int, scheduler: str, eval_batches: int,
+                   target: float | None) -> tuple[str, ...]:
+    """The race's own Hydra overrides for one method (a key the user set with --override wins)."""
+    ours = {"train.scheduler_name": scheduler, "train.warmup": str(budget // 10),
+            "train.max_eval_batches": str(eval_batches)}
+    if target is not None:
+        ours["train.stop_at_eval_loss"] = repr(float(target))
+    return tuple(f"{k}={v}" for k, v in ours.items() if not _has_key(settings.extra, k)) + tuple(settings.extra)
+
+
+def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sent: list[int] | None) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    curve = eval_curve(run_dir, s.batch_size)
+    if not curve:
+        raise BenchError(f"{run_dir}: no evaluation in metrics.jsonl")
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("type") == "train"]
+    train_s = curve[-1]["time_s"]
+    samples = train[-1]["samples"] * s.batch_size
+    timers = [json.loads(x) for x in (run_dir / "workers" / "rank0.jsonl").read_text().splitlines() if x.strip()] \
+        if (run_dir / "workers" / "rank0.jsonl").exists() else []
+
+    def median(key):
+        xs = [r[key] for r in timers[1:] if r.get(key) is not None]
+        return statistics.median(xs) if xs else None
+
+    return {
+        "final_eval_loss": curve[-1]["eval_loss"],
+        "samples": samples,
+        "updates": len(train),
+        "training_time_s": train_s,
+        "samples_per_training_s": samples / train_s if train_s > 0 else None,
+        "stopped_at_target": summary.get("stopped_at_eval_loss"),
+        "bytes_sent_per_worker": sent,
+        "bytes_sent_per_worker_mean": statistics.fmean(sent) if sent else None,
+        "bytes_sent_per_sample": statistics.fmean(sent) / samples if sent and samples else None,
+        "state_bytes_per_worker": summary.get("state_bytes"),
+        "compute_s_per_update": median("compute_s"),
+        "comm_s_per_update": median("comm_s"),
+        "wait_s_per_update": median("wait_s"),
+        "eval_interval": eval_interval(curve),
+        "eval_curve": curve,
+        "harness_wall_s": wall,
+        "load": load,
+        "run_dir": str(run_dir),
+    }
+
+
+def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", eval_batches: int = 8,
+             log=print) -> dict:
+    """ddp to its budget, then every other method to ddp's final eval loss or twice ddp's samples;
+    writes ``out/bench.json``, ``out/race.md`` and ``out/race.png``. A method that fails is recorded
+    with its error and the others still run; ddp's failure stops the race (no target)."""
+    settings.validate()
+    if REFERENCE not in settings.methods:
+        raise BenchError(f"the race needs {REFERENCE} in --methods: its final eval loss is the target")
+    if not settings.eval_step:
+        raise BenchError("the race needs an eval step (--eval-step >= 1)")
+    check_worker_available()
+    out.mkdir(parents=True, exist_ok=True)
+    order = [REFERENCE, *(m for m in settings.methods if m != REFERENCE)]
+    budget = settings.nb_steps_tot
+    methods: dict[str, dict] = {}
+    target = None
+    with Network(settings.hosts, settings.bandwidth, settings.latency, settings.loopback) as net:
+        log(f"[acco-bench] race: {net.note}")
+        for method in order:
+            ref = method == REFERENCE
+            s = replace(settings, nb_steps_tot=budget if ref else CAP_FACTOR * budget,
+                        extra=race_overrides(settings, budget, scheduler, eval_batches, None if ref else target))
+            run_dir = out / method
+            if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
+                shutil.rmtree(run_dir)
+            log(f"[acco-bench] {method}: " + (f"to its budget, {budget} micro-batches" if ref else
+                f"to eval loss {target:.4f} or {s.nb_steps_tot} micro-batches"))
+            load = LoadMeter()
+            before = tx_bytes(net)
+            try:
+                wall = run_workers(s, method, run_dir, net, load)
+                after = tx_bytes(net)
+                sent = [b - a for a, b in zip(before, after)] if before is not None else None
+                methods[method] = _method_result(run_dir, s, wall, load.result(), sent)
+            except BenchError as e:
+                log(f"[acco-bench] {method} FAILED: {e}")
+                methods[method] = {"error": str(e)}
+                if ref:
+                    break
+                continue
+            if ref:
+                target = methods[method]["final_eval_loss"]
+                log(f"[acco-bench] target: ddp's final eval loss {target:.4f}")
+            add_targets({method: methods[method]}, target)
+            r = methods[method]
+            log(f"[acco-bench] {method}: " + (f"reached {target:.4f} after {r['time_to_target_s']:.1f} s of training, "
+                f"{r['samples_to_target']:.0f} samples" if r["reached_target"] else
+                f"did not reach {target:.4f} in {r['samples']} samples ({r['training_time_s']:.1f} s)"))
+        network = net.describe()
+    if target is not None:
+        add_targets(methods, target)
+    race = {
+        "config": {**settings.describe(), "methods": order, "budget_micro_batches": budget,
+                   "cap_micro_batches": CAP_FACTOR * budget, "scheduler": scheduler, "warmup": budget // 10,
+                   "eval_batches_per_worker": eval_batches, "network": network,
+                   "machine": machine_description(), "worker_command": worker_command()},
+        "target_eval_loss": target,
+        "methods": methods,
+    }
+    (out / "bench.json").write_text(json.dumps(race, indent=2, default=str) + "\n")
+    write_race_report(race, out)
+    return race
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+
+
+def race_markdown(race: dict, plots: list[str]) -> str:
+    from acco.bench.report import fmt, md_table
+
+    cfg = race["config"]
+    mb = 2**20
+    rows = []
+    for name, r in race["methods"].items():
+        if "error" in r:
+            rows.append([name, "failed: " + r["error"].splitlines()[0][:80]] + ["-"] * 8)
+            continue
+        sent = r.get("bytes_sent_per_worker_mean")
+        state = r.get("state_bytes_per_worker")
+        rows.append([name, fmt(r.get("time_to_target_s"), 1), fmt(r.get("time_to_target_vs_ddp"), 2, "x"),
+                     fmt(r.get("samples_to_target"), 0), fmt(r.get("crossing_bracket"), 3),
+                     fmt(r["final_eval_loss"], 4), f"{r['samples']} / {fmt(r['training_time_s'], 1)} s",
+                     fmt(sent / mb if sent is not None else None, 1), fmt(state / mb if state is not None else None, 1)])
+    header = ["method", "time to target s", "vs ddp", "samples to target", "crossing bracket", "last eval loss",
+              "samples / training time", "MiB sent per worker", "state MiB per worker"]
+    lines = [
+        "# acco-bench race: time to ddp's final eval loss", "",
+        f"{cfg['hosts']} hosts; {cfg['network']['note']}. Target: ddp's final eval loss at its budget of "
+        f"{cfg['budget_micro_batches']} micro-batches, **{fmt(race.get('target_eval_loss'), 4)}**; the other "
+        f"methods stop there or at {cfg['cap_micro_batches']} micro-batches. accumulate_while_waiting="
+        f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up {cfg['warmup']} "
+        f"micro-batches), evaluation every {cfg['eval_step']} updates on {cfg['eval_batches_per_worker']} batches "
+        "per worker.", "",
+        md_table(header, rows), "",
+        "Training time excludes the evaluations' own seconds. The crossing is interpolated between the last "
+        "evaluation above the target and the first at or below it; *crossing bracket* is the time between those "
+        "two evaluations over the time to target (the crossing is known to within it). Bytes sent: tx counters "
+        "of each host's link over the whole run (null on loopback); samples are sequences over all workers.", "",
+        md_table(["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations"],
+                 [[n, fmt(r["eval_interval"]["median_s"], 2), fmt(r["eval_interval"]["median_samples"], 0),
+                   fmt(r["eval_interval"]["eval_s_median"], 2), r["eval_interval"]["evaluations"]]
+                  for n, r in race["methods"].items() if "error" not in r]), "",
+    ]
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot_race(race: dict, out: Path) -> list[str]:
+    from acco.bench.report import COLORS, _plt
+
+    plt = _plt()
+    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
+    target = race.get("target_eval_loss")
+    for name, r in race["methods"].items():
+        if "error" in r or not r.get("eval_curve"):
+            continue
+        c = r["eval_curve"]
+        color = COLORS.get(name)
+        by_time.plot([p["time_s"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name)
+        by_samples.plot([p["samples"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name)
+        if r.get("time_to_target_s") is not None:
+            by_time.plot([r["time_to_target_s"]], [target], "o", mfc="none", ms=10, color=color)
+            by_samples.plot([r["samples_to_target"]], [target], "o", mfc="none", ms=10, color=color)
+    for ax, xlabel in ((by_time, "training time (s, evaluations excluded)"), (by_samples, "samples (sequences)")):
+        if target is not None:
+            ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.3f} (ddp's final)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"race to ddp's eval loss, {race['config']['network']['note']}"[:120], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "race.png", dpi=120)
+    plt.close(fig)
+    return ["race.png"]
+
+
+def write_race_report(race: dict, out: Path) -> list[str]:
+    plots = plot_race(race, out)
+    (out / "race.md").write_text(race_markdown(race, plots))
+    return plots
