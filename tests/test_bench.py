@@ -248,3 +248,33 @@ def test_timeout_kills_the_workers(tmp_path, monkeypatch):
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(script) not in ps
     assert os.environ.get(WORKER_ENV)  # monkeypatch restores it afterwards
+
+
+def test_batch_size_settings_keep_the_samples():
+    from acco.bench.convergence import batch_size_settings
+
+    s = BenchSettings(nb_steps_tot=100, batch_size=8, eval_step=10, grad_accum=4)
+    one = batch_size_settings(s, 1)
+    assert (one.batch_size, one.nb_steps_tot, one.eval_step, one.grad_accum) == (1, 800, 80, 4)
+    assert batch_size_settings(s, 8) == s
+    with pytest.raises(BenchError, match="does not divide"):
+        batch_size_settings(s, 3)
+
+
+def test_convergence_at_small_batch_sizes(tmp_path):
+    out = tmp_path / "bs"
+    code = main(["convergence", "--data", "synthetic", "--seeds", "0", "--methods", "ddp,acco", "--eval-step", "2",
+                 "--batch-sizes", "2,4", "--out", str(out), *TINY])
+    assert code == 0
+    table = json.loads((out / "batch_sizes.json").read_text())
+    assert list(table["sizes"]) == ["2", "4"] and table["config"]["samples"] == 16 * 4
+    assert table["sizes"]["2"]["nb_steps_tot"] == 32 and table["sizes"]["2"]["eval_step"] == 4
+    for b in ("2", "4"):
+        conv = json.loads((out / f"bs{b}" / "convergence.json").read_text())
+        assert conv["config"]["batch_size"] == int(b)
+        # the last evaluation of every method at the same samples (sequences), whatever the size
+        assert conv["curves"]["ddp"]["0"][-1][0] == conv["curves"]["acco"]["0"][-1][0] == 64
+        assert table["sizes"][b]["final_eval_loss"]["acco"]["paired_diff_vs_ddp"]["n"] == 1
+    md = (out / "batch_sizes.md").read_text()
+    assert "| 2 | 32 |" in md and "| 4 | 16 |" in md
+    assert main(["convergence", "--batch-sizes", "3", "--data", "synthetic", "--out", str(out), *TINY]) == 2

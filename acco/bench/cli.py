@@ -3,6 +3,7 @@
     acco-bench cluster     [--hosts 2 --bandwidth 100mbit --methods ddp,torch-ddp,dpu,wp,acco ...]
     acco-bench sweep       [--bandwidths 50mbit,200mbit,1000mbit,unshaped ...]
     acco-bench convergence --data ../shared/data/tinystories/TinyStories-valid-head.txt [--seeds 0,1 ...]
+                           [--batch-sizes 1,2,4,8: small per-worker batches at the same samples]
     acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco --bandwidth 100mbit]
     acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
@@ -146,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-closeness", action="store_true", help="skip the update-closeness measurement")
     p.add_argument("--closeness-steps", default="1,10,50,100,200",
                    help="Adam steps before each closeness measurement")
+    p.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
+                   help="small per-worker batches: the methods at each of these sequences per micro-batch, with "
+                        "the same sequences in all (--nb-steps-tot x --batch-size); no closeness measurement")
 
     p = sub.add_parser("lr-sweep", help="final eval loss against the learning rate for ddp, acco and dpu, "
                                         "several seeds where ddp trains best; a reference check of the engine")
@@ -217,6 +221,19 @@ def main(argv: list[str] | None = None) -> int:
                 print("[acco-bench] the TinyStories slice (../shared/data) is not here: running on the synthetic "
                       "corpus; pass --data PATH for real text", flush=True)
             s = _settings(args, bandwidth=args.bandwidth, latency=None, eval_step=args.eval_step)
+            if args.batch_sizes is not None:
+                from acco.bench.convergence import run_batch_sizes
+
+                if args.closeness_only:
+                    raise BenchError("--batch-sizes and --closeness-only exclude each other")
+                try:
+                    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+                except ValueError:
+                    raise BenchError(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
+                table = run_batch_sizes(s, seeds, sizes, Path(args.out))
+                print(f"[acco-bench] wrote {args.out}/batch_sizes.json and batch_sizes.md")
+                print((Path(args.out) / "batch_sizes.md").read_text())
+                return 1 if table["failed"] else 0
             conv = run_convergence(s, seeds, Path(args.out), closeness=not args.no_closeness,
                                    closeness_only=args.closeness_only,
                                    closeness_steps=[int(x) for x in args.closeness_steps.split(",") if x.strip()])
@@ -272,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 lr_sweep.write(report.load_json(d / "lr_sweep.json"), d)  # the summary is recomputed
                 print((d / "lr_sweep.md").read_text())
+            elif (d / "batch_sizes.json").exists():
+                from acco.bench.convergence import batch_sizes_markdown
+
+                (d / "batch_sizes.md").write_text(batch_sizes_markdown(report.load_json(d / "batch_sizes.json")))
+                print((d / "batch_sizes.md").read_text())
             elif (d / "convergence.json").exists():
                 report.write_convergence_report(report.load_json(d / "convergence.json"), d)
                 print((d / "convergence.md").read_text())

@@ -223,3 +223,74 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
             "mean_brief": statistics.fmean(p["brief"] for p in points),
             "mean_algorithm": statistics.fmean(p["algorithm"] for p in points),
             "mean_noise": statistics.fmean(p["noise"] for p in points)}
+
+
+# --------------------------------------------------------------------------------------------
+# small per-worker batches
+
+
+def batch_size_settings(settings: BenchSettings, b: int) -> BenchSettings:
+    """``settings`` at ``b`` sequences per micro-batch with the same sequences (tokens) in all:
+    ``nb_steps_tot`` (micro-batches) and ``eval_step`` (updates) scale by batch_size / b, so the
+    budget and the evaluation points fall at the same samples; micro-batches per update stay."""
+    samples = settings.nb_steps_tot * settings.batch_size
+    if b < 1 or samples % b:
+        raise BenchError(f"--batch-sizes: {b} does not divide the budget of {samples} sequences "
+                         f"(--nb-steps-tot {settings.nb_steps_tot} x --batch-size {settings.batch_size})")
+    eval_step = max(1, round(settings.eval_step * settings.batch_size / b)) if settings.eval_step else None
+    return replace(settings, batch_size=b, nb_steps_tot=samples // b, eval_step=eval_step)
+
+
+def run_batch_sizes(settings: BenchSettings, seeds: list[int], batch_sizes: list[int], out: Path, log=print) -> dict:
+    """:func:`run_convergence` (no closeness measurement) at every per-worker micro-batch size in
+    ``batch_sizes``, each in ``out/bs{b}``; then ``batch_sizes.json`` and ``batch_sizes.md``: the
+    final eval loss of every method at each size, mean over the seeds, and acco's paired
+    difference to ddp."""
+    if not batch_sizes:
+        raise BenchError("--batch-sizes: no batch size given")
+    per_size = [batch_size_settings(settings, b) for b in batch_sizes]  # every error before any run
+    out.mkdir(parents=True, exist_ok=True)
+    table = {"config": {**settings.describe(), "seeds": seeds, "batch_sizes": batch_sizes,
+                        "samples": settings.nb_steps_tot * settings.batch_size},
+             "sizes": {}, "failed": []}
+    for b, s in zip(batch_sizes, per_size):
+        log(f"[acco-bench] convergence at {b} sequence(s) per micro-batch: nb_steps_tot {s.nb_steps_tot}, "
+            f"eval every {s.eval_step} updates")
+        conv = run_convergence(s, seeds, out / f"bs{b}", closeness=False, log=log)
+        table["sizes"][str(b)] = {"nb_steps_tot": s.nb_steps_tot, "eval_step": s.eval_step,
+                                  "final_eval_loss": conv["final_eval_loss"]}
+        table["failed"] += [{**f, "batch_size": b} for f in conv["failed"]]
+    (out / "batch_sizes.json").write_text(json.dumps(table, indent=2, default=str) + "\n")
+    (out / "batch_sizes.md").write_text(batch_sizes_markdown(table))
+    return table
+
+
+def batch_sizes_markdown(table: dict) -> str:
+    from acco.bench.report import fmt, md_table
+
+    cfg = table["config"]
+    methods = list(cfg["methods"])
+    rows = []
+    for b, entry in table["sizes"].items():
+        losses = entry["final_eval_loss"]
+        row = [b, entry["nb_steps_tot"]]
+        for m in methods:
+            t = losses.get(m) or {}
+            row.append(f"{fmt(t.get('mean'), 4)} ± {fmt(t.get('std'), 4)} (n={t.get('n', 0)})")
+        for m in methods:
+            if m == "ddp":
+                continue
+            pd = (losses.get(m) or {}).get("paired_diff_vs_ddp") or {}
+            ref = (losses.get("ddp") or {}).get("mean")
+            rel = pd["mean"] / ref * 100 if pd.get("n") and ref else None
+            row.append(f"{fmt(pd.get('mean'), 4)} ± {fmt(pd.get('std'), 4)} ({fmt(rel, 2, '%')})" if pd.get("n") else "-")
+        rows.append(row)
+    header = ["sequences per micro-batch", "micro-batches (all workers)", *(f"{m} final eval loss" for m in methods),
+              *(f"{m} - ddp, same seed" for m in methods if m != "ddp")]
+    return "\n".join([
+        f"# acco-bench convergence: small per-worker batches ({cfg.get('data_path') or cfg.get('data')})", "",
+        f"{cfg['hosts']} workers, {cfg['samples']} sequences of {cfg['max_length']} tokens in all at every size, "
+        f"{cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per round), "
+        f"seeds {cfg['seeds']} (mean ± std), accumulate_while_waiting {cfg['accumulate_while_waiting']}. "
+        "nb_steps_tot and the evaluation step scale with 1 / size: the same samples, more updates.", "",
+        md_table(header, rows), ""]) + "\n"
