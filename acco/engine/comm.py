@@ -115,17 +115,24 @@ class CommRound:
         self.lean = cfg.method == "acco" and cfg.acco_estimate == "lean"
         self.estimate_error = torch.zeros_like(self.master) if self.lean else None
         self.estimate_pending = False  # estimate_error holds theta~ (not yet its error)
+        # wp: the fp32 master shard before the round's commit, for the prediction 2 theta_{t+1} -
+        # theta_t taken in fp32 (in bf16 most updates at a small LR are below one bf16 step)
+        self.previous_master = torch.empty_like(self.master) if cfg.method == "wp" else None
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
         self.delay_hook: Callable[[], None] | None = None
 
     def run(
-        self, payload: torch.Tensor, stats: torch.Tensor, new_params: torch.Tensor, kind: RoundKind
+        self, payload: torch.Tensor, stats: torch.Tensor, new_params: torch.Tensor, kind: RoundKind,
+        predict: bool = False,
     ) -> RoundResult:
         """One round of `kind` on this worker's `payload` (summed gradients, with their `stats`);
         the new parameters (theta_{t+1}, or acco's estimate theta~_{t+1}) land in `new_params`.
-        The two may be one buffer: the payload is read in full before the result is written."""
+        The two may be one buffer: the payload is read in full before the result is written.
+        `predict` (wp's overlapped update rounds): `new_params` receives the prediction
+        2 theta_{t+1} - theta_t, computed on the fp32 master shard and cast once; theta_{t+1}
+        itself stays in the master shards."""
         start = time.perf_counter()
         is_update = kind is RoundKind.UPDATE
         # If this round times out, the ranks that never marked it are the ones that stopped.
@@ -164,8 +171,13 @@ class CommRound:
                 scale *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
             self.grad_shard.mul_(scale)
             if is_update:
+                if predict:
+                    self.previous_master.copy_(self.master)
                 self.optimizer.commit(self.grad_shard, lr)
-                self.new_param_shard.copy_(self.master)
+                if predict:  # 2 theta_{t+1} - theta_t in fp32 (2x is exact: one rounding), grad_shard as scratch
+                    self.new_param_shard.copy_(torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master))
+                else:
+                    self.new_param_shard.copy_(self.master)
                 if self.lean and self.estimate_pending:  # e_{t+1} = theta~_{t+1} - theta_{t+1}
                     self.estimate_error.sub_(self.master)
                     self.estimate_pending = False

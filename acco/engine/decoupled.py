@@ -97,8 +97,11 @@ class DecoupledEngine:
             self.gathered_params = self.payload
             self.payload_stats = new_stats(self.device)
             self.background = BackgroundComm(self.device)
-        # wp extrapolates from the last committed parameters, kept in full on every worker.
-        self.committed = self.flat.params.clone() if cfg.method == "wp" else None
+        # wp computes at its prediction, which the comm round forms on the fp32 master shard; the
+        # committed parameters are the master shards, gathered on demand (`committed_params`).
+        self.wp = cfg.method == "wp"
+        self._predicting = False  # wp: the model holds the prediction, not the committed parameters
+        self._prediction_stashed = False  # inside committed_params: the prediction waits in `payload`
         self._inflight: list[torch.cuda.Event] = []
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
         self._in_overlap = False  # past the warm start: the accumulator is part of the state
@@ -143,8 +146,6 @@ class DecoupledEngine:
         wait_s = time.perf_counter() - start
         self.flat.grads.zero_()
         self.stats.zero_()
-        if self.committed is not None:
-            self.committed.copy_(self.flat.params)
         return self._record(result, compute_s, wait_s, result.busy_s)
 
     # ---- overlapped rounds -----------------------------------------------------------------
@@ -157,16 +158,14 @@ class DecoupledEngine:
         if kind is RoundKind.UPDATE:
             self.flat.grads.zero_()
             self.stats.zero_()
+        predict = self.wp and kind is RoundKind.UPDATE  # wp: the round gathers 2 theta_{t+1} - theta_t
         return self.background.submit(
-            lambda: self.comm.run(self.payload, self.payload_stats, self.gathered_params, kind)
+            lambda: self.comm.run(self.payload, self.payload_stats, self.gathered_params, kind, predict)
         )
 
     def _swap_in(self, kind: RoundKind) -> None:
-        if self.committed is not None and kind is RoundKind.UPDATE:  # wp: compute at the predicted weights
-            torch.lerp(self.committed, self.gathered_params, 2.0, out=self.flat.params)
-            self.committed.copy_(self.gathered_params)
-        else:
-            self.flat.params.copy_(self.gathered_params)
+        self.flat.params.copy_(self.gathered_params)
+        self._predicting = self.wp
 
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
         """Train until `nb_steps_tot` micro-batches over all workers are committed, or data runs out.
@@ -246,8 +245,9 @@ class DecoupledEngine:
         # Work computed during the last round belongs to no committed update: drop it.
         self.flat.grads.zero_()
         self.stats.zero_()
-        if self.committed is not None:
-            self.flat.params.copy_(self.committed)
+        if self._predicting:  # every worker finishes together: the committed parameters are gathered
+            self._gather(self.comm.optimizer.master, self.flat.params)
+            self._predicting = False
         self._inflight.clear()
 
     @property
@@ -286,7 +286,7 @@ class DecoupledEngine:
             "exp_avg": opt.exp_avg,
             "exp_avg_sq": opt.exp_avg_sq,
             # wp: this shard of the predicted weights the model computes at (the committed ones are the master)
-            "predicted": self.flat.params[self.flat.shard] if self.committed is not None else None,
+            "predicted": self._prediction()[self.flat.shard] if self._predicting else None,
             # Overlapped methods with a fixed batch: the gradients computed during the last round, the next payload.
             "accumulator": self.flat.grads if keep_accumulator else None,
             "accumulator_stats": self.stats if keep_accumulator else None,
@@ -325,10 +325,10 @@ class DecoupledEngine:
                 getattr(opt, name).copy_(state[name])
         else:
             self._reshard(old_state, int(state["world_size"]))
-        self._gather(opt.master, self.committed if self.committed is not None else self.flat.params)
-        if self.committed is not None:  # wp computes at its prediction, saved by shard
-            predicted = state.get("predicted") if exact else None
-            self._gather(predicted if predicted is not None else opt.master, self.flat.params)
+        # wp computes at its prediction, saved by shard; every other model at the committed parameters
+        predicted = state.get("predicted") if exact and self.wp else None
+        self._gather(predicted if predicted is not None else opt.master, self.flat.params)
+        self._predicting = predicted is not None
         if not exact:
             return False
         if self.comm.estimate_error is not None:  # older checkpoints and other estimates: none
@@ -364,18 +364,45 @@ class DecoupledEngine:
         else:
             out[: self.flat.layout.shard_numel].copy_(self.comm.new_param_shard)
 
+    def _prediction(self) -> torch.Tensor:
+        """wp: the full vector of the predicted parameters, wherever it is now."""
+        return self.payload if self._prediction_stashed else self.flat.params
+
     @contextlib.contextmanager
     def committed_params(self):
-        """The model holds the last committed parameters inside this block (wp computes elsewhere)."""
-        if self.committed is None:
+        """The model holds the last committed parameters inside this block. wp computes at its
+        prediction elsewhere: then every worker enters the block together, as the committed
+        parameters are all-gathered from the fp32 master shards; the prediction waits in the comm
+        buffer, idle between rounds (no model-sized copy is kept for it). Re-entrant."""
+        if not self._predicting or self._prediction_stashed:
             yield self.module
             return
-        predicted = self.flat.params.clone()
-        self.flat.params.copy_(self.committed)
+        self.payload.copy_(self.flat.params)
+        self._gather(self.comm.optimizer.master, self.flat.params)
+        self._prediction_stashed = True
         try:
             yield self.module
         finally:
-            self.flat.params.copy_(predicted)
+            self.flat.params.copy_(self.payload)
+            self._prediction_stashed = False
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for training, by component, each storage counted once
+        (numel x element size of the engine's tensors; activations and the module's buffers not
+        included)."""
+        comm, opt = self.comm, self.comm.optimizer
+        parts = {"params": self.flat.params, "grads": self.flat.grads,
+                 "payload": self.payload if self.overlapped else None,
+                 "master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq,
+                 "grad_shard": comm.grad_shard, "summed_grad_shard": comm.summed_grad_shard,
+                 "new_param_shard": comm.new_param_shard, "trial_workspace": opt._work,
+                 "estimate_error": comm.estimate_error, "wp_previous_master": comm.previous_master}  # fmt: skip
+        out, seen = {}, set()
+        for name, t in parts.items():
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out[name] = t.numel() * t.element_size()
+        return out
 
     def close(self) -> None:
         if self.overlapped:
