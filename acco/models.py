@@ -160,7 +160,8 @@ def _load_pretrained(
             f"tokenizer vocabulary ({vocab_size} tokens) is larger than the embedding of pretrained model "
             f"{name!r} ({rows} rows)"
         )
-    kwargs: dict[str, Any] = {_dtype_kwarg(): dtype or torch.float32}
+    # None: the checkpoint's own dtype (transformers' "auto"); the engine casts what it trains.
+    kwargs: dict[str, Any] = {_dtype_kwarg(): dtype or "auto"}
     attn = attn or _DEFAULT_ATTN.get(config.model_type)
     if attn is not None:
         kwargs["attn_implementation"] = attn
@@ -187,8 +188,14 @@ def build_model(
       (the config's ``vocab_size`` when None), with the given special-token ids. Initialised by
       transformers from torch's RNG: seed before calling. Under ``with torch.device("meta")``
       nothing is allocated.
-    - ``cfg.pretrained`` a folder or hub name: ``AutoModelForCausalLM.from_pretrained`` (fp32 unless
-      ``dtype``); special-token ids given here override the checkpoint's.
+    - ``cfg.pretrained`` a folder or hub name: ``AutoModelForCausalLM.from_pretrained`` in the
+      checkpoint's own dtype unless ``dtype`` is given (transformers' ``dtype="auto"``); special-token
+      ids given here override the checkpoint's. Why not bf16 when mixed precision is on: the engine
+      takes its fp32 master shard from the weights before it casts them, so an fp32 checkpoint
+      must arrive in fp32 or fine-tuning loses its low bits; a bf16 checkpoint arrives in bf16 (the
+      file has no more bits to keep, and loading takes half the memory). The engine then casts the
+      trainable parameters to the training dtype (bf16 with mixed precision; fp32 otherwise, bf16
+      weights widened exactly), and torch-ddp keeps fp32 parameters under autocast.
 
     Raises ``ModelError`` for an unknown arch, a tokenizer vocabulary larger than the pretrained
     embedding, or ``max_length`` beyond ``max_position_embeddings``.

@@ -36,22 +36,35 @@ from acco.metrics import RunLog
 __all__ = ["DecoupledTrainer", "TrainArgs", "causal_lm_loss"]
 
 
-class _OnDevice:
-    """Moves each micro-batch to the device (and, for benchmarks, slows this worker down)."""
+_NONE = object()
 
-    def __init__(self, stream, device: torch.device, slowdown: float = 1.0):
+
+class _OnDevice:
+    """Moves each micro-batch to the device (and, for benchmarks, slows this worker down).
+
+    On CUDA the next micro-batch is prefetched: its host-to-device copy is queued on a side
+    stream when the current one is handed out, so it runs while the current one computes, and the
+    compute stream waits for it only when it uses it (an event, no host sync). `ahead` micro-batches
+    have then been read from `stream` but not handed out; a checkpoint's data position goes back
+    by that many. On CPU nothing is read ahead (`prefetch=True` there runs the same bookkeeping
+    without streams, for tests).
+    """
+
+    def __init__(self, stream, device: torch.device, slowdown: float = 1.0, prefetch: bool | None = None):
         self.stream, self.device, self.slowdown = stream, device, slowdown
         self._last = None
+        self.prefetch = device.type == "cuda" if prefetch is None else prefetch
+        self.copy_stream = torch.cuda.Stream(device) if self.prefetch and device.type == "cuda" else None
+        self._next = _NONE  # the prefetched (micro-batch, copy done) pair; None once the stream ended
+
+    @property
+    def ahead(self) -> int:
+        return int(self._next is not _NONE and self._next is not None)
 
     def __iter__(self):
         return self
 
-    def __next__(self):
-        if self.slowdown > 1 and self._last is not None:
-            # Emulate a slower accelerator: stretch the micro-batch that just finished.
-            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
-        batch = next(self.stream)
-        self._last = time.perf_counter()
+    def _move(self, batch: dict) -> dict:
         # Each distinct tensor is sent once (packed blocks: the labels are the input_ids); on CUDA
         # from pinned memory, so that the copy runs asynchronously to the host.
         moved: dict[int, torch.Tensor] = {}
@@ -59,6 +72,53 @@ class _OnDevice:
             if id(v) not in moved:
                 moved[id(v)] = (v.pin_memory() if self.device.type == "cuda" else v).to(self.device, non_blocking=True)
         return {k: moved[id(v)] for k, v in batch.items()}
+
+    def _fetch(self):
+        batch = next(self.stream, _NONE)
+        if batch is _NONE:
+            return None
+        if self.copy_stream is None:
+            return self._move(batch), None
+        with torch.cuda.stream(self.copy_stream):
+            moved = self._move(batch)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return moved, done
+
+    def __next__(self):
+        if self.slowdown > 1 and self._last is not None:
+            # Emulate a slower accelerator: stretch the micro-batch that just finished.
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
+        if not self.prefetch:
+            batch = self._move(next(self.stream))
+            self._last = time.perf_counter()
+            return batch
+        current = self._fetch() if self._next is _NONE else self._next
+        if current is None:
+            self._next = None
+            raise StopIteration
+        self._next = self._fetch()  # its copy overlaps the compute of `current`
+        self._last = time.perf_counter()
+        batch, done = current
+        if done is None:
+            return batch
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(done)
+        for t in {id(t): t for t in batch.values()}.values():
+            # made on the copy stream, used on the compute stream: the allocator must not hand
+            # the memory out again before the compute stream is done with it
+            t.record_stream(compute)
+        return batch
+
+
+class _Rewound:
+    """A data position `back` micro-batches behind `position` (those read ahead, not computed)."""
+
+    def __init__(self, position, back: int):
+        self.position, self.back = position, back
+
+    def state_dict(self) -> dict:
+        return checkpoint.rewind(self.position.state_dict(), self.back)
 
 
 # Dense bf16 peaks (FLOP/s) of common accelerators, by a substring of their name.
@@ -158,7 +218,7 @@ class DecoupledTrainer:
         self.engine = build_engine(self.model, args.engine_config())
         if folder is not None:
             self._resume(folder, meta, position)
-        stream = _OnDevice(iter(batches), self.device, args.slowdown)
+        stream = self._stream = _OnDevice(iter(batches), self.device, args.slowdown)
         log.start_progress(args.nb_steps_tot, self.engine.samples)
         every_rank_at("start")
         last = summary = None
@@ -241,6 +301,9 @@ class DecoupledTrainer:
         progress.mark(f"the checkpoint of update {record.step}")  # names a rank that misses it
         # Every rank enters committed_params here, not rank 0 alone in _write_model: for wp it
         # all-gathers the committed parameters from the master shards (a collective).
+        stream = getattr(self, "_stream", None)
+        if stream is not None and stream.ahead:  # the prefetched micro-batch is read again on resume
+            position = _Rewound(position, stream.ahead)
         with self.engine.committed_params():
             return checkpoint.save_run(self.engine, position, record, dataclasses.asdict(self.args), self.rank,
                                        self.world_size, self.device, self._write_model)  # fmt: skip

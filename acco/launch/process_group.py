@@ -20,6 +20,13 @@ from acco.launch.env import dist_env
 
 RENDEZVOUS_TIMEOUT_S = 1800.0  # how long the first rank waits for the last one to start
 
+# NCCL's collective timeout also bounds communicator set-up (ncclCommInitRank at init with
+# device_id, and the communicators torch makes lazily later, e.g. for point-to-point pairs): at 32
+# ranks over several nodes, bootstrap and topology detection take from seconds to a minute or more,
+# so a 30 s timeout would fail healthy jobs. The floor is torch's own NCCL default halved. A lost
+# rank is then noticed within minutes on NCCL; gloo keeps the short timeout.
+NCCL_MIN_TIMEOUT_S = 300.0
+
 # Liveness: every rank bumps its counter on the rendezvous store from a daemon thread. The long
 # waits below poll the store and give up as soon as a peer's counter has stood still for the
 # collective timeout: a worker that died (srun does not stop the others by default) or stalled
@@ -42,6 +49,20 @@ def _device_for(local_rank: int, use_cuda: bool):
     return device
 
 
+def backend_settings(backend: str, timeout_s: float) -> tuple[float, dict[str, str]]:
+    """The collective timeout (seconds) and the environment defaults for `backend`.
+
+    On NCCL: at least NCCL_MIN_TIMEOUT_S, and TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (torch's
+    "CleanUpOnly"; its default, 3, tears the process down from the watchdog thread): a collective
+    that fails or times out aborts the communicator and the next call raises a Python error, which
+    `progress.names_lost_ranks` turns into one naming the rank that stopped (NCCL itself only names
+    the operation and its sequence number). Read when the process group is made; a value the user
+    exported wins. Gloo: the timeout as given, nothing set."""
+    if "nccl" not in backend:
+        return float(timeout_s), {}
+    return max(float(timeout_s), NCCL_MIN_TIMEOUT_S), {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 def init_distributed(timeout_s: float = 30, backend: str | None = None):
     """Join (or create) the default process group; returns ``(rank, world_size, local_rank, device)``.
 
@@ -51,7 +72,8 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
       gloo on CPU otherwise (``backend`` overrides).
     - With no launcher at all, a one-process group on an in-memory store (no port, no network),
       so that collectives work unchanged with world_size 1.
-    Collectives time out after ``timeout_s`` seconds instead of torch's 30 minutes.
+    Collectives time out after ``timeout_s`` seconds instead of torch's 30 minutes (NCCL: at least
+    ``NCCL_MIN_TIMEOUT_S``, see ``backend_settings``).
     """
     import torch
     import torch.distributed as dist
@@ -68,7 +90,10 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
 
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
     backend = backend or ("nccl" if use_cuda else "gloo")
-    timeout = timedelta(seconds=timeout_s)
+    collective_timeout_s, env_defaults = backend_settings(backend, timeout_s)
+    for key, value in env_defaults.items():
+        os.environ.setdefault(key, value)
+    timeout = timedelta(seconds=collective_timeout_s)
     env = dist_env()
     if env is None:
         device = _device_for(0, use_cuda)

@@ -1,0 +1,78 @@
+"""What the CUDA review decided, checked on the CPU: NCCL's timeout and error handling, the prefetch
+of the next micro-batch, and a pretrained model loaded in its own dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from acco.launch.process_group import NCCL_MIN_TIMEOUT_S, backend_settings
+from acco.trainer import _OnDevice, _Rewound
+
+
+def test_nccl_gets_a_set_up_timeout_and_async_error_handling_gloo_keeps_its_own():
+    assert backend_settings("gloo", 30) == (30.0, {})
+    for nccl in ("nccl", "cpu:gloo,cuda:nccl"):
+        timeout, env = backend_settings(nccl, 30)
+        assert timeout == NCCL_MIN_TIMEOUT_S >= 300
+        # 2: abort the communicator and raise in Python (torch's default, 3, kills the process)
+        assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert backend_settings("nccl", 3600)[0] == 3600.0  # a longer timeout asked for is kept
+
+
+def counted(n: int, log: list):
+    for i in range(n):
+        log.append(i)
+        ids = torch.full((2, 3), i)
+        yield {"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 3)}
+
+
+def test_prefetch_reads_one_ahead_and_hands_out_every_micro_batch_in_order():
+    read: list[int] = []
+    stream = _OnDevice(counted(4, read), torch.device("cpu"), prefetch=True)
+    assert stream.ahead == 0 and read == []  # nothing is read before the first request
+    got = []
+    for batch in stream:
+        got.append(int(batch["input_ids"][0, 0]))
+        assert batch["labels"] is batch["input_ids"]  # sent once
+        assert torch.equal(batch["attention_mask"], torch.ones(2, 3))
+        # the next one was read while this one is handed out (none after the last)
+        assert read == list(range(min(len(got) + 1, 4)))
+        assert stream.ahead == (1 if len(got) < 4 else 0)
+    assert got == [0, 1, 2, 3] and stream.ahead == 0
+    # on the CPU by default nothing is read ahead
+    read.clear()
+    plain = _OnDevice(counted(3, read), torch.device("cpu"))
+    assert int(next(plain)["input_ids"][0, 0]) == 0 and read == [0] and plain.ahead == 0
+
+
+def test_a_checkpoint_position_goes_back_by_the_prefetched_micro_batch():
+    class Position:
+        def state_dict(self):
+            return {"epoch": 2, "position": 0, "num_samples": 40, "global_batch_size": 4}
+
+    # 10 micro-batches per epoch: one back from the start of epoch 2 is the last of epoch 1
+    assert _Rewound(Position(), 1).state_dict() == {"epoch": 1, "position": 9, "num_samples": 40, "global_batch_size": 4}
+
+
+def test_a_pretrained_model_loads_in_its_own_dtype_and_the_master_keeps_every_bit(tmp_path):
+    from acco.engine import EngineConfig, build_engine
+    from acco.models import build_model
+
+    cfg = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16, window_size=16)
+    torch.manual_seed(0)
+    fp32 = build_model(cfg, vocab_size=96, max_length=16)
+    fp32.save_pretrained(tmp_path / "fp32")
+    fp32.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    fp32 = build_model({**cfg, "pretrained": str(tmp_path / "fp32")}, 96)
+    bf16 = build_model({**cfg, "pretrained": str(tmp_path / "bf16")}, 96)
+    assert {p.dtype for p in fp32.parameters()} == {torch.float32}
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    forced = build_model({**cfg, "pretrained": str(tmp_path / "bf16")}, 96, dtype=torch.float32)
+    assert {p.dtype for p in forced.parameters()} == {torch.float32}
+    # An fp32 checkpoint under mixed precision: the engine casts, the master has the file's bits.
+    weights = torch.cat([p.detach().flatten() for p in fp32.parameters() if p.dim() >= 2]).clone()
+    assert not torch.equal(weights, weights.to(torch.bfloat16).float())  # bf16 would lose bits here
+    engine = build_engine(fp32, EngineConfig(method="ddp", nb_steps_tot=1, use_mixed_precision=True))
+    assert torch.equal(engine.comm.optimizer.master[: weights.numel()], weights)
+    assert {p.dtype for p in fp32.parameters()} == {torch.bfloat16}
+    engine.close()
