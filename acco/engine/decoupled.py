@@ -110,16 +110,16 @@ class DecoupledEngine:
 
     # ---- the computation side -------------------------------------------------------------
 
-    def _micro_step(self, batch: Any, loss_fn: LossFn) -> None:
+    def _micro_step(self, batch: Any, loss_fn: LossFn, lead: int = 2) -> None:
         backward_and_count(loss_fn(self.module, batch), self.stats)
         if self.device.type == "cuda":
-            # Bound how far the host runs ahead of the GPU, so that "is the round done yet?"
-            # is asked at the pace of real computation; the GPU always has one queued. A blocking
-            # event: the host sleeps in the wait instead of spinning a core.
+            # Bound how far the host runs ahead of the GPU (at most `lead` micro-batches queued),
+            # so that "is the round done yet?" is asked at the pace of real computation. A
+            # blocking event: the host sleeps in the wait instead of spinning a core.
             event = torch.cuda.Event(blocking=True)
             event.record()
             self._inflight.append(event)
-            if len(self._inflight) > 2:
+            while len(self._inflight) > lead:
                 self._inflight.pop(0).synchronize()
 
     def _accumulate(self, batches: Iterator, loss_fn: LossFn, minimum: int, round_in_flight=None) -> float:
@@ -132,7 +132,14 @@ class DecoupledEngine:
             if batch is _END:
                 self.stats[EXHAUSTED] = 1
                 break
-            self._micro_step(batch, loss_fn)
+            # A stream runs its work in order, so the payload-ready event that `_launch` records
+            # completes only after every micro-batch queued before it, and the round's kernels on
+            # the side stream wait for that event (torch's CUDA semantics): whatever the host has
+            # queued when it sees the round done delays the next round. Where the next check may
+            # launch one (minimum reached, a round in flight), keep only the micro-batch that is
+            # running queued (lead 1); elsewhere two, so the GPU never waits for the host.
+            may_launch = keep_going and n + 1 >= minimum
+            self._micro_step(batch, loss_fn, lead=1 if may_launch else 2)
             n += 1
         return time.perf_counter() - start
 
@@ -152,7 +159,10 @@ class DecoupledEngine:
 
     def _launch(self, kind: RoundKind):
         """Swap-out: the accumulator becomes the payload; zero it unless this is acco's estimate
-        round (then the gradients g_t computed during the round add to g~_t)."""
+        round (then the gradients g_t computed during the round add to g~_t). On CUDA the copies
+        and the zeroing are queued on the compute stream and the payload-ready event is recorded
+        behind them (`BackgroundComm.submit`): the round reads the payload only once it is whole,
+        and the next micro-batches add to the accumulator only after it was copied."""
         self.payload.copy_(self.flat.grads)
         self.payload_stats.copy_(self.stats)
         if kind is RoundKind.UPDATE:
