@@ -1,0 +1,135 @@
+"""The multi-GPU check: on a machine with two or more GPUs, 2 processes on NCCL check what the gloo
+tests check. Elsewhere every test skips with its reason. Run it with
+
+    .venv/bin/python -m pytest -q tests/test_cuda.py -rs
+
+- ddp and acco, in fp32, equal the plain single-process references of test_engine_methods.py;
+- every rank ends with the same parameters after several updates;
+- the overlap is real: a sleep put on the comm side stream in every round (torch.cuda._sleep, as
+  acco-bench gpu does) lets compute go on (many micro-batches per round), the same sleep on the
+  compute stream (the control) does not.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from distributed import free_port
+from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, micro_batch, reference_acco
+
+WORLD = 2
+
+
+def _why_not() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (a CPU-only torch build or no GPU visible)"
+    if torch.cuda.device_count() < WORLD:
+        return f"needs {WORLD} GPUs, {torch.cuda.device_count()} visible"
+    if not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+
+
+def _entry(rank: int, port: int, fn, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls, to compare with the CPU references
+    dist.init_process_group("nccl", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300), device_id=device)
+    try:
+        torch.save(fn(rank, device, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_nccl(fn, *args) -> list:
+    """fn(rank, device, *args) on 2 NCCL processes, one GPU each; the per-rank results (on the CPU)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_entry, args=(free_port(), fn, args, out_dir), nprocs=WORLD, start_method="spawn")
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
+def _stream(kind: str, rank: int, device):
+    j = 0
+    while True:  # worker `rank` reads global micro-batches rank, rank + W, ... (as the gloo tests)
+        x, y = micro_batch(kind, j * WORLD + rank)
+        yield x.to(device), y.to(device)
+        j += 1
+
+
+def _train(rank, device, kind, cfgs):
+    from acco.engine import build_engine
+
+    out = []
+    for cfg in cfgs:
+        model = make_model(kind).to(device)
+        engine = build_engine(model, cfg)
+        records = list(engine.run(_stream(kind, rank, device), loss_fn))
+        engine.close()
+        theta = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+        out.append((theta, [(r.step, r.loss, r.micro_batches) for r in records]))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_ddp_and_acco_equal_their_references_on_nccl(kind):
+    n, updates = 2, 6
+    budget = n * WORLD * updates
+    cfgs = [config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget),
+            config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget, acco_estimate="paper")]  # fmt: skip
+    results = run_nccl(_train, kind, cfgs)
+    for (theta, _), (theta0, _) in zip(results[1], results[0]):
+        assert torch.equal(theta, theta0), "the ranks' parameters differ after training"
+    (ddp, ddp_rec), (acco, acco_rec) = results[0]
+    ref = Reference(kind, cfgs[0], WORLD, [n] * WORLD)
+    assert_close(ddp, ref.ddp(updates), "ddp on NCCL vs AdamW on the global batches")
+    assert_close(torch.tensor([loss for _, loss, _ in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
+    ref = Reference(kind, cfgs[1], WORLD, [n // 2] * WORLD)
+    assert_close(acco, reference_acco(ref, updates), "acco on NCCL vs the estimate/update reference")
+    assert [mb for _, _, mb in acco_rec] == [[n] * WORLD] * updates
+
+
+def _overlap(rank, device, delay_ms: float, on_side_stream: bool):
+    from acco.bench.gpu import calibrate_sleep
+    from acco.engine import build_engine
+
+    cycles = int(delay_ms * calibrate_sleep(device))
+    compute = torch.cuda.current_stream(device)
+
+    def sleep():  # called by the comm thread, inside the round (on the side stream by default)
+        if on_side_stream:
+            torch.cuda._sleep(cycles)
+        else:
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(cycles)
+
+    cfg = config(method="acco", n_grad_accumulation=1, nb_steps_tot=400, accumulate_while_waiting=True)
+    model = make_model("mlp").to(device)
+    engine = build_engine(model, cfg)
+    engine.comm.delay_hook = sleep
+    records = list(engine.run(_stream("mlp", rank, device), loss_fn))
+    engine.close()
+    theta = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
+    return theta, [r.micro_batches[rank] for r in records]
+
+
+def test_the_overlap_is_real_with_a_delayed_side_stream():
+    side = run_nccl(_overlap, 50.0, True)
+    control = run_nccl(_overlap, 50.0, False)
+    assert torch.equal(side[0][0], side[1][0]), "the ranks' parameters differ after training"
+    per_update = sum(side[0][1][1:]) / max(1, len(side[0][1]) - 1)  # after the warm start
+    per_update_control = sum(control[0][1][1:]) / max(1, len(control[0][1]) - 1)
+    # An update is 2 rounds of >= 1 micro-batch; a 50 ms sleep per round on the side stream leaves
+    # time for many more tiny micro-batches, on the compute stream it holds them up.
+    assert per_update >= 10, f"micro-batches per update with the side stream delayed: {per_update:.1f}"
+    assert per_update > 3 * per_update_control, (per_update, per_update_control)
