@@ -1,9 +1,38 @@
-"""torch-ddp: what a PyTorch user would run instead of acco.
+"""torch-ddp: what a PyTorch user would run instead of acco, tuned as PyTorch's documentation advises.
 
 torch's DistributedDataParallel (bucketed all-reduce overlapped with backward) with
 ZeroRedundancyOptimizer(AdamW), the same hyper-parameters, budget and LR schedule as the other
 methods. Mixed precision is the usual PyTorch recipe: fp32 parameters, bf16 autocast, and
 gradients all-reduced in bf16 (DDP's bf16 compression hook) so the wire carries what acco's does.
+
+The tuning (BENCHMARKS.md, "torch-ddp tuning: bucket_cap_mb sweep"):
+- DDP's gradient_as_bucket_view: the .grad tensors are views of DDP's buckets (no copy, and no
+  second gradient-sized buffer). ZeRO's parameters_as_bucket_view: the updated shards are
+  broadcast bucket by bucket, not parameter by parameter.
+- DDP's bucket_cap_mb from train.bucket_cap_mb. Given explicitly it also caps the first bucket:
+  torch's smaller 1 MiB first bucket applies only when the argument is left out.
+- static_graph when an update is one micro-batch per worker. With accumulation (no_sync on all
+  micro-batches but the last) it stays off: in torch 2.13 a backward under no_sync with
+  static_graph fails DDP's internal assert (expect_autograd_hooks_) in the first update; past it,
+  the gradients stop being all-reduced (pytorch/pytorch#187732); running those micro-batches on the
+  bare module instead of under no_sync gives wrong gradients too. tests/test_torch_ddp.py pins
+  the failure, so the gate can go once torch is fixed. static_graph gains little here anyway:
+  every parameter is used (find_unused_parameters stays off) and gradient checkpointing is
+  non-reentrant (use_reentrant=False), the cases static_graph exists for; and its first update
+  all-reduces only after the whole backward.
+- ZeroRedundancyOptimizer's overlap_with_ddp (the step run in DDP's comm hook,
+  ddp_zero_hook.hook_with_zero_step; NCCL only) is not used: it would change what is trained, in
+  every configuration. (1) The step runs in the last bucket's hook, during backward, before the
+  engine holds the whole averaged gradient: no clipping by its global norm (max_grad_norm, on by
+  default), no division by the loss weight summed over all workers (known from the statistics
+  all-gather after backward). (2) Its functional AdamW takes one parameter group, and decay on the
+  matrices but not on biases and norms needs two. (3) The functional AdamW reads its learning rate
+  from its own defaults, which ZeroRedundancyOptimizer's param_groups never reach: the per-update
+  schedule would be silently dropped. (4) The first two updates (three with static_graph) do not
+  step the optimizer at all: ZeRO waits for DDP's rebuilt buckets before it assigns its shards, so
+  those updates' micro-batches would count in the budget without training (torch's docs suggest
+  dummy inputs first). (5) gloo is refused (it may hang, pytorch/pytorch#62300): nothing here could
+  test it.
 """
 
 from __future__ import annotations
@@ -42,10 +71,14 @@ class TorchDDPEngine:
         self.device = next(module.parameters()).device
         module.to(torch.float32)
         device_ids = [self.device] if self.device.type == "cuda" else None
+        # static_graph only without accumulation: torch 2.13's DDP with static_graph fails on a
+        # backward under no_sync (see the module docstring; test_torch_ddp.py pins the failure).
+        self.static_graph = int(cfg.n_grad_accumulation) == 1
         # DDP broadcasts rank 0's parameters and buffers at construction.
         self.ddp = DistributedDataParallel(
-            module, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True
-        )
+            module, device_ids=device_ids, process_group=group, bucket_cap_mb=cfg.bucket_cap_mb,
+            gradient_as_bucket_view=True, static_graph=self.static_graph,
+        )  # fmt: skip
         if cfg.use_mixed_precision:
             self.ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
         trainable = [p for p in module.parameters() if p.requires_grad]
@@ -206,6 +239,21 @@ class TorchDDPEngine:
 
     def _dtype(self) -> torch.dtype:
         return next(self.module.parameters()).dtype
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for training, by component (numel x element size): the full
+        parameters (ZeroRedundancyOptimizer's buckets hold them, parameters_as_bucket_view), the full
+        gradients (DDP's buckets, which .grad views), AdamW's moments for this worker's ZeRO shard
+        (allocated at the first step, counted before it too). Not counted, as for the other
+        methods: activations, the module's buffers, AdamW's step counters (one scalar per tensor),
+        and the bf16 hook's compressed copy of a bucket while it is on the wire (transient)."""
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        local = [p for group in self.optimizer.optim.param_groups for p in group["params"]]
+        return {"params": size(self.module.parameters()),
+                "grads": size(p for p in self.module.parameters() if p.requires_grad),
+                "exp_avg": size(local), "exp_avg_sq": size(local)}  # fmt: skip
 
     @contextlib.contextmanager
     def committed_params(self):

@@ -1,0 +1,136 @@
+"""torch-ddp's tuning: static_graph where torch supports it, bucket_cap_mb, state_bytes.
+
+test_engine_methods.py checks torch-ddp against the plain AdamW reference with accumulation (2
+micro-batches per update, static_graph off); here the same check without accumulation, where
+static_graph is on, with buckets small enough that the all-reduce is split in several.
+"""
+
+from __future__ import annotations
+
+import torch
+from distributed import run_distributed
+from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, stream
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parameters_to_vector
+
+from acco.engine import build_engine
+
+BUCKET_MB = 2e-4  # 210 bytes: every parameter of the mlp in a bucket of its own or two
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (each counted once)."""
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def train_and_measure(rank, world, kind, cfgs):
+    out = []
+    for cfg in cfgs:
+        model = make_model(kind)
+        engine = build_engine(model, cfg)
+        records = list(engine.run(stream(kind, rank, world), loss_fn))
+        state = engine.optimizer.optim.state
+        local = [p for g in engine.optimizer.optim.param_groups for p in g["params"]]
+        out.append({
+            "params": parameters_to_vector(model.parameters()).detach().float(),
+            "records": records,
+            "static_graph": engine.ddp.static_graph,
+            "bucket_bytes_cap": engine.ddp.bucket_bytes_cap,
+            "state_bytes": engine.state_bytes(),
+            # what the tensors behind each component really take
+            "param_storage": storage_bytes(p.data for p in model.parameters()),
+            "grad_storage": storage_bytes(p.grad for p in model.parameters()),
+            "exp_avg": sum(state[p]["exp_avg"].nbytes for p in local),
+            "exp_avg_sq": sum(state[p]["exp_avg_sq"].nbytes for p in local),
+            "local_numel": sum(p.numel() for p in local),
+        })  # fmt: skip
+        engine.close()
+    return out
+
+
+def test_static_graph_without_accumulation_equals_reference_and_state_bytes():
+    world, updates, clip = 2, 6, 0.45
+    budget = world * updates
+    one = config(method="torch-ddp", n_grad_accumulation=1, nb_steps_tot=budget, max_grad_norm=clip,
+                 bucket_cap_mb=BUCKET_MB)  # fmt: skip
+    two = config(method="torch-ddp", n_grad_accumulation=2, nb_steps_tot=2 * budget, max_grad_norm=clip)
+    results = run_distributed(train_and_measure, world, "mlp", [one, two])
+    got, accumulated = results[0]
+    assert got["static_graph"] and not accumulated["static_graph"]
+    assert got["bucket_bytes_cap"] == int(BUCKET_MB * 2**20)
+    assert torch.equal(results[1][0]["params"], got["params"])
+
+    ref = Reference("mlp", one, world, [1] * world)
+    expected = ref.ddp(updates)
+    assert [r.step for r in got["records"]] == list(range(1, updates + 1))
+    assert_close(got["params"], expected, "torch-ddp with static_graph vs AdamW on the global batches")
+    assert_close(torch.tensor([r.loss for r in got["records"]]), torch.tensor(ref.losses), "losses")
+    norms = torch.tensor(ref.grad_norms)
+    assert norms.min() < clip < norms.max(), f"clipping should act on some updates only: {norms}"
+    assert_close(torch.tensor([r.grad_norm for r in got["records"]]), norms, "gradient norms")
+
+    numel = sum(p.numel() for p in make_model("mlp").parameters())
+    for per_rank in results:
+        for r in per_rank:
+            sb = r["state_bytes"]
+            assert sorted(sb) == ["exp_avg", "exp_avg_sq", "grads", "params"]
+            # the full fp32 replica, held in ZeRO's buckets; the full gradient, in DDP's buckets
+            assert sb["params"] == r["param_storage"] == 4 * numel
+            assert sb["grads"] == r["grad_storage"] == 4 * numel
+            # this rank's ZeRO shard of AdamW's moments, as allocated by its steps
+            assert (
+                sb["exp_avg"] == r["exp_avg"] == sb["exp_avg_sq"] == r["exp_avg_sq"] == 4 * r["local_numel"]
+            )
+    for k in range(2):  # the two ranks' shards partition the parameters
+        assert sum(per_rank[k]["local_numel"] for per_rank in results) == numel
+        assert 0 < results[0][k]["local_numel"] < numel
+
+
+def static_graph_with_no_sync(rank, world):
+    """torch's own DDP, static_graph=True, two micro-batches per step, the first under no_sync:
+    True when the accumulated gradients come out averaged over the workers, as without static_graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = DistributedDataParallel(model, static_graph=True, gradient_as_bucket_view=True)
+    data = [
+        torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * r + k))
+        for r in range(world)
+        for k in range(2)
+    ]
+    for _ in range(3):
+        ddp.zero_grad()
+        try:
+            with ddp.no_sync():
+                ddp(data[2 * rank]).sum().backward()
+            ddp(data[2 * rank + 1]).sum().backward()
+        except RuntimeError:  # torch 2.13: "expect_autograd_hooks_ INTERNAL ASSERT FAILED"
+            return False
+        plain = make_plain_copy(model)
+        sum(plain(x).sum() for x in data).backward()
+        if not all(
+            torch.allclose(p.grad / world, q.grad, atol=1e-6)
+            for p, q in zip(plain.parameters(), model.parameters())
+        ):
+            return False
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    return True
+
+
+def make_plain_copy(model: nn.Module) -> nn.Module:
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+def test_torch_static_graph_still_breaks_under_no_sync():
+    """Why TorchDDPEngine turns static_graph off under accumulation. If this fails, torch has fixed
+    static_graph with no_sync (pytorch/pytorch#187732): the gate in torch_ddp.py can go."""
+    assert run_distributed(static_graph_with_no_sync, 2) == [False, False], (
+        f"torch {torch.__version__} accumulates under no_sync with static_graph: lift torch-ddp's gate"
+    )
