@@ -1,52 +1,71 @@
-"""`make demo`: the tiny GPT-Neo on the synthetic corpus, acco against ddp, side by side.
+"""`make demo`: acco against ddp, two workers, the time each needs to reach ddp's loss.
 
-Both runs use 2 local workers, the same samples and the same effective batch (acco 2 micro-batches
-per round and 2 rounds per update, ddp 4 per update; accumulate_while_waiting off so that the
-batch stays fixed), then print a table and plot both curves against samples and against time.
+Where the machine allows it (root and iproute2, as ``acco-bench cluster`` needs), the two workers
+run on two emulated hosts joined by a slow link (100 Mbit/s, 1 ms), where ddp waits for every
+comm round and acco computes through it; elsewhere on loopback, where there is no communication
+to hide and the two take about the same time. Either way this is a small ``acco-bench race``
+(acco/bench/race.py): ddp trains to its budget, acco until its eval loss reaches ddp's final one;
+the tiny GPT-Neo on the synthetic corpus, acco in the paper's setting (it keeps computing
+micro-batches while a round runs). The plot shows eval loss against wall-clock training time.
+The emulated hosts are removed at the end, on Ctrl-C and on failure.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
-from acco.metrics import plot_runs
-
-# Same effective batch: acco 2 micro-batches per round (two rounds per update), ddp 4 per update.
-RUNS = {"acco": ["train=acco", "train.n_grad_accumulation=2"], "ddp": ["train=ddp", "train.n_grad_accumulation=4"]}
+from acco.bench import namespaces
+from acco.bench.race import run_race
+from acco.bench.settings import BenchError, BenchSettings
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo")
-    parser.add_argument("--nb-steps-tot", type=int, default=1600, help="micro-batches over all workers")
+    parser.add_argument("--nb-steps-tot", type=int, default=320, help="ddp's budget, micro-batches over both workers")
+    parser.add_argument("--bandwidth", default="100mbit", help="the emulated link's rate (a tc rate)")
+    parser.add_argument("--loopback", action="store_true", help="run on 127.0.0.1 even where a link can be emulated")
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for both runs")
     args = parser.parse_args(argv)
+    reason = None if args.loopback else namespaces.netns_unavailable_reason()
+    loopback = args.loopback or reason is not None
+    settings = BenchSettings(methods=("ddp", "acco"), nb_steps_tot=args.nb_steps_tot, bandwidth=None if loopback else args.bandwidth,
+                             loopback=loopback, accumulate_while_waiting=True, eval_step=2, extra=tuple(args.extra))
+    if loopback:
+        why = "--loopback" if args.loopback else reason.rstrip(".")
+        print(f"demo: on loopback ({why}): with nothing to communicate over a slow link, acco has nothing to "
+              "hide and the two tie in wall-clock time; run as root with iproute2 to see the difference.", flush=True)
+    else:
+        print(f"demo: two emulated hosts on a {args.bandwidth} link (network namespaces, removed at the end)", flush=True)
     out = Path(args.out)
-    summaries = {}
-    for name, overrides in RUNS.items():
-        run_dir = out / name
-        cmd = [
-            sys.executable, "-m", "acco.cli", *overrides,
-            "launch.nproc=2", "train.accumulate_while_waiting=false", "train.overwrite_output_dir=true",
-            f"train.nb_steps_tot={args.nb_steps_tot}", f"train.warmup={args.nb_steps_tot // 10}",
-            f"train.output_dir={run_dir}", *args.extra,
-        ]  # fmt: skip
-        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-        if subprocess.run(cmd).returncode != 0:
-            print(f"demo: the {name} run failed", file=sys.stderr)
-            return 1
-        summaries[name] = json.loads((run_dir / "summary.json").read_text())
-
-    header = f"{'method':<8}{'final eval loss':>17}{'wall time (s)':>15}{'tokens/s':>12}{'samples':>9}"
+    try:
+        race = run_race(settings, out)
+    except BenchError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 1
+    target = race["target_eval_loss"]
+    if target is None or any("error" in r for r in race["methods"].values()):
+        print(f"demo: a run failed; its logs are under {out}", file=sys.stderr)
+        return 1
+    header = f"{'method':<8}{'time to ' + format(target, '.3f') + ' (s)':>22}{'samples then':>14}{'MiB sent/worker':>17}"
     print("\n" + header + "\n" + "-" * len(header))
-    for name, s in summaries.items():
-        print(f"{name:<8}{s['final_eval_loss']:>17.4f}{s['wall_time_s']:>15.1f}{s['tokens_per_s']:>12,.0f}{s['samples']:>9}")
-    plot_runs({name: out / name for name in RUNS}, out / "compare.png")
-    print(f"\nplots: {out / 'compare.png'}; runs: {', '.join(str(out / n) for n in RUNS)}")
+    for name, r in race["methods"].items():
+        t = r["time_to_target_s"]
+        sent = r["bytes_sent_per_worker_mean"]
+        print(f"{name:<8}{'not reached' if t is None else format(t, '.1f'):>22}"
+              f"{'-' if t is None else format(r['samples_to_target'], '.0f'):>14}"
+              f"{'-' if sent is None else format(sent / 2**20, '.1f'):>17}")
+    acco, ddp = race["methods"]["acco"], race["methods"]["ddp"]
+    if acco["time_to_target_s"] is not None and ddp["time_to_target_s"]:
+        ratio = acco["time_to_target_s"] / ddp["time_to_target_s"]
+        print(f"\nacco reached ddp's final eval loss in {ratio:.2f}x ddp's training time"
+              + (f" ({1 / ratio:.2f}x sooner)" if ratio < 1 else "")
+              + (" (loopback: nothing to hide, a tie is expected)" if loopback else ""))
+    else:
+        print("\nacco did not reach ddp's final eval loss within twice ddp's samples")
+    print(f"plot: {out / 'race.png'}; table: {out / 'race.md'}; runs: {out / 'ddp'}, {out / 'acco'}")
     return 0
 
 

@@ -186,3 +186,15 @@ def test_race_needs_ddp_and_known_methods(tmp_path, capsys):
         main(["race", "--loopback", "--methods", "ddp,adam", "--out", str(tmp_path)])
     assert "unknown method(s) adam" in capsys.readouterr().err
     assert main(["race", "--loopback", "--repeats", "2", "--out", str(tmp_path)]) == 2
+
+
+def test_demo_on_loopback_says_why_the_times_tie(tmp_path, capsys):
+    from acco import demo
+
+    tiny = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.vocab_size=512",
+            "data.n_docs=300", "train.batch_size=4", "train.max_length=32", "train.max_eval_batches=2"]
+    assert demo.main(["--loopback", "--nb-steps-tot", "16", "--out", str(tmp_path / "demo"), *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "on loopback (--loopback)" in out and "tie in wall-clock time" in out
+    assert "acco reached ddp's final eval loss in" in out or "acco did not reach" in out
+    assert (tmp_path / "demo" / "race.png").stat().st_size > 0

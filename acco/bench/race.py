@@ -216,11 +216,22 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                 f"to eval loss {target:.4f} or {s.nb_steps_tot} micro-batches"))
             load = LoadMeter()
             before = tx_bytes(net)
+            exit_error = None
             try:
-                wall = run_workers(s, method, run_dir, net, load)
+                try:
+                    wall = run_workers(s, method, run_dir, net, load)
+                except BenchError as e:
+                    if not (run_dir / "summary.json").exists():
+                        raise
+                    # Training finished (rank 0 wrote summary.json) and a worker failed on its way
+                    # out: the figures are whole; the failure is recorded with them.
+                    exit_error, wall = str(e), None
+                    log(f"[acco-bench] {method}: a worker failed after training finished: {e.args[0].splitlines()[0]}")
                 after = tx_bytes(net)
                 sent = [b - a for a, b in zip(before, after)] if before is not None else None
                 methods[method] = _method_result(run_dir, s, wall, load.result(), sent)
+                if exit_error:
+                    methods[method]["worker_exit_error"] = exit_error
             except BenchError as e:
                 log(f"[acco-bench] {method} FAILED: {e}")
                 methods[method] = {"error": str(e)}
