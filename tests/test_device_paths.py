@@ -76,3 +76,25 @@ def test_a_pretrained_model_loads_in_its_own_dtype_and_the_master_keeps_every_bi
     assert torch.equal(engine.comm.optimizer.master[: weights.numel()], weights)
     assert {p.dtype for p in fp32.parameters()} == {torch.bfloat16}
     engine.close()
+
+
+def test_bench_gpu_nproc_2_runs_its_processes_and_skips_without_the_gpus(tmp_path):
+    import argparse
+    import json
+
+    from acco.bench import gpu
+
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    if not torch.cuda.is_available():
+        args = parser.parse_args(["--nproc", "2", "--out", str(tmp_path / "cuda")])
+        assert gpu.main(args) == gpu.SKIP_EXIT
+        assert json.loads((tmp_path / "cuda" / "gpu.json").read_text())["skipped"] is True
+    # the same 2 processes on gloo (the code path; NCCL needs the GPUs)
+    args = parser.parse_args(["--device", "cpu", "--nproc", "2", "--model", "tiny", "--batch-size", "2",
+                              "--max-length", "16", "--steps", "3", "--warmup", "1", "--variants", "engine-acco,plain-bf16",
+                              "--out", str(tmp_path / "cpu")])  # fmt: skip
+    assert gpu.main(args) == 0
+    result = json.loads((tmp_path / "cpu" / "gpu.json").read_text())
+    assert result["nproc"] == 2 and list(result["variants"]) == ["engine-acco"]  # plain loops are 1-process
+    assert result["variants"]["engine-acco"]["updates_timed"] >= 2

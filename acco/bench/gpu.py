@@ -18,6 +18,12 @@
 MFU = tokens/s x training FLOPs per token (``acco.models.flops_per_token``: 6N + 12 L H Q T) /
 the device's dense bf16 peak (a table of known devices, or ``--peak-tflops``).
 
+``--nproc 2`` (or more) runs the engine variants and the side-stream check on that many processes,
+one GPU each, joined on NCCL through acco's own ``init_distributed`` (its NCCL timeout, error
+handling and ``device_id``): tokens/s are over all workers, the comm rounds really cross GPUs. The
+plain variants are single-process and are left out. Fewer GPUs than ``--nproc``: skipped, with why.
+(``--device cpu --nproc 2``: the same processes on gloo, to check the code path.)
+
 Without CUDA it says so and exits 0 (``--require-cuda``: exit 3), having written ``gpu.json`` with
 the reason. ``--device cpu`` runs the throughput part on the CPU (for checking the code path with a
 small model; no MFU, no stream check).
@@ -59,6 +65,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-stream-check", action="store_true", help="skip the side-stream check")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (code-path check only)")
     p.add_argument("--require-cuda", action="store_true", help=f"exit {NO_CUDA_EXIT} when there is no CUDA device")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes, one GPU each, on NCCL (2 or more: the multi-GPU path; engine variants only)")
 
 
 def peak_tflops(name: str) -> float | None:
@@ -123,7 +131,9 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     model = _fresh_model(args, vocab, device, torch.float32)
     k = args.grad_accum
     per_update = 2 * k
-    budget = budget or (args.warmup + args.steps) * per_update  # micro-batches
+    budget = budget or (args.warmup + args.steps) * per_update  # micro-batches of one worker
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    budget *= world  # nb_steps_tot counts every worker's micro-batches
     cfg = EngineConfig(method=method, n_grad_accumulation=k if method == "acco" else per_update,
                        nb_steps_tot=budget, use_mixed_precision=True,
                        accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=1e-4)
@@ -274,7 +284,45 @@ def main(args) -> int:
         reason = ("no CUDA device: this torch is a CPU-only build" if built is None
                   else f"no CUDA device visible (torch built for CUDA {built}, torch.cuda.is_available() is False)")
         return _skip(args, reason)
-    device = torch.device(args.device)
+    if args.nproc > 1:
+        visible = torch.cuda.device_count() if args.device == "cuda" else args.nproc
+        if visible < args.nproc:
+            return _skip(args, f"--nproc {args.nproc} needs {args.nproc} CUDA devices, {visible} visible")
+        return _spawn(args)
+    return _measure(args, torch.device(args.device))
+
+
+def _spawn(args) -> int:
+    """Run `_measure` on --nproc processes joined on NCCL; rank 0 writes the results."""
+    import torch.multiprocessing as mp
+
+    from acco.launch import free_port
+
+    mp.start_processes(_worker, args=(args, free_port()), nprocs=args.nproc, start_method="spawn")
+    sc = json.loads((Path(args.out) / "gpu.json").read_text()).get("stream_check")
+    return 1 if sc is not None and not sc["passed"] else 0
+
+
+def _worker(rank: int, args, port: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from acco.launch.process_group import init_distributed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    # --device cpu: the same processes on gloo, a check of the code path only
+    _, _, _, device = init_distributed(60.0, backend="nccl" if args.device == "cuda" else "gloo")
+    try:
+        _measure(args, device, rank, args.nproc)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(args, device, rank: int = 0, world: int = 1) -> int:
+    import torch
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from acco.bench.convergence import _model_config
@@ -286,14 +334,17 @@ def main(args) -> int:
     peak = args.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    pool = _random_batches(vocab, args.batch_size, args.max_length, device)
-    result = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "model": args.model,
+    pool = _random_batches(vocab, args.batch_size, args.max_length, device, seed=rank)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    result = {"device": name, "nproc": world, "torch": torch.__version__, "cuda": torch.version.cuda, "model": args.model,
               "vocab_size": vocab, "batch_size": args.batch_size, "max_length": args.max_length,
               "micro_batches_per_update": 2 * args.grad_accum, "flops_per_token": fpt,
               "peak_bf16_tflops": peak, "variants": {}}
-    print(f"acco-bench gpu: {name}, {args.model}, {args.batch_size}x{args.max_length} tokens per micro-batch, "
-          f"{2 * args.grad_accum} per update, peak {peak} TFLOP/s")
+    say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
+        f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        if world > 1 and variant.startswith("plain-"):
+            continue  # single-process loops
         if variant == "engine-acco":
             r = run_engine(args, "acco", device, vocab, pool)
         elif variant == "engine-ddp":
@@ -305,13 +356,13 @@ def main(args) -> int:
         else:
             print(f"acco-bench gpu: unknown variant {variant!r}", file=sys.stderr)
             return 2
-        r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12) if peak else None
+        r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
             r["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
             torch.cuda.reset_peak_memory_stats(device)
         result["variants"][variant] = r
         mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
-        print(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
+        say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
     v = result["variants"]
     for a, b in (("engine-acco", "plain-bf16"), ("engine-acco", "plain-autocast"), ("engine-ddp", "plain-bf16")):
         if a in v and b in v:
@@ -320,12 +371,13 @@ def main(args) -> int:
         ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
         result["stream_check"] = stream_check(args, device, vocab, pool, ms)
         sc = result["stream_check"]
-        print(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
+        say(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
               f"{sc['delay_ms_per_round']:.0f} ms sleep per round on the comm stream (control on the compute "
               f"stream: x{sc['compute_slowdown_control']:.2f}); {'PASSED' if sc['passed'] else 'FAILED'}")
-    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "gpu.md").write_text(gpu_markdown(result))
-    print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
+    if rank == 0:
+        (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "gpu.md").write_text(gpu_markdown(result))
+        print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
     sc = result.get("stream_check")
     return 1 if sc is not None and not sc["passed"] else 0
 
@@ -333,7 +385,7 @@ def main(args) -> int:
 def gpu_markdown(r: dict) -> str:
     from acco.bench.report import fmt, md_table
 
-    lines = [f"# acco-bench gpu: {r['device']}", "",
+    lines = [f"# acco-bench gpu: {r['device']}" + (f" x {r['nproc']} (NCCL)" if r.get("nproc", 1) > 1 else ""), "",
              f"{r['model']} (random init, vocab {r['vocab_size']}), bf16, micro-batch {r['batch_size']} x "
              f"{r['max_length']} tokens, {r['micro_batches_per_update']} micro-batches per update, "
              f"{fmt(r['flops_per_token'] / 1e6, 1)} MFLOP per token, peak {r['peak_bf16_tflops']} TFLOP/s, "
