@@ -30,6 +30,8 @@ def storage_bytes(tensors) -> int:
 def train_and_measure(rank, world, kind, cfgs):
     out = []
     for cfg in cfgs:
+        if isinstance(cfg, list):  # per-rank configs
+            cfg = cfg[rank]
         model = make_model(kind)
         engine = build_engine(model, cfg)
         records = list(engine.run(stream(kind, rank, world), loss_fn))
@@ -58,9 +60,13 @@ def test_static_graph_without_accumulation_equals_reference_and_state_bytes():
     one = config(method="torch-ddp", n_grad_accumulation=1, nb_steps_tot=budget, max_grad_norm=clip,
                  bucket_cap_mb=BUCKET_MB)  # fmt: skip
     two = config(method="torch-ddp", n_grad_accumulation=2, nb_steps_tot=2 * budget, max_grad_norm=clip)
-    results = run_distributed(train_and_measure, world, "mlp", [one, two])
-    got, accumulated = results[0]
+    # one micro-batch per update on one worker, two on the other: static_graph off on both
+    mixed = [config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget) for n in (1, 2)]
+    results = run_distributed(train_and_measure, world, "mlp", [one, two, mixed])
+    got, accumulated = results[0][:2]
     assert got["static_graph"] and not accumulated["static_graph"]
+    assert [r[2]["static_graph"] for r in results] == [False, False]
+    assert [rec.micro_batches for rec in results[0][2]["records"]] == [[1, 2]] * (budget // 3)
     assert got["bucket_bytes_cap"] == int(BUCKET_MB * 2**20)
     assert torch.equal(results[1][0]["params"], got["params"])
 

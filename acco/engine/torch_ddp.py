@@ -26,7 +26,7 @@ The tuning (BENCHMARKS.md, "torch-ddp tuning: bucket_cap_mb sweep"):
   engine holds the whole averaged gradient: no clipping by its global norm (max_grad_norm, on by
   default), no division by the loss weight summed over all workers (known from the statistics
   all-gather after backward). (2) Its functional AdamW takes one parameter group, and decay on the
-  matrices but not on biases and norms needs two. (3) The functional AdamW reads its learning rate
+  matrices but not on biases and norms needs two (unless weight_decay is 0). (3) The functional AdamW reads its learning rate
   from its own defaults, which ZeroRedundancyOptimizer's param_groups never reach: the per-update
   schedule would be silently dropped. (4) The first two updates (three with static_graph) do not
   step the optimizer at all: ZeRO waits for DDP's rebuilt buckets before it assigns its shards, so
@@ -73,7 +73,11 @@ class TorchDDPEngine:
         device_ids = [self.device] if self.device.type == "cuda" else None
         # static_graph only without accumulation: torch 2.13's DDP with static_graph fails on a
         # backward under no_sync (see the module docstring; test_torch_ddp.py pins the failure).
-        self.static_graph = int(cfg.n_grad_accumulation) == 1
+        # Every rank must agree (DDP's collectives differ with it), and ranks may accumulate
+        # different counts: one micro-batch per update on every worker.
+        most = torch.tensor([float(cfg.n_grad_accumulation)], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        self.static_graph = most.item() == 1
         # DDP broadcasts rank 0's parameters and buffers at construction.
         self.ddp = DistributedDataParallel(
             module, device_ids=device_ids, process_group=group, bucket_cap_mb=cfg.bucket_cap_mb,
