@@ -302,6 +302,8 @@ def race_markdown(race: dict, plots: list[str]) -> str:
                    fmt(r["eval_interval"]["eval_s_median"], 2), r["eval_interval"]["evaluations"]]
                   for n, r in race["methods"].items() if "error" not in r]), "",
     ]
+    lines += [f"{n}: a worker failed after training finished (figures kept): {r['worker_exit_error'].splitlines()[0]}\n"
+              for n, r in race["methods"].items() if r.get("worker_exit_error")]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -329,7 +331,9 @@ def plot_race(race: dict, out: Path) -> list[str]:
         ax.set_ylabel("eval loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"race to ddp's eval loss, {race['config']['network']['note']}"[:120], fontsize=9)
+    cfg, net = race["config"], race["config"]["network"]
+    link = "loopback" if net["kind"] == "loopback" else f"{net['bandwidth'] or 'unshaped'} links, latency {net['latency']}"
+    fig.suptitle(f"race to ddp's final eval loss: {cfg['hosts']} hosts, {link}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "race.png", dpi=120)
     plt.close(fig)
