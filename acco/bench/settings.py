@@ -15,6 +15,10 @@ ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco", "diloco", "streaming-dil
 VARIANTS = {
     "acco-paper": ("acco", ("train.acco_estimate=paper",)),
     "acco-lean": ("acco", ("train.acco_estimate=lean",)),
+    # DiLoCo's sync period H (inner steps), for the sweep; streaming: 4 fragments, tau 1.
+    **{f"diloco-h{h}": ("diloco", (f"train.sync_every={h}",)) for h in (5, 10, 20, 50)},
+    **{f"streaming-diloco-h{h}": ("streaming-diloco", (f"train.sync_every={h}", "train.num_fragments=4",
+                                                       "train.fragment_sync_delay=1")) for h in (8, 20, 50)},
 }
 KNOWN_METHODS = ALL_METHODS + tuple(VARIANTS)
 
