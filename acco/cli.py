@@ -84,7 +84,7 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
 
     from acco.data.prepare import load_corpus_rank0_first, prepare_tokenizer, split_corpus
     from acco.launch.process_group import decided_by_rank0, init_distributed
-    from acco.models import attention_for, build_model
+    from acco.models import attention_for, attention_of, build_model
     from acco.trainer import DecoupledTrainer, TrainArgs
 
     wait_for_go()
@@ -119,7 +119,7 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     if rank == 0:
-        print(f"attention: {model.config._attn_implementation} (model.attn_implementation=... to choose)", flush=True)
+        print(f"attention: {attention_of(model)} (model.attn_implementation=... to choose)", flush=True)
     trainer = DecoupledTrainer(
         model=model, tokenizer=tokenizer, train_dataset=train_corpus, eval_dataset=eval_corpus,
         text_column_name=cfg.data.text_column, args=args,

@@ -35,19 +35,43 @@ __all__ = [
     "ModelError",
     "build_model",
     "count_parameters",
+    "attention_of",
     "flops_per_token",
     "model_config",
 ]
 
-# GPT-Neo has no SDPA kernel in transformers (eager or flash-attention-2 only); Llama has SDPA,
-# which is exact and faster than eager on CPU and GPU alike.
-_DEFAULT_ATTN = {"gpt_neo": "eager", "llama": "sdpa"}
+# SDPA is exact and, unlike eager, keeps no T x T scores for the backward pass. Llama has it in
+# transformers; GPT-Neo has only eager and flash-attention-2 there, so for GPT-Neo "sdpa" is
+# acco's (acco/attention.py): the eager modules with their product swapped for SDPA.
+_DEFAULT_ATTN = {"gpt_neo": "sdpa", "llama": "sdpa"}
+
+
+def _transformers_attention(arch: str | None, attn: str | None) -> str | None:
+    """What transformers is asked for: GPT-Neo's "sdpa" is built eager, then swapped (`_finish_attention`)."""
+    return "eager" if arch == "gpt_neo" and attn == "sdpa" else attn
+
+
+def _finish_attention(model: PreTrainedModel, attn: str | None) -> PreTrainedModel:
+    if getattr(model.config, "model_type", None) == "gpt_neo" and attn == "sdpa":
+        from acco.attention import use_sdpa
+
+        use_sdpa(model)
+    return model
+
+
+def attention_of(model: nn.Module) -> str:
+    """The attention a built model runs ("sdpa" for GPT-Neo through acco's swap)."""
+    from acco.attention import GPTNeoSDPAttention
+
+    if any(isinstance(m, GPTNeoSDPAttention) for m in model.modules()):
+        return "sdpa"
+    return model.config._attn_implementation
 
 
 def attention_for(arch: str | None, device_type: str, half_precision: bool) -> str:
     """The attention kernel for this architecture on this device: flash_attention_2 on CUDA in
-    bf16 where the flash-attn package is installed (both architectures support it), SDPA where
-    transformers has it for the architecture (Llama), eager otherwise (GPT-Neo on CPU)."""
+    bf16 where the flash-attn package is installed (both architectures support it), SDPA otherwise
+    (transformers' for Llama, acco's for GPT-Neo), eager for an architecture without either."""
     import importlib.util
 
     if device_type == "cuda" and half_precision and importlib.util.find_spec("flash_attn") is not None:
@@ -120,7 +144,7 @@ def model_config(
             **common,
             **extra,
         )
-    config._attn_implementation = c.get("attn_implementation") or _DEFAULT_ATTN[arch]
+    config._attn_implementation = _transformers_attention(arch, c.get("attn_implementation") or _DEFAULT_ATTN[arch])
     return config
 
 
@@ -164,9 +188,9 @@ def _load_pretrained(
     kwargs: dict[str, Any] = {_dtype_kwarg(): dtype or "auto"}
     attn = attn or _DEFAULT_ATTN.get(config.model_type)
     if attn is not None:
-        kwargs["attn_implementation"] = attn
+        kwargs["attn_implementation"] = _transformers_attention(config.model_type, attn)
     try:
-        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        return _finish_attention(AutoModelForCausalLM.from_pretrained(name, **kwargs), attn)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load pretrained model {name!r}: {first}") from e
@@ -227,6 +251,7 @@ def build_model(
         )
         _check_max_length(config, max_length, c.get("name") or "?")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+        _finish_attention(model, c.get("attn_implementation") or _DEFAULT_ATTN[c["arch"]])
         if dtype is not None:
             model = model.to(dtype)
     return model

@@ -16,12 +16,14 @@ from acco.models import build_model
 def test_sdpa_equals_eager_for_gpt_neo(padded):
     torch.manual_seed(0)
     config = dict(arch="gpt_neo", hidden_size=64, num_layers=4, num_heads=4, max_position_embeddings=64, window_size=8)
-    eager = build_model(config, vocab_size=100, max_length=64)
+    eager = build_model(config | {"attn_implementation": "eager"}, vocab_size=100, max_length=64)
     assert eager.config.attention_layers == ["global", "local", "global", "local"]
     sdpa = copy.deepcopy(eager)
     assert use_sdpa(sdpa) == 4
     assert sum(isinstance(m, GPTNeoSDPAttention) for m in sdpa.modules()) == 4
     assert sdpa.state_dict().keys() == eager.state_dict().keys()
+    built = build_model(config, vocab_size=100, max_length=64)  # the default swaps it in
+    assert sum(isinstance(m, GPTNeoSDPAttention) for m in built.modules()) == 4
     x = torch.randint(0, 100, (3, 64), generator=torch.Generator().manual_seed(1))
     mask = None
     labels = x

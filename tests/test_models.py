@@ -222,15 +222,18 @@ def test_configs_compose_with_hydra():
 def test_attention_is_chosen_for_the_device(monkeypatch):
     import importlib.util
 
-    from acco.models import attention_for
+    from acco.models import attention_for, attention_of
 
-    assert attention_for("gpt_neo", "cpu", False) == "eager"  # transformers has no SDPA for GPT-Neo
+    assert attention_for("gpt_neo", "cpu", False) == "sdpa"  # acco's (transformers has none for GPT-Neo)
     assert attention_for("llama", "cpu", True) == "sdpa"
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
     assert attention_for("gpt_neo", "cuda", True) == attention_for("llama", "cuda", True) == "flash_attention_2"
     assert attention_for("llama", "cuda", False) == "sdpa"  # flash-attention needs bf16 or fp16
-    assert attention_for("gpt_neo", "cpu", True) == "eager"
+    assert attention_for("gpt_neo", "cpu", True) == "sdpa"
+    neo = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=8)
+    assert attention_of(build_model(neo, vocab_size=97)) == "sdpa"  # the default: swapped in
+    assert attention_of(build_model(neo | {"attn_implementation": "eager"}, vocab_size=97)) == "eager"
     config = dict(arch="llama", hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=64,
                   intermediate_size=64, attn_implementation="eager")  # fmt: skip
     assert build_model(config, vocab_size=97).config._attn_implementation == "eager"  # the user's choice
