@@ -100,7 +100,7 @@ class CommRound:
         self.master = flat.master_shard  # fp32, from the weights before any cast
         # weight decay applies to the first `decayed` elements of this shard (FlatParams' order)
         decayed = min(max(flat.decay_numel - flat.shard.start, 0), self.layout.shard_numel)
-        self.optimizer = ShardedAdamW(self.master, cfg, decayed)
+        self.optimizer = ShardedAdamW(self.master, cfg, decayed, trial=cfg.method == "acco")
         # Preallocated shard-sized buffers: nothing model-sized is allocated per round.
         self.grad_shard = torch.empty_like(self.master)  # fp32 gradient the optimizer reads
         lowp = flat.dtype != torch.float32

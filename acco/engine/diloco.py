@@ -96,7 +96,7 @@ class DiLoCoEngine:
             for buffer in module.buffers():
                 dist.broadcast(buffer, src=src, group=group)
         self.flat.params.copy_(self.local)
-        self.inner = ShardedAdamW(self.local, cfg, self.flat.decay_numel)
+        self.inner = ShardedAdamW(self.local, cfg, self.flat.decay_numel, trial=False)
         self.global_params = self.local.clone()  # the last synchronised parameters, fp32
         self.outer_momentum = torch.zeros_like(self.local)
         self.fragments = fragment_slices(self.flat, module, cfg.num_fragments)
