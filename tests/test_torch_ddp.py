@@ -8,6 +8,7 @@ static_graph is on, with buckets small enough that the all-reduce is split in se
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from distributed import run_distributed
 from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, stream
 from torch import nn
@@ -140,3 +141,46 @@ def test_torch_static_graph_still_breaks_under_no_sync():
     assert run_distributed(static_graph_with_no_sync, 2) == [False, False], (
         f"torch {torch.__version__} accumulates under no_sync with static_graph: lift torch-ddp's gate"
     )
+
+
+def train_mixed_precision(rank, world, cfgs):
+    """Run each config, recording what the gradient all-reduces carried (dtype, numel)."""
+    sent = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        sent.append((tensor.dtype, tensor.numel()))
+        return all_reduce(tensor, *args, **kwargs)
+
+    out = []
+    dist.all_reduce = recording
+    try:
+        for cfg in cfgs:
+            sent.clear()
+            model = make_model("mlp")
+            engine = build_engine(model, cfg)
+            records = list(engine.run(stream("mlp", rank, world), loss_fn))
+            engine.close()
+            out.append((parameters_to_vector(model.parameters()).detach().float(), records, list(sent)))
+    finally:
+        dist.all_reduce = all_reduce
+    return out
+
+
+def test_mixed_precision_all_reduces_gradients_in_bf16_on_gloo():
+    """torch refuses its bf16_compress_hook without CUDA and NCCL: on gloo the engine's own hook
+    sends the same bf16 buckets (it used to stop with a TypeError at construction)."""
+    world, updates = 2, 3
+    cfgs = [config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=n * world * updates, use_mixed_precision=mp)
+            for n, mp in ((2, True), (1, True), (2, False))]  # fmt: skip
+    results = run_distributed(train_mixed_precision, world, cfgs)
+    numel = sum(p.numel() for p in make_model("mlp").parameters())
+    (bf16, bf16_rec, bf16_sent), (_, _, static_sent), (fp32, _, fp32_sent) = results[0]
+    for rank_result in results[1:]:
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(rank_result, results[0]))
+    # one bucket (the mlp is far below 25 MiB), sent once per update, in bf16 with mixed precision
+    assert [s for s in bf16_sent if s[1] == numel] == [(torch.bfloat16, numel)] * updates
+    assert [s for s in static_sent if s[1] == numel] == [(torch.bfloat16, numel)] * updates
+    assert all(dtype != torch.bfloat16 for dtype, _ in fp32_sent)  # fp32: DDP's own all-reduce (in C++)
+    assert len(bf16_rec) == updates and torch.isfinite(bf16).all()
+    assert 0 < (bf16 - fp32).abs().max() < 0.05  # bf16 autocast and wire: close to fp32, not equal

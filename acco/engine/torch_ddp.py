@@ -60,6 +60,21 @@ from acco.engine.optim import learning_rate
 _END = object()
 
 
+def bf16_hook(group, bucket):
+    """torch's bf16_compress_hook, for the backends torch does not allow it on (gloo): the bucket is
+    cast to bf16, divided by the world size, all-reduced, and copied back into the fp32 bucket.
+    (group: ProcessGroup | None, bucket: GradBucket -> Future[Tensor]. No annotations: DDP compares
+    them with the classes, and this module's are strings.)"""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        return buffer.copy_(fut.value()[0])
+
+    return fut.then(decompress)
+
+
 class TorchDDPEngine:
     def __init__(self, module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
@@ -84,7 +99,9 @@ class TorchDDPEngine:
             gradient_as_bucket_view=True, static_graph=self.static_graph,
         )  # fmt: skip
         if cfg.use_mixed_precision:
-            self.ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+            # torch refuses its own bf16 hook without CUDA and NCCL; gloo all-reduces bf16 too
+            on_nccl = self.device.type == "cuda" and dist.get_backend(group) == "nccl"
+            self.ddp.register_comm_hook(group, default_hooks.bf16_compress_hook if on_nccl else bf16_hook)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = ZeroRedundancyOptimizer(
             # weight decay on the matrices and embeddings, not biases and norms (as FlatParams)
