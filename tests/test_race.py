@@ -122,6 +122,10 @@ def test_race_overrides_leave_the_users_keys_alone():
     assert o.count("train.scheduler_name=cosine") == 1 and not any(x == "train.scheduler_name=constant" for x in o)
     assert "train.warmup=40" in o and "train.max_eval_batches=8" in o and "train.stop_at_eval_loss=3.25" in o
     assert not any("stop_at_eval_loss" in x for x in race.race_overrides(BenchSettings(), 400, "constant", 8, None))
+    diloco = race.race_overrides(BenchSettings(), 400, "constant", 8, 3.25, "diloco")
+    assert "train.sync_every=10" in diloco and not any("sync_every" in x for x in o)
+    mine = race.race_overrides(BenchSettings(extra=("train.sync_every=7",)), 400, "constant", 8, 3.25, "diloco")
+    assert [x for x in mine if "sync_every" in x] == ["train.sync_every=7"]  # the user's value wins
 
 
 # --------------------------------------------------------------------------------------------

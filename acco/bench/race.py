@@ -49,6 +49,15 @@ REFERENCE = "ddp"
 RACE_METHODS = ("ddp", "torch-ddp", "acco", "diloco", "streaming-diloco")
 RACE_BUDGET = 480  # ddp's budget in micro-batches over all workers (the defaults: 60 updates of 4 x 2)
 CAP_FACTOR = 2  # the other methods stop at this many times ddp's samples
+# Per-method settings for the race's short runs (60 ddp updates), chosen by measurement
+# (BENCHMARKS.md): DiLoCo's sync period from the H sweep (the configs' 50 suits long runs, here it
+# would sync twice), torch-ddp's buckets from the bucket_cap_mb sweep (4 buckets or more on the
+# 0.9M-parameter model: 7-10% faster per update than one). A key given with --override wins.
+RACE_METHOD_DEFAULTS = {
+    "diloco": {"train.sync_every": "10"},
+    "streaming-diloco": {"train.sync_every": "20", "train.num_fragments": "4", "train.fragment_sync_delay": "1"},
+    "torch-ddp": {"train.bucket_cap_mb": "1"},
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,10 +150,10 @@ def _has_key(extra, key: str) -> bool:
 
 
 def race_overrides(settings: BenchSettings, budget: int, scheduler: str, eval_batches: int,
-                   target: float | None) -> tuple[str, ...]:
+                   target: float | None, method: str = REFERENCE) -> tuple[str, ...]:
     """The race's own Hydra overrides for one method (a key the user set with --override wins)."""
     ours = {"train.scheduler_name": scheduler, "train.warmup": str(budget // 10),
-            "train.max_eval_batches": str(eval_batches)}
+            "train.max_eval_batches": str(eval_batches), **RACE_METHOD_DEFAULTS.get(method, {})}
     if target is not None:
         ours["train.stop_at_eval_loss"] = repr(float(target))
     return tuple(f"{k}={v}" for k, v in ours.items() if not _has_key(settings.extra, k)) + tuple(settings.extra)
@@ -208,7 +217,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
         for method in order:
             ref = method == REFERENCE
             s = replace(settings, nb_steps_tot=budget if ref else CAP_FACTOR * budget,
-                        extra=race_overrides(settings, budget, scheduler, eval_batches, None if ref else target))
+                        extra=race_overrides(settings, budget, scheduler, eval_batches, None if ref else target, method))
             run_dir = out / method
             if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
                 shutil.rmtree(run_dir)
@@ -253,7 +262,8 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
         "config": {**settings.describe(), "methods": order, "budget_micro_batches": budget,
                    "cap_micro_batches": CAP_FACTOR * budget, "scheduler": scheduler, "warmup": budget // 10,
                    "eval_batches_per_worker": eval_batches, "network": network,
-                   "machine": machine_description(), "worker_command": worker_command()},
+                   "machine": machine_description(), "worker_command": worker_command(),
+                   "method_settings": {m: RACE_METHOD_DEFAULTS[m] for m in order if m in RACE_METHOD_DEFAULTS}},
         "target_eval_loss": target,
         "methods": methods,
     }
@@ -291,7 +301,8 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         f"methods stop there or at {cfg['cap_micro_batches']} micro-batches. accumulate_while_waiting="
         f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up {cfg['warmup']} "
         f"micro-batches), evaluation every {cfg['eval_step']} updates on {cfg['eval_batches_per_worker']} batches "
-        "per worker.", "",
+        "per worker." + ("".join(f" {m}: {', '.join(f'{k}={v}' for k, v in kv.items())}." for m, kv in
+                                 cfg.get("method_settings", {}).items())), "",
         md_table(header, rows), "",
         "Training time excludes the evaluations' own seconds. The crossing is interpolated between the last "
         "evaluation above the target and the first at or below it; *crossing bracket* is the time between those "
