@@ -320,16 +320,17 @@ def race_markdown(race: dict, plots: list[str]) -> str:
 
 
 def plot_race(race: dict, out: Path) -> list[str]:
-    from acco.bench.report import COLORS, _plt
+    from acco.bench.report import _plt, colors_for
 
     plt = _plt()
+    palette = colors_for(race["methods"])
     fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
     target = race.get("target_eval_loss")
     for name, r in race["methods"].items():
         if "error" in r or not r.get("eval_curve"):
             continue
         c = r["eval_curve"]
-        color = COLORS.get(name)
+        color = palette[name]
         by_time.plot([p["time_s"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name)
         by_samples.plot([p["samples"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name)
         if r.get("time_to_target_s") is not None:

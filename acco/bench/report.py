@@ -9,6 +9,19 @@ from pathlib import Path
 COLORS = {"ddp": "#1f77b4", "torch-ddp": "#9467bd", "dpu": "#ff7f0e", "wp": "#8c564b", "acco": "#d62728",
           "acco-paper": "#e377c2", "acco-lean": "#2ca02c", "diloco": "#17becf", "streaming-diloco": "#bcbd22",
           "adam": "#7f7f7f"}
+_SPARE = ("#2ca02c", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94")
+
+
+def colors_for(names) -> dict:
+    """A distinct color per name: the method's own where it has one, else the next spare one unused
+    in this plot (variants such as diloco-h10 would otherwise share matplotlib's cycle with them)."""
+    names = list(names)
+    out = {n: COLORS[n] for n in names if n in COLORS}
+    spare = [c for c in _SPARE if c not in out.values()]
+    for n in names:
+        if n not in out:
+            out[n] = spare.pop(0) if spare else None
+    return out
 
 
 def _plt():
