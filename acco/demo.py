@@ -5,8 +5,13 @@ run on two emulated hosts joined by a slow link (100 Mbit/s, 1 ms), where ddp wa
 comm round and acco computes through it; elsewhere on loopback, where there is no communication
 to hide and the two take about the same time. Either way this is a small ``acco-bench race``
 (acco/bench/race.py): ddp trains to its budget, acco until its eval loss reaches ddp's final one;
-the tiny GPT-Neo on the synthetic corpus, acco in the paper's setting (it keeps computing
-micro-batches while a round runs). The plot shows eval loss against wall-clock training time.
+the tiny GPT-Neo on the synthetic corpus. The batch is fixed and the same for both (ddp 6
+micro-batches per worker per update, acco 3 per round and two rounds), so ddp waits for every
+round and acco computes through it; at 100 Mbit/s this model spends about a third of ddp's step
+communicating, where acco's two rounds per update fit under its computation. (In the paper's
+setting, acco computing more micro-batches while a round runs, this CPU-sized model at 100 Mbit/s
+is comm-bound, acco's batch grows and it needs more samples: BENCHMARKS.md section 11.) The plot
+shows eval loss against wall-clock training time.
 The emulated hosts are removed at the end, on Ctrl-C and on failure.
 """
 
@@ -24,7 +29,7 @@ from acco.bench.settings import BenchError, BenchSettings
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo")
-    parser.add_argument("--nb-steps-tot", type=int, default=320, help="ddp's budget, micro-batches over both workers")
+    parser.add_argument("--nb-steps-tot", type=int, default=360, help="ddp's budget, micro-batches over both workers")
     parser.add_argument("--bandwidth", default="100mbit", help="the emulated link's rate (a tc rate)")
     parser.add_argument("--loopback", action="store_true", help="run on 127.0.0.1 even where a link can be emulated")
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for both runs")
@@ -32,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     reason = None if args.loopback else namespaces.netns_unavailable_reason()
     loopback = args.loopback or reason is not None
     settings = BenchSettings(methods=("ddp", "acco"), nb_steps_tot=args.nb_steps_tot, bandwidth=None if loopback else args.bandwidth,
-                             loopback=loopback, accumulate_while_waiting=True, eval_step=2, extra=tuple(args.extra))
+                             loopback=loopback, accumulate_while_waiting=False, grad_accum=6, eval_step=2,
+                             extra=tuple(args.extra))
     if loopback:
         why = "--loopback" if args.loopback else reason.rstrip(".")
         print(f"demo: on loopback ({why}): with nothing to communicate over a slow link, acco has nothing to "

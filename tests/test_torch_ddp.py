@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from distributed import run_distributed
 from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, stream
 from torch import nn
@@ -138,7 +139,14 @@ def make_plain_copy(model: nn.Module) -> nn.Module:
 def test_torch_static_graph_still_breaks_under_no_sync():
     """Why TorchDDPEngine turns static_graph off under accumulation. If this fails, torch has fixed
     static_graph with no_sync (pytorch/pytorch#187732): the gate in torch_ddp.py can go."""
-    assert run_distributed(static_graph_with_no_sync, 2) == [False, False], (
+    try:
+        results = run_distributed(static_graph_with_no_sync, 2)
+    except mp.ProcessExitedException as e:
+        # After the failed assert DDP's reducer is left half-way: at exit its C++ threads can abort
+        # the process ("terminate called without an active exception"), the same broken state.
+        assert "SIGABRT" in str(e), e
+        return
+    assert results == [False, False], (
         f"torch {torch.__version__} accumulates under no_sync with static_graph: lift torch-ddp's gate"
     )
 
