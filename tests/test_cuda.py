@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from distributed import free_port
-from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, micro_batch, reference_acco
+from test_engine_methods import (
+    Reference,
+    assert_close,
+    config,
+    loss_fn,
+    make_model,
+    micro_batch,
+    reference_acco,
+)
 
 WORLD = 2
 

@@ -13,7 +13,16 @@ import math
 import pytest
 import torch
 from distributed import run_distributed
-from test_engine_methods import assert_close, config, decay_groups, loss_fn, make_model, micro_batch, reference_lr, stream
+from test_engine_methods import (
+    assert_close,
+    config,
+    decay_groups,
+    loss_fn,
+    make_model,
+    micro_batch,
+    reference_lr,
+    stream,
+)
 from torch import nn
 from torch.nn.utils import clip_grad_norm_, parameters_to_vector
 

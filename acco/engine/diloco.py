@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from acco.engine import collectives, progress
-from acco.engine.comm import LOSS, MICRO_BATCHES, WEIGHT, BackgroundComm, backward_and_count, new_stats
+from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
 from acco.engine.decoupled import CheckpointError, LossFn, world_of
 from acco.engine.flat import FLAT_ORDER, FlatParams
