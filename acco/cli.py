@@ -14,6 +14,7 @@ The path of a job, in the order it runs:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -131,6 +132,11 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
             f"{summary['final_eval_loss']}, {summary['tokens_per_s']:,.0f} tokens/s, outputs in {out}",
             flush=True,
         )
+    # Free the engine (DDP's reducer, the comm worker) while the interpreter is whole: a gloo
+    # group whose last reference goes at interpreter exit can abort the process (a C++ thread
+    # still holding work with Python tensors: "terminate called without an active exception").
+    del trainer, model
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import socket
@@ -28,6 +29,10 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        del result
+        # Free what fn built (DDP's reducer holds the group, in reference cycles) while the
+        # interpreter is whole: a gloo group released at interpreter exit can abort the process.
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
