@@ -21,6 +21,7 @@ from test_engine_methods import (
     make_model,
     micro_batch,
     reference_lr,
+    run_engine,
     stream,
 )
 from torch import nn
@@ -109,17 +110,6 @@ def reference_diloco(kind: str, cfg: EngineConfig, world: int) -> tuple[torch.Te
     return parameters_to_vector(glob.parameters()).detach(), losses
 
 
-def run_diloco(rank, world, kind, cfgs):
-    out = []
-    for cfg in cfgs:
-        model = make_model(kind)
-        engine = build_engine(model, cfg)
-        records = list(engine.run(stream(kind, rank, world), loss_fn))
-        engine.close()
-        out.append((parameters_to_vector(model.parameters()).detach(), records))
-    return out
-
-
 # Budgets that are not a multiple of a sync cycle: the end-of-run synchronisation is exercised too.
 @pytest.mark.parametrize("kind,world", [("mlp", 2), ("block", 3)])
 def test_diloco_and_streaming_equal_their_reference(kind, world):
@@ -129,7 +119,7 @@ def test_diloco_and_streaming_equal_their_reference(kind, world):
         config(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 11, sync_every=4,
                num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5, outer_momentum=0.8),
     ]  # fmt: skip
-    results = run_distributed(run_diloco, world, kind, cfgs)
+    results = run_distributed(run_engine, world, kind, cfgs)
     for rank_result in results[1:]:  # the final model is the global one, the same everywhere
         for (theta, _), (theta0, _) in zip(rank_result, results[0]):
             assert torch.equal(theta, theta0)

@@ -95,8 +95,9 @@ def config(**kw) -> EngineConfig:
     return EngineConfig(**base)
 
 
-def run_engine(rank, world, kind, cfgs, delay_s=0.0):
-    """Runs on every rank: train a fresh model with each config, return final params and records."""
+def run_engine(rank, world, kind, cfgs, delay_s=0.0, measure=None):
+    """Runs on every rank: train a fresh model with each config, return final params and records
+    (and `measure(engine, model)`, taken before the engine closes, when given)."""
     out = []
     for cfg in cfgs:
         if isinstance(cfg, list):  # per-rank configs
@@ -108,8 +109,9 @@ def run_engine(rank, world, kind, cfgs, delay_s=0.0):
 
             engine.comm.delay_hook = lambda: time.sleep(delay_s)
         records = list(engine.run(stream(kind, rank, world), loss_fn))
+        extra = () if measure is None else (measure(engine, model),)
         engine.close()
-        out.append((parameters_to_vector(model.parameters()).detach().float(), records))
+        out.append((parameters_to_vector(model.parameters()).detach().float(), records, *extra))
     return out
 
 

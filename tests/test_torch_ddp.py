@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from distributed import run_distributed
-from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, stream
+from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, run_engine, stream
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector
@@ -29,31 +29,25 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def measure(engine, model) -> dict:
+    state = engine.optimizer.optim.state
+    local = [p for g in engine.optimizer.optim.param_groups for p in g["params"]]
+    return {
+        "static_graph": engine.ddp.static_graph,
+        "bucket_bytes_cap": engine.ddp.bucket_bytes_cap,
+        "state_bytes": engine.state_bytes(),
+        # what the tensors behind each component really take
+        "param_storage": storage_bytes(p.data for p in model.parameters()),
+        "grad_storage": storage_bytes(p.grad for p in model.parameters()),
+        "exp_avg": sum(state[p]["exp_avg"].nbytes for p in local),
+        "exp_avg_sq": sum(state[p]["exp_avg_sq"].nbytes for p in local),
+        "local_numel": sum(p.numel() for p in local),
+    }
+
+
 def train_and_measure(rank, world, kind, cfgs):
-    out = []
-    for cfg in cfgs:
-        if isinstance(cfg, list):  # per-rank configs
-            cfg = cfg[rank]
-        model = make_model(kind)
-        engine = build_engine(model, cfg)
-        records = list(engine.run(stream(kind, rank, world), loss_fn))
-        state = engine.optimizer.optim.state
-        local = [p for g in engine.optimizer.optim.param_groups for p in g["params"]]
-        out.append({
-            "params": parameters_to_vector(model.parameters()).detach().float(),
-            "records": records,
-            "static_graph": engine.ddp.static_graph,
-            "bucket_bytes_cap": engine.ddp.bucket_bytes_cap,
-            "state_bytes": engine.state_bytes(),
-            # what the tensors behind each component really take
-            "param_storage": storage_bytes(p.data for p in model.parameters()),
-            "grad_storage": storage_bytes(p.grad for p in model.parameters()),
-            "exp_avg": sum(state[p]["exp_avg"].nbytes for p in local),
-            "exp_avg_sq": sum(state[p]["exp_avg_sq"].nbytes for p in local),
-            "local_numel": sum(p.numel() for p in local),
-        })  # fmt: skip
-        engine.close()
-    return out
+    return [{"params": params, "records": records, **extra}
+            for params, records, extra in run_engine(rank, world, kind, cfgs, measure=measure)]  # fmt: skip
 
 
 def test_static_graph_without_accumulation_equals_reference_and_state_bytes():
