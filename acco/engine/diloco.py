@@ -111,6 +111,7 @@ class DiLoCoEngine:
         self.averaged = torch.empty(max(sizes), dtype=torch.float32, device=self.device)  # fp32 average
         self.grad = self.flat.grads if dtype == torch.float32 else torch.empty_like(self.local)
         self.stats = new_stats(self.device)
+        self.norm = torch.zeros((), dtype=torch.float32, device=self.device)  # the inner step's gradient norm
         self.background = BackgroundComm(self.device)
         self.pending: tuple[int, Future] | None = None  # the fragment whose all-reduce is in flight
         self.averaged_fragment: int | None = None  # `averaged` holds this fragment's landed result
@@ -137,7 +138,7 @@ class DiLoCoEngine:
             backward_and_count(loss_fn(self.module, batch), self.stats)
             n += 1
         lr = learning_rate(self.cfg, self.samples, self.world_size * self.cfg.n_grad_accumulation)
-        norm = torch.zeros((), device=self.device)
+        norm = self.norm.zero_()
         if n:
             if self.grad is not self.flat.grads:
                 self.grad.copy_(self.flat.grads[: self.grad.numel()])
