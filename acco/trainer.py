@@ -262,13 +262,11 @@ class DecoupledTrainer:
         return self.args.stop_at_eval_loss is not None and loss <= self.args.stop_at_eval_loss
 
     def _run_facts(self, stopped: bool) -> dict:
-        """For summary.json: whether the run stopped at train.stop_at_eval_loss, and the engine's
-        state bytes on this worker where the engine reports them."""
-        facts = {}
+        """For summary.json: whether the run stopped at train.stop_at_eval_loss, and the bytes the
+        engine holds on this worker (every engine reports them)."""
+        facts = {"state_bytes": int(sum(self.engine.state_bytes().values()))}
         if self.args.stop_at_eval_loss is not None:
             facts["stopped_at_eval_loss"] = stopped
-        if hasattr(self.engine, "state_bytes"):
-            facts["state_bytes"] = int(sum(self.engine.state_bytes().values()))
         return facts
 
     def _clear_old_checkpoints(self, out: Path) -> None:

@@ -29,7 +29,7 @@ instead would stop every method from moving past it, and the cap would mean noth
 before and after the run (every packet: the gradients and parameters, the rendezvous, the
 evaluations' all-reduce, TCP/IP headers). On loopback there is no per-worker link: not measured.
 **State bytes per worker** are the engine's ``state_bytes()`` on rank 0, as the trainer records it
-in summary.json (null for an engine without it).
+in summary.json.
 """
 
 from __future__ import annotations
