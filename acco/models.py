@@ -69,12 +69,16 @@ def attention_of(model: nn.Module) -> str:
 
 
 def attention_for(arch: str | None, device_type: str, half_precision: bool) -> str:
-    """The attention kernel for this architecture on this device: flash_attention_2 on CUDA in
-    bf16 where the flash-attn package is installed (both architectures support it), SDPA otherwise
-    (transformers' for Llama, acco's for GPT-Neo), eager for an architecture without either."""
+    """The attention kernel for this architecture on this device: flash_attention_2 for Llama on
+    CUDA in bf16 where the flash-attn package is installed, SDPA otherwise (transformers' for Llama,
+    acco's for GPT-Neo), eager for an unknown architecture. Never flash_attention_2 for GPT-Neo:
+    transformers' GPT-Neo flash path passes no sliding window, so its local layers would attend to
+    every earlier token once a sequence outgrows window_size (another model than the one trained
+    or evaluated under eager or SDPA); acco's SDPA takes the flash kernel where GPT-Neo allows it."""
     import importlib.util
 
-    if device_type == "cuda" and half_precision and importlib.util.find_spec("flash_attn") is not None:
+    flash = device_type == "cuda" and half_precision and importlib.util.find_spec("flash_attn") is not None
+    if arch == "llama" and flash:
         return "flash_attention_2"
     return _DEFAULT_ATTN.get(arch or "", "eager")
 

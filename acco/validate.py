@@ -40,6 +40,7 @@ from acco.config import (
     ModelError,
     TrainArgs,
     check_model_config,
+    gpt_neo_attention_types,
     one_line_error,
 )
 from acco.engine.config import ConfigError
@@ -208,6 +209,24 @@ def check_model_fits(model: Mapping, pretrained_config: Any, vocab_size: int, wh
         check_model_config(dict(model), vocab_size)
     except ModelError as e:
         _fail(f"model config: {one_line_error(e)}", e)
+
+
+def check_flash_window(model: Mapping, pretrained_config: Any, max_length: int) -> None:
+    """transformers' GPT-Neo flash-attention-2 passes no sliding window: past window_size tokens its
+    local layers would attend globally, another model than eager's or SDPA's."""
+    if model.get("attn_implementation") != "flash_attention_2":
+        return
+    if pretrained_config is not None:
+        arch, window = pretrained_config.model_type, getattr(pretrained_config, "window_size", None)
+        local = "local" in (getattr(pretrained_config, "attention_layers", None) or [])
+    else:  # checked by check_model_config; 256 is acco.models' and transformers' default window
+        arch, window = model.get("arch"), model.get("window_size") or 256
+        types = model.get("attention_types") or gpt_neo_attention_types(model["num_layers"])
+        local = any("local" in kinds and n for kinds, n in types)
+    if arch == "gpt_neo" and local and max_length > window:
+        _fail(f"model.attn_implementation=flash_attention_2: transformers' GPT-Neo flash-attention has no "
+              f"sliding window, so the local layers would attend beyond model.window_size {window} at "
+              f"train.max_length {max_length}; use sdpa (the default) or train.max_length <= {window}")
 
 
 def _load_tokenizer(spec: str, pretrained: str | None = None):
@@ -414,6 +433,7 @@ def validate_job(cfg: DictConfig, world_size: int | None = None) -> None:
     else:
         tokenizer = _load_tokenizer(spec, model.get("pretrained"))
         check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {spec!r}")
+    check_flash_window(model, pretrained_config, args.max_length)
     check_resume(args, model, pretrained_config, tokenizer, world_size)
 
     corpus = load_corpus(data)

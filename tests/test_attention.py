@@ -1,5 +1,6 @@
 """GPT-Neo through SDPA (acco/attention.py) equals transformers' eager attention, global and local
-layers, with and without padding, in value and gradients."""
+layers, sequences longer than the local window and not, with and without padding, in value and
+gradients, and with a KV cache; unpadded global layers take SDPA's mask-free causal path."""
 
 from __future__ import annotations
 
@@ -11,30 +12,89 @@ import torch
 from acco.attention import GPTNeoSDPAttention, use_sdpa
 from acco.models import build_model
 
+LENGTH = 12
+# window 4: the local layers' window cuts in (LENGTH > window); window 16: local = causal
+NEO = dict(arch="gpt_neo", hidden_size=32, num_layers=4, num_heads=4, max_position_embeddings=32)
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_sdpa_equals_eager_for_gpt_neo(padded):
+
+def _models(window: int):
     torch.manual_seed(0)
-    config = dict(arch="gpt_neo", hidden_size=64, num_layers=4, num_heads=4, max_position_embeddings=64, window_size=8)
-    eager = build_model(config | {"attn_implementation": "eager"}, vocab_size=100, max_length=64)
+    config = NEO | {"window_size": window}
+    eager = build_model(config | {"attn_implementation": "eager"}, vocab_size=100, max_length=LENGTH)
     assert eager.config.attention_layers == ["global", "local", "global", "local"]
     sdpa = copy.deepcopy(eager)
     assert use_sdpa(sdpa) == 4
+    return eager, sdpa
+
+
+def _batch(padded: bool):
+    x = torch.randint(0, 100, (3, LENGTH), generator=torch.Generator().manual_seed(1))
+    if not padded:
+        return x, None
+    # right padding (instruction data): the last 5 positions of row 0, 2 of row 1; row 2 unpadded
+    mask = torch.ones_like(x)
+    mask[0, -5:] = 0
+    mask[1, -2:] = 0
+    return x, mask
+
+
+@pytest.mark.parametrize("window", [4, 16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_sdpa_equals_eager_for_gpt_neo(window, padded):
+    eager, sdpa = _models(window)
     assert sum(isinstance(m, GPTNeoSDPAttention) for m in sdpa.modules()) == 4
     assert sdpa.state_dict().keys() == eager.state_dict().keys()
-    built = build_model(config, vocab_size=100, max_length=64)  # the default swaps it in
+    built = build_model(NEO | {"window_size": window}, vocab_size=100)  # the default swaps it in
     assert sum(isinstance(m, GPTNeoSDPAttention) for m in built.modules()) == 4
-    x = torch.randint(0, 100, (3, 64), generator=torch.Generator().manual_seed(1))
-    mask = None
-    labels = x
-    if padded:  # the last 14 positions are padding: local rows there see no real key at all
-        mask = torch.ones_like(x).index_fill_(1, torch.arange(50, 64), 0)
-        labels = x.masked_fill(mask == 0, -100)
+    x, mask = _batch(padded)
+    labels = x if mask is None else x.masked_fill(mask == 0, -100)
+    real = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
     outs = []
     for model in (eager, sdpa):
         out = model(input_ids=x, attention_mask=mask, labels=labels)
         out.loss.backward()
-        outs.append((out.logits[:, :50].detach(), [p.grad.clone() for p in model.parameters()]))
+        outs.append((out.logits[real].detach(), [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
     for g_sdpa, g_eager in zip(outs[1][1], outs[0][1]):
         torch.testing.assert_close(g_sdpa, g_eager, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("step", [1, 3])  # decoding one token, and a chunk: q_len < k_len
+def test_sdpa_equals_eager_with_a_kv_cache(step):
+    eager, sdpa = _models(4)
+    x, _ = _batch(False)
+    logits = []
+    for model in (eager.eval(), sdpa.eval()):
+        with torch.no_grad():
+            past = model(input_ids=x[:, :6], use_cache=True).past_key_values
+            logits.append(model(input_ids=x[:, 6 : 6 + step], past_key_values=past, use_cache=True).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, padded, fast", [
+    (4, False, ["global", "global"]),  # the local layers need their window: a mask
+    (16, False, ["global", "local", "global", "local"]),  # the window holds every key: causal
+    (4, True, []),
+    (16, True, []),
+])  # fmt: skip
+def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, padded, fast):
+    _, sdpa = _models(window)
+    x, mask = _batch(padded)
+    if mask is None:  # no attention_mask, and an all-ones one (pre-tokenized data): the same call
+        masks = [None, torch.ones_like(x)]
+    else:
+        masks = [mask]
+    real, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorder(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return real(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorder)
+    kinds = sdpa.config.attention_layers
+    for attention_mask in masks:
+        calls.clear()
+        sdpa(input_ids=x, attention_mask=attention_mask)
+        assert len(calls) == len(kinds)
+        assert [kind for kind, (no_mask, causal) in zip(kinds, calls) if no_mask and causal] == fast
+        assert all(no_mask == causal for no_mask, causal in calls)  # a mask or is_causal, never both

@@ -161,6 +161,16 @@ def test_bad_values_name_their_key(tmp_path, override, expected):
     assert expected in validation_error(tmp_path, override)
 
 
+def test_gpt_neo_flash_attention_refused_where_its_local_layers_need_their_window(tmp_path):
+    flash = "model.attn_implementation=flash_attention_2"
+    msg = validation_error(tmp_path, flash, "model.window_size=16")  # the tiny recipe's max_length 64
+    assert msg.startswith(f"{flash}: transformers' GPT-Neo flash-attention has no sliding window")
+    assert "beyond model.window_size 16 at train.max_length 64; use sdpa (the default)" in msg
+    # fine where the window holds every key, or where no layer is local
+    for fine in (["model.window_size=64"], ["model.window_size=16", "model.attention_types=[[[global],2]]"]):
+        validate_job(config(tmp_path, flash, *fine, "train.nb_steps_tot=16"), world_size=2)
+
+
 def test_tokenizer_folder_not_found(tmp_path):
     msg = validation_error(tmp_path, f"model.tokenizer={tmp_path / 'no-tokenizer'}")
     assert msg.startswith("model.tokenizer:") and "no-tokenizer" in msg and "no such folder" in msg

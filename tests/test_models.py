@@ -219,19 +219,42 @@ def test_configs_compose_with_hydra():
     assert named.model.tokenizer == "/tok"
 
 
-def test_attention_is_chosen_for_the_device(monkeypatch):
+@pytest.mark.parametrize("arch, device, half, flash, expected", [
+    # GPT-Neo never gets flash-attention-2: transformers' GPT-Neo flash path has no sliding window
+    ("gpt_neo", "cuda", True, True, "sdpa"),
+    ("gpt_neo", "cuda", True, False, "sdpa"),
+    ("gpt_neo", "cuda", False, True, "sdpa"),
+    ("gpt_neo", "cuda", False, False, "sdpa"),
+    ("gpt_neo", "cpu", True, True, "sdpa"),
+    ("gpt_neo", "cpu", True, False, "sdpa"),
+    ("gpt_neo", "cpu", False, True, "sdpa"),
+    ("gpt_neo", "cpu", False, False, "sdpa"),
+    ("llama", "cuda", True, True, "flash_attention_2"),
+    ("llama", "cuda", True, False, "sdpa"),
+    ("llama", "cuda", False, True, "sdpa"),  # flash-attention needs bf16 or fp16
+    ("llama", "cuda", False, False, "sdpa"),
+    ("llama", "cpu", True, True, "sdpa"),
+    ("llama", "cpu", True, False, "sdpa"),
+    ("llama", "cpu", False, True, "sdpa"),
+    ("llama", "cpu", False, False, "sdpa"),
+])  # fmt: skip
+def test_attention_is_chosen_for_the_device(monkeypatch, arch, device, half, flash, expected):
     import importlib.util
 
-    from acco.models import attention_for, attention_of
+    from acco.models import attention_for
 
-    assert attention_for("gpt_neo", "cpu", False) == "sdpa"  # acco's (transformers has none for GPT-Neo)
-    assert attention_for("llama", "cpu", True) == "sdpa"
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
-    assert attention_for("gpt_neo", "cuda", True) == attention_for("llama", "cuda", True) == "flash_attention_2"
-    assert attention_for("llama", "cuda", False) == "sdpa"  # flash-attention needs bf16 or fp16
-    assert attention_for("gpt_neo", "cpu", True) == "sdpa"
-    neo = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=8)
+    real, spec = importlib.util.find_spec, object() if flash else None
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: spec if name == "flash_attn" else real(name, *a)
+    )
+    assert attention_for(arch, device, half) == expected
+
+
+def test_attention_of_a_built_model():
+    from acco.models import attention_of
+
+    neo = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+               window_size=8)  # fmt: skip
     assert attention_of(build_model(neo, vocab_size=97)) == "sdpa"  # the default: swapped in
     assert attention_of(build_model(neo | {"attn_implementation": "eager"}, vocab_size=97)) == "eager"
     config = dict(arch="llama", hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=64,
