@@ -223,8 +223,9 @@ class DecoupledTrainer:
         every_rank_at("start")
         last = summary = None
         stopped = False
+        records = self.engine.run(stream, causal_lm_loss)
         try:
-            for record in self.engine.run(stream, causal_lm_loss):
+            for record in records:
                 log.update(record)
                 last = record
                 if not math.isfinite(record.loss):
@@ -235,6 +236,10 @@ class DecoupledTrainer:
                     self._checkpoint(record, position)
                 if stopped:
                     break
+            # Every rank, also after a stop: nothing in flight and the model at the committed
+            # parameters before anything rank 0 does alone (the final save) touches it.
+            records.close()
+            self.engine.finish()
             if last is not None:
                 if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
                     self._evaluate_and_log(log, last)
@@ -252,6 +257,7 @@ class DecoupledTrainer:
         """Evaluate and log the loss with the evaluation's own seconds (training time excludes
         them); True when train.stop_at_eval_loss is reached (the loss is all-reduced: every rank
         decides alike)."""
+        self.engine.quiesce()  # no collective of ours while one of the engine's may be in flight
         if self.world_size > 1:
             # Overlapped methods' ranks leave a round up to a micro-batch apart: the wait for the
             # last one counts as training time, the evaluation's seconds start when all are here.
@@ -296,6 +302,7 @@ class DecoupledTrainer:
         return {"flops_per_token": per_token, "mfu": per_worker / peak if peak else None}
 
     def _checkpoint(self, record, position) -> Path:
+        self.engine.quiesce()
         progress.mark(f"the checkpoint of update {record.step}")  # names a rank that misses it
         # Every rank enters committed_params here, not rank 0 alone in _write_model: for wp it
         # all-gathers the committed parameters from the master shards (a collective).
@@ -324,10 +331,14 @@ class DecoupledTrainer:
             raise DataError("no eval_dataset to evaluate on")
         batch_size = self.args.eval_batch_size or self.args.batch_size
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.engine is not None:
+            self.engine.quiesce()  # before the all-reduce below
         committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
+        # Training's precision context (torch-ddp: fp32 parameters under bf16 autocast).
+        precision = self.engine.compute_context() if self.engine is not None else contextlib.nullcontext()
         was_training = self.model.training
         self.model.eval()
-        with committed:
+        with committed, precision:
             collate_fn = None if isinstance(data, Rows) else (lambda examples: collate(self.data_collator, examples))
             for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size, collate_fn)):
                 if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:

@@ -8,6 +8,7 @@ out with whole parameters, fragment by fragment.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -146,12 +147,12 @@ def test_pseudo_gradient_is_global_minus_local_with_a_fake_all_reduce():
     other = theta0 + 0.01 * torch.randn(theta0.shape, generator=torch.Generator().manual_seed(0))
     sent = []
 
-    def fake_all_reduce(i, step, m):
-        n = theta0.numel()
+    def fake_all_reduce(i, step, n, m):
+        assert n == theta0.numel()
         sent.append((engine.wire[:n].clone(), engine.local.clone()))
         # as if a second worker's pseudo-gradient were summed in and the sum divided by two
         engine.wire[:n] = (engine.wire[:n] + theta0 - other) / 2
-        return 0.0
+        return 0.0, False
 
     engine._all_reduce = fake_all_reduce
     records = list(engine.run(stream("mlp", 0, 1), loss_fn))
@@ -217,7 +218,11 @@ def _resume_run(rank, world, cfg, stop_at):
     model = make_model("block")
     engine = build_engine(model, cfg)
     engine.load_state_dict(state)
-    list(engine.run(batches, loss_fn))  # the stream continues where it was
+    # The stream continues where the saved state was: the next step's micro-batches, computed
+    # ahead of the record, are read again.
+    assert state["dropped_micro_batches"] == cfg.n_grad_accumulation
+    batches = itertools.islice(stream("block", rank, world), stop_at * cfg.n_grad_accumulation, None)
+    list(engine.run(batches, loss_fn))
     engine.close()
     vec = parameters_to_vector
     return vec(straight_model.parameters()).detach(), vec(model.parameters()).detach(), in_flight

@@ -68,6 +68,17 @@ def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Rank 0's parameters and buffers on every rank, each in its own dtype (an fp32 checkpoint keeps
+    its low bits). Once per run, tensor by tensor: a flat copy would cost a model-sized temporary."""
+    if world_of(group)[0] == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
 class DecoupledEngine:
     """Trains `module` in place with ddp, dpu, wp or acco; `run` yields one UpdateRecord per update."""
 
@@ -79,13 +90,11 @@ class DecoupledEngine:
         self.group = group
         self.world_size, self.rank = world_of(group)
         dtype = torch.bfloat16 if cfg.use_mixed_precision else torch.float32
+        # Rank 0's weights everywhere, in their own dtype, before the fp32 master shard is taken
+        # from them (broadcasting after the cast would leave each rank a master of its own weights).
+        broadcast_module(module, group)
         self.flat = FlatParams(module, dtype, self.world_size, self.rank)
         self.device = self.flat.params.device
-        if self.world_size > 1:  # identical initial weights everywhere
-            src = dist.get_global_rank(group, 0) if group is not None else 0
-            dist.broadcast(self.flat.params, src=src, group=group)
-            for buffer in module.buffers():
-                dist.broadcast(buffer, src=src, group=group)
         self.comm = CommRound(self.flat, cfg, group)
         self.overlapped = cfg.method != "ddp"
         self.stats = new_stats(self.device)  # statistics of what the accumulator holds
@@ -202,7 +211,7 @@ class DecoupledEngine:
         while self.comm.step < sequential_updates:
             yield self._sequential_update(batches, loss_fn, micro_batches_per_update)
             if finished():
-                self._finish()
+                self.finish()
                 return
 
         # Warm start: the first payload is computed with nothing to overlap (unless a checkpoint
@@ -228,7 +237,7 @@ class DecoupledEngine:
             yield record
             if finished():
                 break
-        self._finish()
+        self.finish()
 
     def _record(self, result: RoundResult, compute_s: float, wait_s: float, comm_s: float) -> UpdateRecord:
         self._exhausted = result.exhausted
@@ -250,7 +259,10 @@ class DecoupledEngine:
         self.last_wall_time = time.perf_counter() - self._t0
         return self.last_wall_time
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """Every worker calls it once training ends, also when the caller stops early (its loop's
+        `break` leaves `run` suspended): the model then holds the committed parameters (wp gathers
+        them: a collective), so that rank 0 alone may save it. Idempotent."""
         self._in_overlap = False
         # Work computed during the last round belongs to no committed update: drop it.
         self.flat.grads.zero_()
@@ -259,6 +271,15 @@ class DecoupledEngine:
             self._gather(self.comm.optimizer.master, self.flat.params)
             self._predicting = False
         self._inflight.clear()
+
+    def quiesce(self) -> None:
+        """No round is in flight between two yielded records: nothing to wait for (DiLoCoEngine's
+        all-reduce may be; the trainer calls this before any collective of its own)."""
+
+    def compute_context(self):
+        """The precision context of training's forward passes (evaluation runs under it too): the
+        parameters already are in the training dtype."""
+        return contextlib.nullcontext()
 
     @property
     def samples(self) -> int:
@@ -295,8 +316,8 @@ class DecoupledEngine:
             "master": opt.master,
             "exp_avg": opt.exp_avg,
             "exp_avg_sq": opt.exp_avg_sq,
-            # wp: this shard of the predicted weights the model computes at (the committed ones are the master)
-            "predicted": self._prediction()[self.flat.shard] if self._predicting else None,
+            # wp: a copy of this shard of the predicted weights (torch.save writes a view's whole storage)
+            "predicted": self._prediction()[self.flat.shard].clone() if self._predicting else None,
             # Overlapped methods with a fixed batch: the gradients computed during the last round, the next payload.
             "accumulator": self.flat.grads if keep_accumulator else None,
             "accumulator_stats": self.stats if keep_accumulator else None,

@@ -38,7 +38,7 @@ from torch import nn
 from acco.engine import collectives, progress
 from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
-from acco.engine.decoupled import CheckpointError, LossFn, world_of
+from acco.engine.decoupled import CheckpointError, LossFn, broadcast_module, world_of
 from acco.engine.flat import FLAT_ORDER, FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
 
@@ -86,16 +86,11 @@ class DiLoCoEngine:
         self.cfg, self.module, self.group = cfg, module, group
         self.world_size, self.rank = world_of(group)
         dtype = torch.bfloat16 if cfg.use_mixed_precision else torch.float32
+        broadcast_module(module, group)  # rank 0's weights, before the fp32 copy is taken from them
         # One "shard" holding everything: the inner optimizer is not sharded.
         self.flat = FlatParams(module, dtype, 1, 0)
         self.device = self.flat.params.device
         self.local = self.flat.master_shard  # fp32 local parameters, the inner AdamW's master
-        if self.world_size > 1:  # identical initial weights everywhere
-            src = dist.get_global_rank(group, 0) if group is not None else 0
-            dist.broadcast(self.local, src=src, group=group)
-            for buffer in module.buffers():
-                dist.broadcast(buffer, src=src, group=group)
-        self.flat.params.copy_(self.local)
         self.inner = ShardedAdamW(self.local, cfg, self.flat.decay_numel, trial=False)
         self.global_params = self.local.clone()  # the last synchronised parameters, fp32
         self.outer_momentum = torch.zeros_like(self.local)
@@ -112,6 +107,13 @@ class DiLoCoEngine:
         self.grad = self.flat.grads if dtype == torch.float32 else torch.empty_like(self.local)
         self.stats = new_stats(self.device)
         self.norm = torch.zeros((), dtype=torch.float32, device=self.device)  # the inner step's gradient norm
+        # An inner step's loss sum, weight and norm, copied to the host behind the step's work and
+        # read once the next step's micro-batches are queued: the GPU never drains for a record.
+        self.step_stats = torch.zeros(3, dtype=torch.float64, device=self.device)
+        cuda = self.device.type == "cuda"
+        self.host_stats = torch.zeros(3, dtype=torch.float64, pin_memory=cuda)
+        self.stats_ready = torch.cuda.Event() if cuda else None
+        self.computed_ahead = 0  # the next step's micro-batches, computed before this step's record
         self.background = BackgroundComm(self.device)
         self.pending: tuple[int, Future] | None = None  # the fragment whose all-reduce is in flight
         self.averaged_fragment: int | None = None  # `averaged` holds this fragment's landed result
@@ -126,9 +128,8 @@ class DiLoCoEngine:
 
     # ---- the inner step: local AdamW, no collective ----------------------------------------
 
-    def _inner_step(self, batches: Iterator, loss_fn: LossFn) -> tuple[int, float, float, float]:
-        """Compute up to n_grad_accumulation micro-batches and take one AdamW step on them.
-        Returns this worker's (micro-batches, lr, gradient norm before clipping, loss weight)."""
+    def _compute(self, batches: Iterator, loss_fn: LossFn) -> int:
+        """Compute up to n_grad_accumulation micro-batches into the accumulator; returns how many."""
         n = 0
         while n < self.cfg.n_grad_accumulation and not self._exhausted:
             batch = next(batches, _END)
@@ -137,6 +138,11 @@ class DiLoCoEngine:
                 break
             backward_and_count(loss_fn(self.module, batch), self.stats)
             n += 1
+        return n
+
+    def _apply(self, n: int) -> float:
+        """One AdamW step on the accumulated `n` micro-batches (none: no step); returns the LR.
+        The step's statistics are queued for the host (`_read_stats`), not read."""
         lr = learning_rate(self.cfg, self.samples, self.world_size * self.cfg.n_grad_accumulation)
         norm = self.norm.zero_()
         if n:
@@ -148,15 +154,27 @@ class DiLoCoEngine:
                 self.grad.mul_((self.cfg.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0))
             self.inner.commit(self.grad, lr)
             self.flat.params.copy_(self.local)
-        # The only host read of an inner step: the record's loss and norm, after the step is queued.
-        loss_sum, weight, norm = torch.stack([self.stats[LOSS], self.stats[WEIGHT], norm.double()]).tolist()
+        self.step_stats[0].copy_(self.stats[LOSS])
+        self.step_stats[1].copy_(self.stats[WEIGHT])
+        self.step_stats[2].copy_(norm)
+        self.host_stats.copy_(self.step_stats, non_blocking=True)
+        if self.stats_ready is not None:
+            self.stats_ready.record()
         self.flat.grads.zero_()
         self.stats.zero_()
         self.step += 1
         self.samples += self.world_size * self.cfg.n_grad_accumulation
+        return lr
+
+    def _read_stats(self, n: int) -> tuple[float, float]:
+        """The last step's (gradient norm before clipping, loss weight) on the host; waits for that
+        step alone (the next one's micro-batches may already be queued behind it)."""
+        if self.stats_ready is not None:
+            self.stats_ready.synchronize()
+        loss_sum, weight, norm = self.host_stats.tolist()
         if n:
             self._last_loss = loss_sum / weight
-        return n, lr, (norm if self.cfg.max_grad_norm else float("nan")), weight
+        return (norm if self.cfg.max_grad_norm else float("nan")), weight
 
     # ---- fragments: prepare (launch the all-reduce) and sync (outer step, merge) ---------------
 
@@ -171,28 +189,29 @@ class DiLoCoEngine:
         m = -(-(n + 1) // self.world_size) * self.world_size  # this fragment's wire, padded
         self.wire[n + 1 : m].zero_()
         step = self.step
-        self.pending = (i, self.background.submit(lambda: self._all_reduce(i, step, m)))
+        self.pending = (i, self.background.submit(lambda: self._all_reduce(i, step, n, m)))
 
-    def _all_reduce(self, i: int, step: int, m: int) -> float:
+    def _all_reduce(self, i: int, step: int, n: int, m: int) -> tuple[float, bool]:
         """On the comm thread: sum the first `m` wire elements over the workers in place (a
-        bandwidth-optimal reduce-scatter then all-gather); returns its busy seconds."""
+        bandwidth-optimal reduce-scatter then all-gather); returns its busy seconds and whether
+        some worker ran out of data (element `n`), read here so that the compute side never waits."""
         start = time.perf_counter()
         progress.mark(f"update {step} (all-reduce of fragment {i})")
         if self.world_size > 1:
             shard = self.wire_shard[: m // self.world_size]
             collectives.reduce_scatter(shard, self.wire[:m], group=self.group)
             collectives.all_gather(self.wire[:m], shard, group=self.group)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, bool(self.wire[n] > 0)
 
     def _land(self) -> tuple[float, float]:
         """Wait for the all-reduce in flight and keep its fp32 average; (wait_s, busy_s)."""
         i, future = self.pending
         start = time.perf_counter()
-        busy = future.result()
+        busy, exhausted = future.result()
         wait = time.perf_counter() - start
         n = sum(s.stop - s.start for s in self.fragments[i])
         torch.div(self.wire[:n], self.world_size, out=self.averaged[:n])
-        if float(self.wire[n]) > 0:  # some worker ran out of data: this sync is the last
+        if exhausted:  # some worker ran out of data: this sync is the last
             self._stop = True
         self.pending, self.averaged_fragment = None, i
         return wait, busy
@@ -263,37 +282,62 @@ class DiLoCoEngine:
         batches = iter(batches)
         t0 = time.perf_counter() - self.wall_time_offset
         self.flat.check_grad_views()
+        start = time.perf_counter()
+        n = self._compute(batches, loss_fn)
+        compute = time.perf_counter() - start
         while True:
             start = time.perf_counter()
-            n, lr, norm, weight = self._inner_step(batches, loss_fn)
-            compute = time.perf_counter() - start
+            lr = self._apply(n)
+            compute += time.perf_counter() - start
             wait, busy = self._fragments_step()
             finished = self.samples >= self.cfg.nb_steps_tot or self._stop
             if finished:
                 w, b = self._synchronise_all()
                 wait, busy = wait + w, busy + b
+            else:  # the next step's micro-batches go into the queue before this step's record is read
+                start = time.perf_counter()
+                self.computed_ahead = self._compute(batches, loss_fn)
+                next_compute = time.perf_counter() - start
+            norm, weight = self._read_stats(n)
             self.last_wall_time = time.perf_counter() - t0
             yield UpdateRecord(step=self.step, samples=self.samples, loss=self._last_loss, lr=lr,
                                micro_batches=[n] * self.world_size, compute_s=compute, wait_s=wait, comm_s=busy,
                                wall_time=self.last_wall_time, weight=weight * self.world_size, grad_norm=norm)  # fmt: skip
             if finished:
                 return
+            n, compute, self.computed_ahead = self.computed_ahead, next_compute, 0
 
     @contextlib.contextmanager
     def committed_params(self):
         """The model holds the global parameters inside this block (it computes at its local ones)."""
-        self._quiesce()
+        self.quiesce()
         self.flat.params.copy_(self.global_params)
         try:
             yield self.module
         finally:
             self.flat.params.copy_(self.local)
 
-    def _quiesce(self) -> None:
+    def quiesce(self) -> None:
         """No all-reduce in flight: the caller may run collectives of its own (its result is kept
-        and applied at its scheduled step, as if it had landed then)."""
+        and applied at its scheduled step, as if it had landed then). NCCL matches a group's
+        collectives by the order each rank issues them: the trainer calls this on every rank before
+        any collective of its own (an evaluation's, a checkpoint's), never during a round."""
         if self.pending is not None:
             self._land()
+
+    def finish(self) -> None:
+        """Every worker calls it once training ends, also when the caller stopped early: nothing in
+        flight, the next step's micro-batches dropped, and the model holds the global parameters,
+        so that rank 0 alone may save it. Idempotent."""
+        self.quiesce()
+        self.flat.grads.zero_()
+        self.stats.zero_()
+        self.computed_ahead = 0
+        self.flat.params.copy_(self.global_params)
+
+    def compute_context(self):
+        """The parameters already are in the training dtype."""
+        return contextlib.nullcontext()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker holds for training, by component."""
@@ -314,10 +358,13 @@ class DiLoCoEngine:
         """This worker's local parameters and inner AdamW state (its own: not sharded); rank 0 alone
         saves what every worker holds identically: the global parameters, the outer momentum and a
         landed all-reduce result not yet applied."""
-        self._quiesce()
+        self.quiesce()
         shared = self.rank == 0
         averaged = self.averaged_fragment
         n = sum(s.stop - s.start for s in self.fragments[averaged]) if averaged is not None else 0
+        landed = self.averaged[:n] if shared and n else None
+        if landed is not None and n < self.averaged.numel():  # torch.save writes a view's whole storage:
+            landed = landed.clone()  # a fragment shorter than the buffer (the largest one's) is copied out
         return {
             "method": self.cfg.method, "order": FLAT_ORDER, "numel": self.flat.layout.numel,
             "world_size": self.world_size, "rank": self.rank, "samples": self.samples, "step": self.step,
@@ -327,8 +374,10 @@ class DiLoCoEngine:
             "master": self.local, "exp_avg": self.inner.exp_avg, "exp_avg_sq": self.inner.exp_avg_sq,
             "global_params": self.global_params if shared else None,
             "outer_momentum": self.outer_momentum if shared else None,
-            "averaged_fragment": averaged, "averaged": self.averaged[:n] if shared and n else None,
+            "averaged_fragment": averaged, "averaged": landed,
             "stop": self._stop,
+            # the next step's micro-batches, computed ahead of this record: a resume reads them again
+            "dropped_micro_batches": self.computed_ahead,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict, old_state=None) -> bool:

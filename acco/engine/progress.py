@@ -4,9 +4,11 @@ A collective that times out (or loses a connection) only tells a rank which peer
 for, and in a ring every rank waits on a neighbour: the rank that times out first is usually a
 healthy one. To name the rank that really stopped, each rank calls :func:`mark` just before it
 enters a collective phase (a comm round, an evaluation's all-reduce, a checkpoint). ``mark``
-bumps a counter and writes ``"<counter> <label>"`` under ``acco/progress/<rank>`` on the c10d
-store that ``init_process_group`` rendezvoused on: one small store write per phase, from whichever
-thread runs the phase, never a device sync.
+bumps a counter in memory and wakes a publisher thread, which writes ``"<counter> <label>"`` under
+``acco/progress/<rank>`` on the c10d store that ``init_process_group`` rendezvoused on. The store
+write is a round trip to rank 0's host (hundreds of microseconds across nodes): off the critical
+path, a round never waits for it. Marks made while a write is on its way are folded into the next
+one (only the latest matters); never a device sync.
 
 Every rank runs the same phases in the same order, so the counters line up across ranks. When a
 collective fails, :func:`explain` reads every rank's counter and names the ranks furthest behind:
@@ -45,6 +47,10 @@ _KEY = "acco/progress/{}"
 _lock = threading.Lock()  # the main thread and the comm thread both mark
 _count = 0
 _label = "nothing yet"
+_published = 0  # the count the store holds for this rank
+_wake = threading.Event()  # a mark is waiting to be published
+_publisher: threading.Thread | None = None
+_publish_lock = threading.Lock()
 
 # After a failure, how long ranks that are behind get to catch up before they are named: a rank
 # that died makes its neighbours fail at once, while another healthy rank may still be computing.
@@ -90,15 +96,40 @@ def _world() -> int:
 def mark(label: str) -> None:
     """Record that this rank reached `label` ("update 7 (estimate round)"): call it just before a
     collective phase that every rank runs. Nothing happens in a one-process run."""
-    import torch.distributed as dist
-
-    global _count, _label
+    global _count, _label, _publisher
     if _world() == 1:
         return
     with _lock:
         _count += 1
         _label = label
-        dist.distributed_c10d._get_default_store().set(_KEY.format(dist.get_rank()), f"{_count} {label}")
+        if _publisher is None:
+            _publisher = threading.Thread(target=_publish_forever, name="acco-progress", daemon=True)
+            _publisher.start()
+    _wake.set()
+
+
+def publish() -> None:
+    """Write this rank's latest mark to the store now (the publisher thread does it on its own;
+    `explain` calls it before comparing ranks)."""
+    import torch.distributed as dist
+
+    global _published
+    with _publish_lock:  # one writer at a time: an older mark never overwrites a newer one
+        with _lock:
+            count, label = _count, _label
+        if count != _published:
+            dist.distributed_c10d._get_default_store().set(_KEY.format(dist.get_rank()), f"{count} {label}")
+            _published = count
+
+
+def _publish_forever() -> None:
+    while True:
+        _wake.wait()
+        _wake.clear()
+        try:
+            publish()
+        except Exception:  # the process group is gone (the run ended): nothing to tell until a new one
+            pass
 
 
 def _read(store, rank: int) -> tuple[int, str]:
@@ -116,6 +147,7 @@ def _furthest_behind(settle_s: float) -> dict[int, str]:
 
     store = dist.distributed_c10d._get_default_store()
     store.set_timeout(_READ_TIMEOUT)  # the run is ending: the store is used for nothing else now
+    publish()  # the others compare themselves with this rank's latest mark too
     me, deadline = dist.get_rank(), time.monotonic() + settle_s
     while True:
         others = {rank: _read(store, rank) for rank in range(_world()) if rank != me}

@@ -210,10 +210,16 @@ class TorchDDPEngine:
 
     def state_dict(self) -> dict:
         """This rank's ZeRO optimizer shard and its slice of the parameters (replicated by DDP:
-        each worker saves one slice, and a resume all-gathers them)."""
+        each worker saves one slice, and a resume all-gathers them). The slice is copied from the
+        parameters that overlap it: nothing model-sized is allocated (the padding stays zero)."""
         layout = self._layout()
-        flat = torch.zeros(layout.padded_numel, dtype=self._dtype(), device=self.device)
-        torch.cat([p.detach().flatten() for p in self.module.parameters()], out=flat[: layout.numel])
+        shard = torch.zeros(layout.shard_numel, dtype=self._dtype(), device=self.device)
+        lo, hi, offset = layout.shard_slice.start, layout.shard_slice.stop, 0
+        for p in self.module.parameters():
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b:
+                shard[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+            offset += p.numel()
         return {
             "method": "torch-ddp",
             "numel": layout.numel,
@@ -222,7 +228,7 @@ class TorchDDPEngine:
             "samples": self.samples,
             "step": self.step,
             "wall_time": self.last_wall_time,
-            "params_shard": flat[layout.shard_slice].clone(),
+            "params_shard": shard,
             "optimizer": self.optimizer.optim.state_dict(),  # this rank's ZeRO shard
             # run() has already read the next update's micro-batches when it yields: the data
             # position saved beside this state must be moved back by that many (exact resume).
@@ -279,6 +285,17 @@ class TorchDDPEngine:
     @contextlib.contextmanager
     def committed_params(self):
         yield self.module
+
+    def compute_context(self):
+        """fp32 parameters under bf16 autocast in mixed precision: evaluation must run under it too
+        (flash_attention_2 refuses fp32 inputs, and the loss would be another function's)."""
+        return self._autocast()
+
+    def quiesce(self) -> None:
+        """Nothing runs in the background."""
+
+    def finish(self) -> None:
+        """Nothing to finish: the model always holds the committed parameters."""
 
     def close(self) -> None:
         pass

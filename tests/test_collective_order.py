@@ -1,0 +1,148 @@
+"""The order of collectives, recorded: what NCCL needs and gloo hides.
+
+NCCL matches the collectives of a group by the order in which each rank issues them. The comm
+thread issues a round's collectives whenever it gets to them, so a collective of the main thread
+(an evaluation's barrier or all-reduce, a checkpoint's flag) issued while a round may be in flight
+lands before the round's on one rank and after it on another: a hang, or a wrong sum. gloo's ring
+runs on tagged point-to-point messages and hides it. So these tests do not wait for a hang: every
+torch.distributed call is recorded with its thread, and a round counts as in flight from its
+submission until the main thread has seen its result. Asserted, for every method through the
+trainer with evaluations, checkpoints and a stop at the eval loss (then the final save):
+
+- no main-thread collective while a round is in flight;
+- no collective inside what rank 0 does alone (after_rank0): the others never join it;
+- every rank issues the same sequence of collectives on each thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from distributed import run_distributed
+
+from acco.engine.config import METHODS
+
+TINY = Path(__file__).parents[1] / "acco" / "conf" / "model" / "tiny.yaml"
+
+COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "reduce_scatter", "all_to_all_single", "isend", "irecv", "send", "recv", "all_gather_object",
+               "broadcast_object_list")  # fmt: skip
+
+
+class Recorder:
+    """Wraps torch.distributed's collectives and BackgroundComm.submit in this process."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[str, str]] = []  # (thread, function), in issue order
+        self.violations: list[str] = []
+        self.in_flight: set = set()
+        self.rank0_alone = False
+        self.context = "setup"
+        lock = threading.Lock()
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                monkeypatch.setattr(dist, name, self._wrap(name, getattr(dist, name), lock))
+        from acco.engine.comm import BackgroundComm
+
+        submit = BackgroundComm.submit
+        recorder = self
+
+        class Tracked:  # a round is in flight until the main thread has seen its result
+            def __init__(self, future):
+                self.future = future
+                recorder.in_flight.add(self)
+
+            def done(self):
+                return self.future.done()
+
+            def result(self):
+                out = self.future.result()
+                recorder.in_flight.discard(self)
+                return out
+
+        monkeypatch.setattr(BackgroundComm, "submit", lambda comm, fn: Tracked(submit(comm, fn)))
+        import acco.checkpoint
+        import acco.trainer
+
+        for module in (acco.trainer, acco.checkpoint):
+            monkeypatch.setattr(module, "after_rank0", self._alone(module.after_rank0))
+
+    def _wrap(self, name, fn, lock):
+        def recorded(*args, **kwargs):
+            main = threading.current_thread() is threading.main_thread()
+            with lock:
+                self.calls.append(("main" if main else "comm", name))
+            if main and self.in_flight:
+                self.violations.append(f"{self.context}: main-thread {name} while a round is in flight")
+            if self.rank0_alone:
+                # the other ranks never issue it: record and skip, or the test would hang
+                self.violations.append(f"{self.context}: {name} inside rank 0's work alone (after_rank0)")
+                return None
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    def _alone(self, after_rank0):
+        def wrapped(work, *args, **kwargs):
+            def flagged():
+                self.rank0_alone = True
+                try:
+                    return work()
+                finally:
+                    self.rank0_alone = False
+
+            return after_rank0(flagged, *args, **kwargs)
+
+        return wrapped
+
+
+def _train_every_method(rank, world, out_dir, methods):
+    from omegaconf import OmegaConf
+
+    from acco.data import load_tokenizer, synthetic_corpus
+    from acco.models import build_model
+    from acco.trainer import DecoupledTrainer
+
+    mp = pytest.MonkeyPatch()
+    recorder = Recorder(mp)
+    docs = synthetic_corpus(160)
+    tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
+    results = {}
+    try:
+        for method in methods:
+            recorder.calls.clear()
+            recorder.context = method
+            model = build_model({**OmegaConf.load(TINY), "num_layers": 2}, vocab_size=len(tokenizer), max_length=16)
+            args = dict(method_name=method, batch_size=2, n_grad_accumulation=1, learning_rate=1e-3,
+                        nb_steps_tot=world * 24, max_length=16, eval_step=4, save_step=2, max_eval_batches=2,
+                        stop_at_eval_loss=100.0, output_dir=f"{out_dir}/{method}", cache_dir=f"{out_dir}/cache",
+                        log_step=1, accumulate_while_waiting=method == "acco", sync_every=4,
+                        num_fragments=2 if method == "streaming-diloco" else 1,
+                        fragment_sync_delay=1 if method == "streaming-diloco" else 0)  # fmt: skip
+            trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=docs, args=args)
+            summary = trainer.train()  # stops at the first evaluation (step 4), checkpoints at 2 and 4
+            results[method] = (summary["updates"], list(recorder.calls))
+            del trainer
+    finally:
+        mp.undo()
+    return results, recorder.violations
+
+
+@pytest.mark.parametrize("methods", [("acco", "ddp", "dpu", "wp"), ("torch-ddp", "diloco", "streaming-diloco")])
+def test_no_collective_while_a_round_is_in_flight_nor_on_rank0_alone(tmp_path, methods):
+    assert set(METHODS) == {"acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco"}
+    per_rank = run_distributed(_train_every_method, 2, str(tmp_path), methods)
+    for _, violations in per_rank:
+        assert violations == []
+    (results, _), (others, _) = per_rank
+    for method in methods:
+        step, calls = results[method]
+        assert step == 4, (method, step)  # stopped at the first evaluation
+        assert any(thread == "main" for thread, _ in calls)
+        for thread in ("main", "comm"):
+            mine = [name for t, name in calls if t == thread]
+            theirs = [name for t, name in others[method][1] if t == thread]
+            assert mine == theirs, (method, thread)
