@@ -285,3 +285,39 @@ def test_config_errors(bad, match):
 def test_config_from_mapping_accepts_method_name_and_ignores_other_keys():
     cfg = EngineConfig.from_mapping({"method_name": "dpu", "batch_size": 8, "learning_rate": 1e-3})
     assert cfg.method == "dpu" and cfg.learning_rate == 1e-3
+
+
+def test_a_progress_mark_never_waits_for_the_store(monkeypatch):
+    """mark() is called just before every round: the store write (a round trip to rank 0's host)
+    happens on the publisher thread, and marks made meanwhile fold into the next write."""
+    import threading
+
+    import torch.distributed as dist
+
+    from acco.engine import progress
+
+    class SlowStore:
+        def __init__(self):
+            self.release, self.entered, self.values = threading.Event(), threading.Event(), []
+
+        def set(self, key, value):
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the store"
+            self.values.append((key, value))
+
+    store = SlowStore()
+    monkeypatch.setattr(progress, "_world", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    for name, value in (("_count", 0), ("_published", 0), ("_publisher", None), ("_wake", threading.Event())):
+        monkeypatch.setattr(progress, name, value)
+    progress.mark("update 1 (estimate round)")
+    assert store.entered.wait(30)  # the publisher is inside the store write, blocked
+    progress.mark("update 1 (update round)")  # returns at once although the store is blocked
+    progress.mark("update 2 (estimate round)")
+    assert store.values == []
+    store.release.set()
+    progress.publish()  # what explain() does before it compares ranks: waits for the write in progress
+    assert store.values[0] == ("acco/progress/1", "1 update 1 (estimate round)")
+    assert store.values[-1] == ("acco/progress/1", "3 update 2 (estimate round)")
+    assert len(store.values) <= 3
