@@ -233,6 +233,15 @@ def floating_tensors(state, name: str = "") -> Iterator[tuple[str, torch.Tensor]
             yield from floating_tensors(v, f"{name}.{i}" if name else str(i))
 
 
+def _non_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool: `t` holds NaN or +-inf. By its min and max (torch.aminmax propagates NaN; an
+    inf is the min or the max): one pass, two scalars, where torch.isfinite(t) would allocate a
+    bool per element (the accumulator: P bytes) and a sum or a norm could overflow on finite values."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~torch.isfinite(torch.stack(torch.aminmax(t))).all()
+
+
 def non_finite(state, device, world_size: int) -> list[str]:
     """[] when every floating tensor of every worker's `state` is finite; else this worker's
     offending names (or a note that another worker has them). One all-reduced flag; the tensors
@@ -240,12 +249,12 @@ def non_finite(state, device, world_size: int) -> list[str]:
     tensors = list(floating_tensors(state))
     bad = torch.zeros(1, device=device)
     for _, t in tensors:
-        bad += (~torch.isfinite(t)).any().to(device=device, dtype=bad.dtype)
+        bad += _non_finite(t).to(device=device, dtype=bad.dtype)
     if world_size > 1:
         dist.all_reduce(bad)
     if bad.item() == 0:
         return []
-    return [name for name, t in tensors if not torch.isfinite(t).all()] or ["(on another worker)"]
+    return [name for name, t in tensors if _non_finite(t)] or ["(on another worker)"]
 
 
 def rewind(data: dict, n: int) -> dict:

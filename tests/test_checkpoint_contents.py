@@ -1,17 +1,28 @@
 """What a checkpoint holds, each distinct tensor once (issue 12): no rank file holds the full
 parameter vector, the accumulator is saved exactly when a fixed batch needs it, and a resharded
-resume reads only the old shards that overlap each new worker's."""
+resume reads only the old shards that overlap each new worker's. Sizes are those of the bytes
+written: torch.save writes the whole storage of a view (issue 19)."""
 
 from __future__ import annotations
 
+import math
+import re
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from distributed import run_distributed
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
+from acco import checkpoint
 from acco.engine import CheckpointError, EngineConfig, build_engine
+
+# Every method once with a fixed batch; the overlapped ones also with accumulate_while_waiting.
+SAVED = [(m, fixed) for m in ("acco", "ddp", "dpu", "wp", "torch-ddp") for fixed in (True, False)]
+SAVED += [("diloco", True), ("streaming-diloco", True)]
+UNSHARDED = ("diloco", "streaming-diloco")  # every worker's local parameters and moments are its own
 
 
 def _old_states(numel: int, old_world: int, full: dict) -> list[dict]:
@@ -93,36 +104,38 @@ def _save_every_method(rank: int, world_size: int, root: str) -> dict:
     with accumulate_while_waiting; then resumed on the same world size to the end of the budget."""
     from test_checkpoint import tiny_args, tiny_data, tiny_model
 
-    from acco import checkpoint
     from acco.trainer import DecoupledTrainer
 
     found = {}
-    for method in ("acco", "ddp", "dpu", "wp", "torch-ddp"):
-        for fixed in (True, False):
-            out = Path(root) / f"{method}-{fixed}"
-            args = tiny_args(method, out, nb_steps_tot=16, accumulate_while_waiting=not fixed)
-            torch.manual_seed(0)
-            model = tiny_model()
-            numel = sum(p.numel() for p in model.parameters())
-            DecoupledTrainer(model=model, train_dataset=tiny_data(), args=args).train()
-            folder = checkpoint.list_checkpoints(out)[0]  # checkpoint-2: mid-run
-            state = checkpoint.load_worker(folder, rank, world_size)["engine"]
-            resumed = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args | {"nb_steps_tot": 24})
-            summary = resumed.train(resume_from_checkpoint=str(folder))
-            found[(method, fixed)] = {
-                "numel": numel,
-                "largest": max((t.numel(), name) for name, t in checkpoint.floating_tensors(state) if name != "accumulator"),
-                "accumulator": state.get("accumulator") is not None,
-                "dropped": state.get("dropped_micro_batches", 0),
-                "samples": summary["samples"],
-            }
-    return found
+    for method, fixed in SAVED:
+        out = Path(root) / f"{method}-{fixed}"
+        args = tiny_args(method, out, nb_steps_tot=16, accumulate_while_waiting=not fixed)
+        torch.manual_seed(0)
+        model = tiny_model()
+        numel = sum(p.numel() for p in model.parameters())
+        DecoupledTrainer(model=model, train_dataset=tiny_data(), args=args).train()
+        folder = checkpoint.list_checkpoints(out)[0]  # checkpoint-2: mid-run
+        state = checkpoint.load_worker(folder, rank, world_size)["engine"]
+        # The resumed run writes checkpoint-4 and -6 (streaming-diloco: fragment 1 lands at 4).
+        resumed = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args | {"nb_steps_tot": 24})
+        summary = resumed.train(resume_from_checkpoint=str(folder))
+        found[(method, fixed)] = {
+            "numel": numel,
+            # in elements of the storage written, not of the tensor (a view's is larger)
+            "largest": max((t.untyped_storage().nbytes() // t.element_size(), name)
+                           for name, t in checkpoint.floating_tensors(state) if name != "accumulator"),  # fmt: skip
+            "accumulator": state.get("accumulator") is not None,
+            "dropped": state.get("dropped_micro_batches", 0),
+            "samples": summary["samples"],
+        }
+    return {"runs": found, "torch-ddp shard": _torch_ddp_shard()}
 
 
 @pytest.fixture(scope="module")
 def saved_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("contents")
-    return root, run_distributed(_save_every_method, 2, str(root))[0]
+    results = run_distributed(_save_every_method, 2, str(root))
+    return root, results[0]["runs"], [got["torch-ddp shard"] for got in results]
 
 
 @pytest.fixture(scope="module")
@@ -131,15 +144,18 @@ def saved(saved_root):
 
 
 def test_no_rank_file_holds_the_parameter_vector_and_the_accumulator_only_for_a_fixed_batch(saved):
+    assert set(saved) == set(SAVED)
     for (method, fixed), got in saved.items():
-        size, name = got["largest"]
-        assert size <= -(-got["numel"] // 2), (method, fixed, name, size)  # at most one shard of 2
+        assert got["samples"] >= 24, (method, fixed)  # resumed (exactly, or from its warm start) to the budget
         # a fixed batch resumes exactly with the accumulator that an overlapped method holds
         assert got["accumulator"] == (fixed and method in ("acco", "dpu", "wp")), (method, fixed)
+        if method in UNSHARDED:  # every worker's state is its own (test_diloco: what a resume reads again)
+            continue
+        size, name = got["largest"]
+        assert size <= -(-got["numel"] // 2), (method, fixed, name, size)  # at most one shard of 2
         # without it, the micro-batches it held are read again: the data position went back by them
         overlapped_and_timed = not fixed and method in ("acco", "dpu", "wp")
         assert (got["dropped"] > 0) == overlapped_and_timed, (method, fixed, got["dropped"])
-        assert got["samples"] >= 24, (method, fixed)  # resumed (exactly, or from its warm start) to the budget
 
 
 def test_a_resharded_resume_maps_the_old_files_instead_of_reading_them(saved_root, monkeypatch):
@@ -147,10 +163,9 @@ def test_a_resharded_resume_maps_the_old_files_instead_of_reading_them(saved_roo
     is then touched is read), and the engine takes its slices from the old shards it overlaps."""
     from test_checkpoint import tiny_args, tiny_data, tiny_model
 
-    from acco import checkpoint
     from acco.trainer import DecoupledTrainer
 
-    root, _ = saved_root
+    root = saved_root[0]
     folder = checkpoint.list_checkpoints(root / "acco-True")[0]
     loads = []
     load_worker = checkpoint.load_worker
@@ -166,3 +181,94 @@ def test_a_resharded_resume_maps_the_old_files_instead_of_reading_them(saved_roo
     )
     assert summary["samples"] >= 24
     assert loads and {rank for rank, _ in loads} == {0, 1} and all(mmap for _, mmap in loads), loads
+
+
+def _written(path: Path) -> int:
+    """The bytes of tensor data in a torch.save file: its storages, one zip entry each."""
+    with zipfile.ZipFile(path) as archive:
+        return sum(e.file_size for e in archive.infolist() if re.search(r"/data/\d+$", e.filename))
+
+
+def test_every_rank_file_writes_only_the_bytes_of_its_tensors(saved_root):
+    """Every rank file of every checkpoint (of the runs and of their resumes) writes no tensor
+    data beyond its tensors' own elements: torch.save writes the whole storage of a view (wp's
+    prediction shard of the full vector, a streaming-diloco fragment of the buffer sized for the
+    largest one). The sharded methods' largest tensor (but the accumulator) is one shard."""
+    root = saved_root[0]
+    seen = set()
+    for method, fixed in SAVED:
+        for folder in checkpoint.list_checkpoints(root / f"{method}-{fixed}"):
+            numel = checkpoint.load_meta(folder)["numel"]
+            for rank in range(2):
+                path = checkpoint.rank_file(folder, rank, 2)
+                state = checkpoint.load_worker(folder, rank, 2, mmap=True)
+                where = (method, fixed, folder.name, rank)
+                views = [(name, t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                         for name, t in checkpoint.floating_tensors(state)
+                         if t.untyped_storage().nbytes() != t.numel() * t.element_size()]  # fmt: skip
+                assert not views, (where, views)
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in tree_leaves(state) if isinstance(t, torch.Tensor)}  # fmt: skip
+                assert _written(path) == sum(storages.values()), where
+                engine = state["engine"]
+                if method not in UNSHARDED:
+                    shard = 4 * math.ceil(numel / 2)  # fp32
+                    sizes = [(t.untyped_storage().nbytes(), name) for name, t in
+                             checkpoint.floating_tensors(engine) if name != "accumulator"]  # fmt: skip
+                    assert all(size <= shard for size, _ in sizes), (where, sizes)
+                if engine.get("predicted") is not None:
+                    seen.add(("predicted", method))
+                if engine.get("averaged") is not None:
+                    seen.add(("averaged", method, engine["averaged_fragment"]))
+    # what the sizes above cover: wp saved in its predicting state, and a landed fragment both of
+    # the largest size and shorter than the buffer
+    assert {("predicted", "wp"), ("averaged", "streaming-diloco", 0), ("averaged", "streaming-diloco", 1)} <= seen, seen
+
+
+def _largest_allocation(fn) -> int:
+    """The most CPU memory that one operator (with those it calls) allocated while `fn` ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max([e.cpu_memory_usage for e in prof.events()] + [0])
+
+
+def _torch_ddp_shard() -> dict:
+    """A torch-ddp engine's state on a model of 90,601 parameters, in slices of 45,301 that start
+    inside the weight; the last one padded."""
+    torch.manual_seed(0)
+    model = nn.Linear(300, 301)
+    engine = build_engine(model, EngineConfig(method="torch-ddp", nb_steps_tot=4))
+    states = []
+    largest = _largest_allocation(lambda: states.append(engine.state_dict()))
+    layout = engine._layout()
+    padded = torch.zeros(layout.padded_numel)  # the whole vector, padded with zeros, as a reference
+    torch.cat([p.detach().flatten() for p in model.parameters()], out=padded[: layout.numel])
+    return {"largest": largest, "shard": states[0]["params_shard"], "expected": padded[layout.shard_slice].clone()}
+
+
+def test_torch_ddp_saves_its_parameter_slice_without_a_model_sized_temporary(saved_root):
+    """Each worker copies its slice from the parameters it overlaps (issue 19: it built the whole
+    padded vector first): nothing in state_dict allocates more than the slice."""
+    for rank, got in enumerate(saved_root[2]):
+        assert torch.equal(got["shard"], got["expected"]), rank
+        assert got["largest"] <= got["shard"].numel() * 4, (rank, got["largest"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_non_finite_check_finds_nan_and_inf_only_and_allocates_nothing_tensor_sized(dtype):
+    huge = torch.finfo(dtype).max
+    # finite, though its sum is NaN (partial sums overflow, then inf - inf) and its norm inf
+    finite = torch.full((100_000,), huge, dtype=dtype)
+    finite[::2] = -huge
+    assert checkpoint.non_finite({"a": finite, "b": [torch.zeros(0, dtype=dtype)], "step": torch.tensor(3.0)},
+                                 torch.device("cpu"), 1) == []  # fmt: skip
+    for value in (math.nan, math.inf, -math.inf):
+        for where in (0, 4_321, 99_999):
+            bad = finite.clone()
+            bad[where] = value
+            state = {"engine": {"master": finite, "exp_avg": [bad], "scalar": torch.tensor(value)}}
+            assert checkpoint.non_finite(state, torch.device("cpu"), 1) == ["engine.exp_avg.0", "engine.scalar"], (value, where)
+    # torch.isfinite(t) allocated t.abs() (as large as t) and four masks of a byte per element
+    assert _largest_allocation(lambda: checkpoint.non_finite({"a": finite}, torch.device("cpu"), 1)) < 1_000
