@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from acco.config import AlreadyCompleted, InputError, compose, one_line_error
+from acco.config import AlreadyCompleted, InputError, check_values, compose, one_line_error
 from acco.launch.env import dist_env, self_command
 from acco.launch.local import launch_local, local_nproc, wait_for_go
 
@@ -199,6 +199,7 @@ def _hydra_app() -> None:
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")
     def app(cfg: DictConfig) -> None:
+        check_values(cfg)  # as compose does: Hydra's composition runs no group's value checks
         code = run(cfg)
         if code:
             sys.exit(code)

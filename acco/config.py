@@ -7,9 +7,9 @@ checks its own values in ``__post_init__``: ``TrainArgs`` the trainer's keys (an
 ``EngineConfig``, the engine's), ``LaunchConfig`` the launcher's. What a schema cannot know (files,
 data sizes, the tokenizer against the model, resume compatibility) is ``acco.validate``'s job.
 
-``compose(overrides)`` composes once per command and turns Hydra's multi-line reports into one
-``InputError`` line. Nothing here imports torch: the launcher composes and checks before its
-workers have finished importing it.
+``compose(overrides)`` composes once per command, runs those value checks (``check_values``: merging
+runs no ``__post_init__``) and turns Hydra's reports into one ``InputError`` line. Nothing here
+imports torch: the launcher composes and checks before its workers have finished importing it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "ModelError",
     "TrainArgs",
+    "check_values",
     "compose",
     "one_line_error",
     "register_schema",
@@ -311,15 +312,37 @@ def register_schema() -> None:
 
 def compose(overrides: list[str], config_module: str = "acco.conf", config_name: str = "config") -> DictConfig:
     """The config for these command-line overrides, composed once; one ``InputError`` line for an
-    unknown group, option or key, a value of the wrong type, or an override that does not parse."""
+    unknown group, option or key, a value of the wrong type or that its group refuses, or an override
+    that does not parse."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
     try:
         with initialize_config_module(config_module=config_module, version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as e:
         raise InputError(hydra_message(e, overrides)) from e
+    check_values(cfg)
+    return cfg
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Each group's ``__post_init__`` checks (merging runs none; ``OmegaConf.to_object`` does) as one
+    ``InputError`` line; a group with a ``???`` or a broken interpolation is left to acco.validate."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    for group in ("launch", "train", "data"):  # launch first: train.timeout_s is ${launch.timeout_s}
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or OmegaConf.missing_keys(node):
+            continue
+        try:
+            with warnings.catch_warnings():  # the seed keys' warning: once, where the values are used
+                warnings.simplefilter("ignore")
+                OmegaConf.to_object(node)
+        except ConfigError as e:
+            raise InputError(one_line_error(e)) from e
+        except OmegaConfBaseException:
+            continue
 
 
 def hydra_message(e: Exception, argv: list[str]) -> str:

@@ -183,6 +183,34 @@ def test_gpu_without_cuda_exits_cleanly(tmp_path):
     assert proc.returncode == 3
 
 
+def test_gpu_variants_and_plain_fused_adamw_loop_on_the_cpu(tmp_path):
+    """acco-bench gpu's code path with --device cpu and the tiny model: the engine against the
+    plain fused-AdamW loop (bf16 parameters, and fp32 under bf16 autocast), each also with gradient
+    checkpointing (-gc), which recomputes the same arithmetic: the same losses."""
+    import torch
+
+    out = tmp_path / "gpu"
+    variants = ["engine-acco", "plain-bf16", "plain-autocast", "engine-acco-gc", "plain-bf16-gc"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # intra-op threads waiting on each other on shared cores cost 10x
+    try:
+        assert main(["gpu", "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--max-length", "16",
+                     "--steps", "2", "--warmup", "1", "--variants", ",".join(variants), "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads((out / "gpu.json").read_text())
+    assert result["device"] == "cpu" and list(result["variants"]) == variants
+    for name, r in result["variants"].items():
+        assert r["tokens_per_s"] > 0 and r["updates_timed"] == 2 and r["mfu"] is None, name
+        assert r["gradient_checkpointing"] is name.endswith("-gc"), name
+        assert r.get("fused_adamw", name.startswith("plain-")) is name.startswith("plain-"), name
+    v = result["variants"]
+    assert v["engine-acco-gc"]["final_loss"] == pytest.approx(v["engine-acco"]["final_loss"], rel=1e-3)
+    assert v["plain-bf16-gc"]["final_loss"] == pytest.approx(v["plain-bf16"]["final_loss"], rel=1e-3)
+    assert result["ratio_engine-acco-gc_over_plain-bf16-gc"] > 0
+    assert "| plain-bf16-gc |" in (out / "gpu.md").read_text()
+
+
 # ---- no workers: argument checks and the arithmetic of the report -------------------------------
 
 

@@ -152,6 +152,9 @@ def test_instruction_records_without_instruction_or_output(tmp_path):
         ("train.acco_estimate=nope", "train.acco_estimate must be one of lean, paper, got 'nope'"),
         ("train.batch_size=two", "train.batch_size must be an integer, got 'two'"),
         ("launch.nproc=0", "launch.nproc must be a positive integer or 'auto', got 0"),
+        ("launch.nproc=-1", "launch.nproc must be a positive integer or 'auto', got -1"),
+        ("launch.nproc=two", "launch.nproc must be a positive integer or 'auto', got 'two'"),
+        ("launch.timeout_s=0", "launch.timeout_s must be a positive finite number, got 0"),
         ("train.scheduler_name=nope", "scheduler"),
         ("train.max_length=1000", "train.max_length 1000 exceeds model.max_position_embeddings 256"),
         ("train=base", "missing value for train.method_name"),
@@ -302,6 +305,23 @@ def test_cli_unknown_key_or_group_is_one_line(tmp_path, override, expected):
     proc = cli(tmp_path, override)
     one_error(proc, expected)
     assert proc.stderr.strip() == one_error(proc)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("launch.nproc=0", "launch.nproc must be a positive integer or 'auto', got 0"),
+        ("launch.nproc=-1", "launch.nproc must be a positive integer or 'auto', got -1"),
+        ("launch.nproc=two", "launch.nproc must be a positive integer or 'auto', got 'two'"),
+        ("launch.timeout_s=0", "launch.timeout_s must be a positive finite number, got 0"),
+    ],
+)
+def test_cli_bad_launch_value_is_one_line_before_any_worker(tmp_path, override, expected):
+    """The launcher reads launch.* before the validation pass: the schema's checks must have run
+    when the config was composed (a structured config runs no __post_init__ as Hydra merges)."""
+    proc = cli(tmp_path, "model=tiny", "train.nb_steps_tot=8", "train.batch_size=2", "train.max_length=32", override)
+    assert proc.stderr.strip() == one_error(proc, expected)
     assert not (tmp_path / "out").exists()
 
 

@@ -5,7 +5,10 @@
      side stream and thread) and method ddp (the same pieces with no overlap);
    - a plain PyTorch loop on the same model and data: bf16 parameters with fused AdamW (the same
      arithmetic as the engine's bf16 model), and the usual recipe, fp32 parameters under bf16
-     autocast with fused AdamW.
+     autocast with fused AdamW;
+   - a variant name ending in ``-gc`` (``engine-acco-gc``, ``plain-bf16-gc``) runs the same with
+     gradient checkpointing (transformers' non-reentrant, as ``train.gradient_checkpointing``):
+     each variant's peak GPU memory is measured from a reset, so the two can be compared.
    Every variant does ``2 * grad_accum`` micro-batches of ``batch_size x max_length`` tokens per
    optimizer update (acco: ``grad_accum`` per round, two rounds per update) and is timed over
    ``--steps`` updates after ``--warmup`` updates.
@@ -60,8 +63,8 @@ def add_arguments(p) -> None:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="side-stream sleep per comm round for the overlap check (0: 3 x a round's compute)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for MFU")
-    p.add_argument("--variants", default="engine-acco,engine-ddp,plain-bf16,plain-autocast",
-                   help="throughput variants to run")
+    p.add_argument("--variants", default="engine-acco,engine-ddp,plain-bf16,plain-autocast,engine-acco-gc,plain-bf16-gc",
+                   help="throughput variants to run (a -gc suffix: with gradient checkpointing)")
     p.add_argument("--no-stream-check", action="store_true", help="skip the side-stream check")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (code-path check only)")
     p.add_argument("--require-cuda", action="store_true", help=f"exit {NO_CUDA_EXIT} when there is no CUDA device")
@@ -103,7 +106,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fresh_model(args, vocab: int, device, dtype):
+def _fresh_model(args, vocab: int, device, dtype, checkpointing: bool = False):
+    """The model from its local config (acco/conf/model, never a hub), in training mode."""
     import torch
 
     from acco.bench.convergence import _model_config
@@ -111,7 +115,18 @@ def _fresh_model(args, vocab: int, device, dtype):
 
     torch.manual_seed(0)
     model = build_model(_model_config(args.model, {}), vocab_size=vocab, max_length=args.max_length)
-    return model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype).train()  # checkpointing acts in training mode only
+    if checkpointing:  # transformers 5 renamed gradient_checkpointing_enable (a deprecated alias)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _checkpointing(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _loss_fn():
@@ -121,14 +136,14 @@ def _loss_fn():
 
 
 def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = False, delay=None,
-               budget: int | None = None) -> dict:
+               budget: int | None = None, checkpointing: bool = False) -> dict:
     """Train through the engine at world size 1; tokens/s over the timed updates, and the
     per-micro-batch compute time."""
     import torch
 
     from acco.engine import EngineConfig, build_engine
 
-    model = _fresh_model(args, vocab, device, torch.float32)
+    model = _fresh_model(args, vocab, device, torch.float32, checkpointing)
     k = args.grad_accum
     per_update = 2 * k
     budget = budget or (args.warmup + args.steps) * per_update  # micro-batches of one worker
@@ -157,6 +172,7 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     samples = records[-1].samples - records[warm].samples
     computed = sum(r.micro_batches[0] for r in timed)
     compute_s = sum(r.compute_s for r in timed)
+    checkpointed = _checkpointing(model)
     del engine, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -169,19 +185,20 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
         "comm_s_per_update": statistics.median(r.comm_s for r in timed),
         "wait_s_per_update": statistics.median(r.wait_s for r in timed),
         "final_loss": records[-1].loss,
+        "gradient_checkpointing": checkpointed,
     }
 
 
-def run_plain(args, device, vocab: int, pool, autocast: bool) -> dict:
-    """A plain loop: forward/backward 2k micro-batches, fused AdamW step, zero_grad."""
+def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False) -> dict:
+    """A plain loop: forward/backward 2k micro-batches, fused AdamW step (CUDA, and the CPU since
+    torch 2.4), zero_grad."""
     import contextlib
 
     import torch
 
     dtype = torch.float32 if autocast else torch.bfloat16
-    model = _fresh_model(args, vocab, device, dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda" or None)
+    model = _fresh_model(args, vocab, device, dtype, checkpointing)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     loss_fn = _loss_fn()
     per_update = 2 * args.grad_accum
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
@@ -205,11 +222,12 @@ def run_plain(args, device, vocab: int, pool, autocast: bool) -> dict:
     elapsed = time.perf_counter() - start
     tokens = args.steps * per_update * args.batch_size * args.max_length
     final = float(loss.detach()) * per_update if loss is not None else None
+    checkpointed, fused = _checkpointing(model), bool(opt.defaults["fused"])
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"updates_timed": args.steps, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed / args.steps,
-            "final_loss": final}
+            "final_loss": final, "gradient_checkpointing": checkpointed, "fused_adamw": fused}
 
 
 def calibrate_sleep(device) -> float:
@@ -343,30 +361,33 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
         f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        if world > 1 and variant.startswith("plain-"):
+        base = variant.removesuffix("-gc")
+        gc = base != variant  # with gradient checkpointing
+        if world > 1 and base.startswith("plain-"):
             continue  # single-process loops
-        if variant == "engine-acco":
-            r = run_engine(args, "acco", device, vocab, pool)
-        elif variant == "engine-ddp":
-            r = run_engine(args, "ddp", device, vocab, pool)
-        elif variant == "plain-bf16":
-            r = run_plain(args, device, vocab, pool, autocast=False)
-        elif variant == "plain-autocast":
-            r = run_plain(args, device, vocab, pool, autocast=True)
+        if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
+            torch.cuda.reset_peak_memory_stats(device)
+        if base in ("engine-acco", "engine-ddp"):
+            r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, checkpointing=gc)
+        elif base in ("plain-bf16", "plain-autocast"):
+            r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", checkpointing=gc)
         else:
             print(f"acco-bench gpu: unknown variant {variant!r}", file=sys.stderr)
             return 2
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
             r["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-            torch.cuda.reset_peak_memory_stats(device)
         result["variants"][variant] = r
         mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
         say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
     v = result["variants"]
-    for a, b in (("engine-acco", "plain-bf16"), ("engine-acco", "plain-autocast"), ("engine-ddp", "plain-bf16")):
+    for a, b in (("engine-acco", "plain-bf16"), ("engine-acco", "plain-autocast"), ("engine-ddp", "plain-bf16"),
+                 ("engine-acco-gc", "plain-bf16-gc")):
         if a in v and b in v:
             result[f"ratio_{a}_over_{b}"] = v[a]["tokens_per_s"] / v[b]["tokens_per_s"]
+    for a in list(v):  # what checkpointing saves: peak memory with it over without
+        if a + "-gc" in v and v[a].get("peak_mem_mb"):
+            result[f"ratio_{a}-gc_over_{a}_peak_mem"] = v[a + "-gc"]["peak_mem_mb"] / v[a]["peak_mem_mb"]
     if device.type == "cuda" and not args.no_stream_check:
         ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
         result["stream_check"] = stream_check(args, device, vocab, pool, ms)

@@ -93,6 +93,13 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
     collective_timeout_s, env_defaults = backend_settings(backend, timeout_s)
     for key, value in env_defaults.items():
         os.environ.setdefault(key, value)
+    if "nccl" in backend:
+        # NCCL kernels run on the group's own stream, not the caller's (the comm round's
+        # high-priority side stream), for async collectives (DDP's buckets) and, before torch 2.8,
+        # for synchronous ones too: make that stream high priority, or a round queues behind the
+        # next micro-batch's kernels. Read when a communicator is made (torch's initNCCLComm); a
+        # value the user exported wins.
+        os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
     timeout = timedelta(seconds=collective_timeout_s)
     env = dist_env()
     if env is None:

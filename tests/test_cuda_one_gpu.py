@@ -1,0 +1,314 @@
+"""What one GPU can prove. NCCL refuses two ranks on one GPU, so tests/test_cuda.py (2+ GPUs)
+cannot run on a one-GPU machine; here one process joins a one-rank NCCL group on its GPU. The
+collectives have nobody to talk to, but every comm round still runs on the comm thread and its
+side stream, torch-ddp still runs DDP's reducer on NCCL, and the GPU's own arithmetic (fp32
+without TF32, bf16) is what the engine trains with. Run it with
+
+    .venv/bin/python -m pytest -q tests/test_cuda_one_gpu.py -rs -s
+
+- every method (acco/engine/config.py METHODS) in fp32 equals its single-process reference (those of
+  test_engine_methods.py and test_diloco.py);
+- a tiny GPT-Neo trains in bf16 under every method with a falling loss;
+- the overlap is real: test_cuda.py's sleep check (a sleep in every comm round on the side stream
+  lets compute go on, the same sleep on the compute stream does not), on one rank;
+- GPT-Neo 125M (acco/conf/model/gptneo-125m.yaml, never a hub) at 4 x 1024 tokens in bf16:
+  acco-bench gpu's peak GPU memory with and without gradient checkpointing, and its tokens/s and
+  MFU against a plain fused-AdamW loop on the same model (printed for BENCHMARKS.md with -s).
+
+The first two also run here on one gloo rank on the CPU (the same code, in this process), which
+checks the tests themselves; the GPU variants skip with their reason where there is no CUDA or NCCL.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import math
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_cuda import OVERLAP_UPDATES, assert_overlap, overlap_run
+from test_diloco import reference_diloco
+from test_engine_methods import (
+    Reference,
+    assert_close,
+    config,
+    loss_fn,
+    make_model,
+    micro_batch,
+    reference_acco,
+    reference_delayed,
+)
+from torch.nn.utils import parameters_to_vector
+
+from acco.engine.config import METHODS
+
+
+def _why_no_gpu() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (a CPU-only torch build or no GPU visible)"
+    if not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    return None
+
+
+NO_GPU = _why_no_gpu()
+needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
+ON = [pytest.param("cpu", id="gloo-cpu"), pytest.param("cuda", id="nccl-gpu", marks=needs_gpu)]
+
+
+@pytest.fixture
+def one_thread():
+    """Intra-op threads that wait on each other on shared cores make tiny ops 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _in_group(device_type: str, fn, args):
+    """fn(device, *args) in a one-rank group of this process: NCCL on cuda:0, gloo on the CPU."""
+    if device_type == "cuda":
+        # Before the group, as acco's init_distributed sets it: the group's own stream high-priority.
+        os.environ["TORCH_NCCL_HIGH_PRIORITY"] = "1"
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls, to compare with the CPU references
+        torch.backends.cudnn.allow_tf32 = False
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=300), device_id=device)  # fmt: skip
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        return fn(device, *args)
+    finally:
+        gc.collect()  # DDP's reducer holds the group: free it while the group is whole
+        dist.destroy_process_group()
+
+
+def _entry(_: int, device_type: str, fn, args, path: str) -> None:
+    torch.save(_in_group(device_type, fn, args), path)
+
+
+def run_one_rank(device_type: str, fn, *args):
+    """fn(device, *args) on one rank: on the GPU in a process of its own (a CUDA or NCCL failure
+    cannot take pytest down), on the CPU in this one."""
+    if device_type == "cpu":
+        return _in_group("cpu", fn, args)
+    with tempfile.TemporaryDirectory() as out_dir:
+        path = os.path.join(out_dir, "rank0.pt")
+        mp.start_processes(_entry, args=("cuda", fn, args, path), nprocs=1, start_method="spawn")
+        return torch.load(path, weights_only=False)
+
+
+def _train(device, build, cfgs, batches, loss):
+    """Train a fresh model per config; its final parameters (fp32, CPU) and its records."""
+    from acco.engine import build_engine
+
+    out = []
+    for cfg in cfgs:
+        model = build().to(device)
+        engine = build_engine(model, cfg)
+        records = list(engine.run(batches(device), loss))
+        engine.close()
+        theta = parameters_to_vector(model.parameters()).detach().float().cpu()
+        out.append((cfg.method, theta, [(r.loss, r.micro_batches, r.samples) for r in records]))
+    return out
+
+
+# --------------------------------------------------------------------------- fp32: the references
+
+
+N, UPDATES, CLIP = 2, 6, 0.45
+
+
+def method_configs() -> list:
+    budget = N * UPDATES
+    common = dict(nb_steps_tot=budget, max_grad_norm=CLIP)
+    return [
+        config(method="ddp", n_grad_accumulation=N, **common),
+        config(method="torch-ddp", n_grad_accumulation=N, **common),
+        config(method="dpu", n_grad_accumulation=N, **common),
+        config(method="wp", n_grad_accumulation=N, **common),
+        config(method="acco", n_grad_accumulation=N // 2, acco_estimate="paper", **common),
+        config(method="acco", n_grad_accumulation=N // 2, acco_estimate="lean", **common),
+        config(method="diloco", n_grad_accumulation=N, nb_steps_tot=N * 10, sync_every=3, max_grad_norm=0.5),
+        config(method="streaming-diloco", n_grad_accumulation=N, nb_steps_tot=N * 11, sync_every=4,
+               num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5, outer_momentum=0.8),
+    ]  # fmt: skip
+
+
+def _mlp_batches(device):
+    for j in itertools.count():  # one worker reads every micro-batch: 0, 1, 2, ...
+        x, y = micro_batch("mlp", j)
+        yield x.to(device), y.to(device)
+
+
+def _every_method_fp32(device):
+    return _train(device, lambda: make_model("mlp"), method_configs(), _mlp_batches, loss_fn)
+
+
+def expected(cfg) -> tuple[torch.Tensor, list[float]]:
+    """The single-process reference's final parameters and losses for `cfg` on one worker."""
+    if cfg.method in ("diloco", "streaming-diloco"):
+        return reference_diloco("mlp", cfg, 1)
+    ref = Reference("mlp", cfg, 1, [cfg.n_grad_accumulation])
+    if cfg.method in ("ddp", "torch-ddp"):
+        theta = ref.ddp(UPDATES)
+    elif cfg.method in ("dpu", "wp"):
+        theta = reference_delayed(ref, UPDATES, predict=cfg.method == "wp")
+    else:
+        theta = reference_acco(ref, UPDATES, lean=cfg.acco_estimate == "lean")
+    return theta, ref.losses
+
+
+@pytest.mark.parametrize("on", ON)
+def test_every_method_on_one_rank_equals_its_reference_in_fp32(on, one_thread):
+    results = run_one_rank(on, _every_method_fp32)
+    cfgs = method_configs()
+    assert {method for method, _, _ in results} == set(METHODS)
+    finals = {}
+    for cfg, (method, theta, records) in zip(cfgs, results):
+        name = f"{method} ({cfg.acco_estimate})" if method == "acco" else method
+        want, losses = expected(cfg)
+        assert len(records) == len(losses), name
+        assert_close(theta, want, f"{name} on one {on} rank vs its reference")
+        assert_close(torch.tensor([loss for loss, _, _ in records]), torch.tensor(losses), f"{name} losses")
+        if cfg.method not in ("diloco", "streaming-diloco"):
+            assert [mb for _, mb, _ in records] == [[2 * cfg.n_grad_accumulation if method == "acco"
+                                                     else cfg.n_grad_accumulation]] * UPDATES, name  # fmt: skip
+        finals[name] = theta
+    # The methods differ from each other: the comparisons above are not vacuous.
+    for a, b in (("ddp", "dpu"), ("dpu", "wp"), ("acco (paper)", "acco (lean)"), ("diloco", "streaming-diloco")):
+        assert not torch.allclose(finals[a], finals[b], atol=1e-4), (a, b)
+
+
+# --------------------------------------------------------------------------- bf16: GPT-Neo learns
+
+
+GPT_NEO = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=32, window_size=8)
+VOCAB, SEQ, BATCH, MICRO_BATCHES = 64, 32, 4, 24
+
+
+def _tokens(device):
+    """Two fixed batches of random tokens, again and again: a model that learns them drives the
+    loss well below its start (log 64 = 4.16)."""
+    g = torch.Generator().manual_seed(0)
+    pool = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(2)]
+    return itertools.cycle([{"input_ids": x, "labels": x} for x in pool])
+
+
+def _gpt_neo():
+    from acco.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(GPT_NEO, vocab_size=VOCAB, max_length=SEQ)
+
+
+def _every_method_bf16(device):
+    from acco.engine import EngineConfig
+    from acco.loss import causal_lm_loss
+
+    common = dict(nb_steps_tot=MICRO_BATCHES, use_mixed_precision=True, learning_rate=1e-2, scheduler_name="constant",
+                  accumulate_while_waiting=False, weight_decay=0.0)  # fmt: skip
+    cfgs = [EngineConfig(method=m, n_grad_accumulation=1, sync_every=4, num_fragments=2 if m == "streaming-diloco" else 1,
+                         fragment_sync_delay=1 if m == "streaming-diloco" else 0, **common) for m in METHODS]  # fmt: skip
+    return _train(device, _gpt_neo, cfgs, _tokens, causal_lm_loss)
+
+
+@pytest.mark.parametrize("on", ON)
+def test_every_method_trains_gpt_neo_in_bf16_with_a_falling_loss(on, one_thread):
+    results = run_one_rank(on, _every_method_bf16)
+    assert [method for method, _, _ in results] == list(METHODS)
+    for method, theta, records in results:
+        losses = [loss for loss, _, _ in records]
+        assert records[-1][2] == MICRO_BATCHES, method
+        assert all(math.isfinite(x) for x in losses) and bool(torch.isfinite(theta).all()), method
+        first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+        assert first > 3.5 and last < first - 0.5, f"{method}: loss {first:.2f} -> {last:.2f} ({losses})"
+
+
+# --------------------------------------------------------------------------- the GPU alone
+
+
+def _overlap_one_rank(device, delay_ms: float, on_side_stream: bool):
+    return overlap_run(0, device, delay_ms, on_side_stream, world=1)
+
+
+def test_the_overlap_check_stops_after_its_updates_on_the_cpu(one_thread):
+    """The overlap check's run on one CPU rank (the comm thread sleeps 20 ms a round): it stops
+    after OVERLAP_UPDATES updates, far from its budget, and compute went on during the rounds."""
+    theta, counts = run_one_rank("cpu", _overlap_one_rank, 20.0, True)
+    assert len(counts) == OVERLAP_UPDATES and bool(torch.isfinite(theta).all())
+    assert sum(counts[1:]) > 2 * (OVERLAP_UPDATES - 1), counts  # more than 2 rounds of 1 micro-batch
+
+
+@needs_gpu
+def test_the_overlap_is_real_on_one_rank():
+    side_theta, side = run_one_rank("cuda", _overlap_one_rank, 50.0, True)
+    _, control = run_one_rank("cuda", _overlap_one_rank, 50.0, False)
+    assert len(side) == OVERLAP_UPDATES and bool(torch.isfinite(side_theta).all())
+    print(f"\nmicro-batches per update, side stream delayed: {side}; control: {control}")
+    assert_overlap(side, control)
+
+
+@needs_gpu
+def test_gpt_neo_125m_memory_and_throughput_against_a_plain_fused_adamw_loop(tmp_path):
+    from acco.bench.cli import main
+
+    out = tmp_path / "gpu"
+    variants = ["engine-acco", "plain-bf16", "plain-autocast", "engine-acco-gc", "plain-bf16-gc"]
+    assert main(["gpu", "--model", "gptneo-125m", "--batch-size", "4", "--max-length", "1024", "--grad-accum", "2",
+                 "--steps", "10", "--warmup", "3", "--variants", ",".join(variants), "--no-stream-check",
+                 "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads((out / "gpu.json").read_text())
+    print("\n" + (out / "gpu.md").read_text())
+    v = result["variants"]
+    assert list(v) == variants
+    for name, r in v.items():
+        assert r["gradient_checkpointing"] is name.endswith("-gc"), name
+        assert r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0 and math.isfinite(r["final_loss"]), name
+        if result["peak_bf16_tflops"]:  # a device of the table (or --peak-tflops)
+            assert 0 < r["mfu"] < 1, (name, r["mfu"])
+    assert v["plain-bf16"]["fused_adamw"] and v["plain-autocast"]["fused_adamw"]
+    # Checkpointing keeps one activation per layer instead of all of them: the plain loop's peak,
+    # weights and optimizer state included, falls by a fifth at least; the engine saves about as much.
+    saved_plain = v["plain-bf16"]["peak_mem_mb"] - v["plain-bf16-gc"]["peak_mem_mb"]
+    saved_engine = v["engine-acco"]["peak_mem_mb"] - v["engine-acco-gc"]["peak_mem_mb"]
+    assert saved_plain > 0.2 * v["plain-bf16"]["peak_mem_mb"], v
+    assert saved_engine > 0.5 * saved_plain, (saved_engine, saved_plain)
+    # The engine at world size 1 (acco: two rounds per update on the comm thread) against the plain
+    # loop on the same model and batches: its overhead must stay well below the plain loop's time.
+    assert v["engine-acco"]["tokens_per_s"] > 0.5 * v["plain-bf16"]["tokens_per_s"], v
+
+
+# --------------------------------------------------------------------------- the NCCL environment, on the CPU
+
+
+def test_init_distributed_asks_for_high_priority_nccl_streams_before_the_group(monkeypatch):
+    """TORCH_NCCL_HIGH_PRIORITY=1 is in the environment when the NCCL group is made (torch reads
+    it as each communicator is created); a value the user exported wins; gloo sets nothing."""
+    import acco.launch.process_group as pg
+
+    seen = []
+    for key in ("TORCH_NCCL_HIGH_PRIORITY", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.setenv(key, "")  # restored (unset) after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(pg, "dist_env", lambda: None)  # no launcher: a one-process group
+    monkeypatch.setattr(pg, "_device_for", lambda local_rank, use_cuda: torch.device("cpu"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: seen.append((backend, os.environ.get("TORCH_NCCL_HIGH_PRIORITY"))))
+    pg.init_distributed(30, backend="nccl")
+    monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")
+    pg.init_distributed(30, backend="nccl")
+    monkeypatch.delenv("TORCH_NCCL_HIGH_PRIORITY")
+    pg.init_distributed(30, backend="gloo")
+    assert seen == [("nccl", "1"), ("nccl", "0"), ("gloo", None)]
