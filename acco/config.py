@@ -100,6 +100,7 @@ class TrainArgs:
     n_warmup_steps: int = 0  # updates (not micro-batches) run as sequential ddp first (dpu, wp, acco)
     max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)
     acco_estimate: str = "lean"  # acco's estimate round: "lean", or the paper's form "paper" (acco/engine/comm.py)
+    grad_accum_dtype: str = "fp32"  # mixed precision: sum the micro-batches' gradients in fp32, or in bf16
     bucket_cap_mb: float = 25.0  # torch-ddp: DDP's gradient bucket size, MiB
     sync_every: int = 50  # diloco/streaming-diloco: inner steps between two syncs of a fragment (H)
     num_fragments: int = 1  # streaming-diloco: fragments synchronised in turn (F)

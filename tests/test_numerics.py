@@ -68,11 +68,12 @@ def test_state_bytes_counts_each_buffer_once():
     p = sum(q.numel() for q in mlp().parameters())  # world size 1: no padding, the shard is everything
     bf16 = build_engine(mlp(), cfg("wp", bf16=True))
     # model-dtype params, grads, payload, summed gradient and sent shard; fp32 master, moments,
-    # gradient shard, wp's previous master (the trial workspace is acco's only)
+    # gradient shard, wp's previous master (the trial workspace is acco's only), the fp32
+    # gradient accumulator (grad_accum_dtype fp32, the default)
     assert bf16.state_bytes() == {
-        "params": 2 * p, "grads": 2 * p, "payload": 2 * p, "master": 4 * p, "exp_avg": 4 * p, "exp_avg_sq": 4 * p,
-        "grad_shard": 4 * p, "summed_grad_shard": 2 * p, "new_param_shard": 2 * p,
-        "wp_previous_master": 4 * p}  # fmt: skip
+        "params": 2 * p, "grads": 2 * p, "grad_accumulator_fp32": 4 * p, "payload": 2 * p, "master": 4 * p,
+        "exp_avg": 4 * p, "exp_avg_sq": 4 * p, "grad_shard": 4 * p, "summed_grad_shard": 2 * p,
+        "new_param_shard": 2 * p, "wp_previous_master": 4 * p}  # fmt: skip
     bf16.close()
     fp32 = build_engine(mlp(), cfg("ddp", bf16=False))
     got = fp32.state_bytes()  # ddp: no payload; the reduce-scatter lands in the fp32 gradient shard itself
@@ -83,3 +84,43 @@ def test_state_bytes_counts_each_buffer_once():
     acco = build_engine(mlp(), cfg("acco", bf16=False))
     assert acco.state_bytes()["trial_workspace"] == 4 * p  # the estimate round's trial step
     acco.close()
+
+
+def _payload_and_micro_grads(accum: str, k: int = 8):
+    """The first update's payload of ddp in bf16 (k micro-batches), and each micro-batch's own
+    bf16 gradient, in the flat order."""
+    model = mlp()
+    config = EngineConfig(method="ddp", n_grad_accumulation=k, nb_steps_tot=k, use_mixed_precision=True,
+                          accumulate_while_waiting=False, grad_accum_dtype=accum, max_grad_norm=None)  # fmt: skip
+    engine = build_engine(model, config)
+    payloads, run = [], engine.comm.run
+    engine.comm.run = lambda payload, *a, **kw: (payloads.append(payload.clone()), run(payload, *a, **kw))[1]
+    reference = mlp().to(torch.bfloat16)
+    micro_grads = []
+    for batch in itertools.islice(batches(torch.bfloat16), k):
+        reference.zero_grad()
+        mse(reference, batch).backward()
+        ordered = [p for p in reference.parameters() if p.dim() >= 2] + [p for p in reference.parameters() if p.dim() < 2]
+        micro_grads.append(torch.cat([p.grad.flatten() for p in ordered]))
+    list(engine.run(batches(torch.bfloat16), mse))
+    state = engine.state_bytes()
+    engine.close()
+    return payloads[0][: micro_grads[0].numel()], micro_grads, state
+
+
+def test_grad_accum_dtype_sums_micro_batches_in_fp32_or_in_bf16():
+    """fp32: the payload is the fp32 sum of the micro-batches' bf16 gradients, rounded once; bf16:
+    each micro-batch's gradient is added in bf16, as autograd accumulates into a bf16 .grad."""
+    payload, micro, state = _payload_and_micro_grads("fp32")
+    in_fp32 = torch.zeros_like(micro[0], dtype=torch.float32)
+    for g in micro:
+        in_fp32 += g  # in the engine's order
+    assert torch.equal(payload, in_fp32.to(torch.bfloat16))
+    assert state["grad_accumulator_fp32"] == 4 * payload.numel()
+    payload, micro, state = _payload_and_micro_grads("bf16")
+    in_bf16 = micro[0].clone()
+    for g in micro[1:]:
+        in_bf16 += g
+    assert torch.equal(payload, in_bf16)
+    assert "grad_accumulator_fp32" not in state
+    assert not torch.equal(in_bf16, in_fp32.to(torch.bfloat16))  # the two differ here

@@ -14,6 +14,10 @@ LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
 # is Opt_trial(theta_t, g~_t) as the paper writes it (acco/engine/comm.py's docstring; the
 # learning-rate sweep in BENCHMARKS.md).
 ACCO_ESTIMATES = ("lean", "paper")
+# Where a worker sums its micro-batches' gradients in mixed precision: "fp32" (a separate fp32
+# accumulator, +4 bytes per parameter; the sum is rounded to bf16 once, for the wire) or "bf16"
+# (in the bf16 gradient buffer itself: one rounding per micro-batch). fp32 training: fp32 either way.
+GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 SCHEDULERS = ("cosine", "linear", "constant")
 
 
@@ -54,6 +58,7 @@ class EngineConfig:
     # Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient.
     max_grad_norm: float | None = 1.0
     acco_estimate: str = "lean"
+    grad_accum_dtype: str = "fp32"
     # torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep).
     bucket_cap_mb: float = 25.0
     # diloco / streaming-diloco (acco/engine/diloco.py): inner AdamW steps between two syncs of a
@@ -88,6 +93,8 @@ class EngineConfig:
         if self.acco_estimate not in ACCO_ESTIMATES:
             raise ConfigError(f"acco_estimate must be one of {', '.join(ACCO_ESTIMATES)}, got {self.acco_estimate!r}")
         check_max_grad_norm(self.max_grad_norm)
+        if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+            raise ConfigError(f"grad_accum_dtype must be one of {', '.join(GRAD_ACCUM_DTYPES)}, got {self.grad_accum_dtype!r}")
         for name in ("warmup", "n_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")

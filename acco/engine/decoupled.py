@@ -39,7 +39,7 @@ from acco.engine.comm import (
     new_stats,
 )
 from acco.engine.config import EngineConfig, UpdateRecord
-from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout
+from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout, broadcast_module, world_of
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
 # the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
@@ -62,23 +62,6 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed by this run."""
 
 
-def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Rank 0's parameters and buffers on every rank, each in its own dtype (an fp32 checkpoint keeps
-    its low bits). Once per run, tensor by tensor: a flat copy would cost a model-sized temporary."""
-    if world_of(group)[0] == 1:
-        return
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
-
-
 class DecoupledEngine:
     """Trains `module` in place with ddp, dpu, wp or acco; `run` yields one UpdateRecord per update."""
 
@@ -97,6 +80,11 @@ class DecoupledEngine:
         self.device = self.flat.params.device
         self.comm = CommRound(self.flat, cfg, group)
         self.overlapped = cfg.method != "ddp"
+        # The gradient accumulator: the flat gradient buffer itself, or in mixed precision with
+        # grad_accum_dtype fp32 an fp32 vector that each micro-batch's bf16 gradients are added to
+        # (torch-ddp's fp32 gradients sum alike); rounded to bf16 once, when a round takes it.
+        fp32_sum = cfg.use_mixed_precision and cfg.grad_accum_dtype == "fp32"
+        self.accumulator = torch.zeros_like(self.flat.grads, dtype=torch.float32) if fp32_sum else self.flat.grads
         self.stats = new_stats(self.device)  # statistics of what the accumulator holds
         if self.overlapped:
             # The spec's one communication buffer, named for each of its two roles: a round
@@ -121,6 +109,9 @@ class DecoupledEngine:
 
     def _micro_step(self, batch: Any, loss_fn: LossFn, lead: int = 2) -> None:
         backward_and_count(loss_fn(self.module, batch), self.stats)
+        if self.accumulator is not self.flat.grads:
+            self.accumulator.add_(self.flat.grads)
+            self.flat.grads.zero_()
         if self.device.type == "cuda":
             # Bound how far the host runs ahead of the GPU (at most `lead` micro-batches queued),
             # so that "is the round done yet?" is asked at the pace of real computation. A
@@ -158,6 +149,9 @@ class DecoupledEngine:
         compute_s = self._accumulate(batches, loss_fn, micro_batches)
         start = time.perf_counter()
         # The accumulator is the payload and the model's parameters receive the result: no overlap.
+        if self.accumulator is not self.flat.grads:
+            self.flat.grads.copy_(self.accumulator)
+            self.accumulator.zero_()
         result = self.comm.run(self.flat.grads, self.stats, self.flat.params, RoundKind.UPDATE)
         wait_s = time.perf_counter() - start
         self.flat.grads.zero_()
@@ -172,10 +166,10 @@ class DecoupledEngine:
         and the zeroing are queued on the compute stream and the payload-ready event is recorded
         behind them (`BackgroundComm.submit`): the round reads the payload only once it is whole,
         and the next micro-batches add to the accumulator only after it was copied."""
-        self.payload.copy_(self.flat.grads)
+        self.payload.copy_(self.accumulator)
         self.payload_stats.copy_(self.stats)
         if kind is RoundKind.UPDATE:
-            self.flat.grads.zero_()
+            self.accumulator.zero_()
             self.stats.zero_()
         predict = self.wp and kind is RoundKind.UPDATE  # wp: the round gathers 2 theta_{t+1} - theta_t
         return self.background.submit(
@@ -266,6 +260,7 @@ class DecoupledEngine:
         self._in_overlap = False
         # Work computed during the last round belongs to no committed update: drop it.
         self.flat.grads.zero_()
+        self.accumulator.zero_()
         self.stats.zero_()
         if self._predicting:  # every worker finishes together: the committed parameters are gathered
             self._gather(self.comm.optimizer.master, self.flat.params)
@@ -319,7 +314,7 @@ class DecoupledEngine:
             # wp: a copy of this shard of the predicted weights (torch.save writes a view's whole storage)
             "predicted": self._prediction()[self.flat.shard].clone() if self._predicting else None,
             # Overlapped methods with a fixed batch: the gradients computed during the last round, the next payload.
-            "accumulator": self.flat.grads if keep_accumulator else None,
+            "accumulator": self.accumulator if keep_accumulator else None,
             "accumulator_stats": self.stats if keep_accumulator else None,
             "dropped_micro_batches": dropped,
             # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
@@ -366,7 +361,7 @@ class DecoupledEngine:
             saved = state.get("estimate_error")
             self.comm.estimate_error.copy_(saved) if saved is not None else self.comm.estimate_error.zero_()
         if state.get("accumulator") is not None:
-            self.flat.grads.copy_(state["accumulator"])
+            self.accumulator.copy_(state["accumulator"])
             self.stats.copy_(state["accumulator_stats"])
             self._resume_overlap = True
         return True
@@ -422,7 +417,7 @@ class DecoupledEngine:
         (numel x element size of the engine's tensors; activations and the module's buffers not
         included)."""
         comm, opt = self.comm, self.comm.optimizer
-        parts = {"params": self.flat.params, "grads": self.flat.grads,
+        parts = {"params": self.flat.params, "grads": self.flat.grads, "grad_accumulator_fp32": self.accumulator,
                  "payload": self.payload if self.overlapped else None,
                  "master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq,
                  "grad_shard": comm.grad_shard, "summed_grad_shard": comm.summed_grad_shard,

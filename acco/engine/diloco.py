@@ -38,8 +38,8 @@ from torch import nn
 from acco.engine import collectives, progress
 from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
-from acco.engine.decoupled import CheckpointError, LossFn, broadcast_module, world_of
-from acco.engine.flat import FLAT_ORDER, FlatParams
+from acco.engine.decoupled import CheckpointError, LossFn
+from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate
 
 _END = object()
@@ -104,7 +104,9 @@ class DiLoCoEngine:
         self.wire = torch.zeros(padded, dtype=dtype, device=self.device)
         self.wire_shard = torch.empty(padded // self.world_size, dtype=dtype, device=self.device)
         self.averaged = torch.empty(max(sizes), dtype=torch.float32, device=self.device)  # fp32 average
-        self.grad = self.flat.grads if dtype == torch.float32 else torch.empty_like(self.local)
+        self.grad = self.flat.grads if dtype == torch.float32 else torch.zeros_like(self.local)
+        # mixed precision, grad_accum_dtype fp32: each micro-batch's bf16 gradients add to the fp32 `grad`
+        self.sum_fp32 = self.grad is not self.flat.grads and cfg.grad_accum_dtype == "fp32"
         self.stats = new_stats(self.device)
         self.norm = torch.zeros((), dtype=torch.float32, device=self.device)  # the inner step's gradient norm
         # An inner step's loss sum, weight and norm, copied to the host behind the step's work and
@@ -137,6 +139,9 @@ class DiLoCoEngine:
                 self._exhausted = True
                 break
             backward_and_count(loss_fn(self.module, batch), self.stats)
+            if self.sum_fp32:
+                self.grad.add_(self.flat.grads)
+                self.flat.grads.zero_()
             n += 1
         return n
 
@@ -146,14 +151,16 @@ class DiLoCoEngine:
         lr = learning_rate(self.cfg, self.samples, self.world_size * self.cfg.n_grad_accumulation)
         norm = self.norm.zero_()
         if n:
-            if self.grad is not self.flat.grads:
-                self.grad.copy_(self.flat.grads[: self.grad.numel()])
+            if self.grad is not self.flat.grads and not self.sum_fp32:
+                self.grad.copy_(self.flat.grads)
             self.grad.div_(self.stats[WEIGHT].to(self.grad.dtype))
             torch.linalg.vector_norm(self.grad, out=norm)
             if self.cfg.max_grad_norm:  # torch's clip_grad_norm_ formula, on the device
                 self.grad.mul_((self.cfg.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0))
             self.inner.commit(self.grad, lr)
             self.flat.params.copy_(self.local)
+            if self.sum_fp32:
+                self.grad.zero_()
         self.step_stats[0].copy_(self.stats[LOSS])
         self.step_stats[1].copy_(self.stats[WEIGHT])
         self.step_stats[2].copy_(norm)
@@ -331,6 +338,8 @@ class DiLoCoEngine:
         so that rank 0 alone may save it. Idempotent."""
         self.quiesce()
         self.flat.grads.zero_()
+        if self.sum_fp32:
+            self.grad.zero_()
         self.stats.zero_()
         self.computed_ahead = 0
         self.flat.params.copy_(self.global_params)

@@ -13,9 +13,11 @@ frequencies keep their dtype), and the fp32 master shard is taken from the weigh
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # The order of the flat vector (decayed parameters first), recorded in checkpoints: a checkpoint
@@ -93,3 +95,20 @@ class FlatParams:
     @property
     def shard(self) -> slice:
         return self.layout.shard_slice
+
+
+def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Rank 0's parameters and buffers on every rank, each in its own dtype (an fp32 checkpoint keeps
+    its low bits). Once per run, tensor by tensor: a flat copy would cost a model-sized temporary."""
+    if world_of(group)[0] == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)

@@ -53,8 +53,8 @@ from torch.nn.utils import clip_grad_norm_
 from acco.engine import collectives, progress
 from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, backward_and_count, new_stats
 from acco.engine.config import EngineConfig, UpdateRecord
-from acco.engine.decoupled import LossFn, world_of
-from acco.engine.flat import ShardLayout
+from acco.engine.decoupled import LossFn
+from acco.engine.flat import ShardLayout, world_of
 from acco.engine.optim import learning_rate
 
 _END = object()
