@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from acco.engine.config import ConfigError, EngineConfig
+from acco.engine.config import ConfigError, EngineConfig, EngineSettings
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
@@ -75,42 +75,28 @@ SEED_ONLY_KEYS = {
 
 
 @dataclass
-class TrainArgs:
+class _Method:  # a base of its own so that method_name comes first in TrainArgs and `--cfg job`
+    method_name: str = "acco"
+    """The training method, one of acco.engine.METHODS (the engine's ``method``)."""
+
+
+@dataclass
+class TrainArgs(EngineSettings, _Method):
     """The ``train`` group: the seed's train keys (same names), plus output_dir, seed and run settings.
 
+    The engine's settings and their meaning are inherited from ``EngineSettings``
+    (acco/engine/config.py), the trainer's are declared below: one declaration and one default
+    each. ``acco/conf/train/*.yaml`` set only the values of the paper's configurations that differ.
     Units (README's glossary): nb_steps_tot and warmup count micro-batches over all workers;
     n_warmup_steps, eval_step, save_step and log_step count optimizer updates.
     """
 
-    method_name: str = "acco"
     batch_size: int = 8  # sequences per micro-batch
-    n_grad_accumulation: int = 1  # micro-batches per worker per update (acco: per round)
-    learning_rate: float = 6e-4
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    nb_steps_tot: int = 1000  # micro-batches over all workers
-    max_length: int = 1024
-    scheduler_name: str = "cosine"
-    warmup: int = 0  # micro-batches over all workers
-    use_mixed_precision: bool = False
-    gradient_checkpointing: bool = False  # recompute activations in the backward pass (Hugging Face's)
-    accumulate_while_waiting: bool = True
-    n_warmup_steps: int = 0  # updates (not micro-batches) run as sequential ddp first (dpu, wp, acco)
-    max_grad_norm: float | None = 1.0  # clip the averaged gradient's global norm (0 or null: off)
-    acco_estimate: str = "lean"  # acco's estimate round: "lean", or the paper's form "paper" (acco/engine/comm.py)
-    grad_accum_dtype: str = "fp32"  # mixed precision: sum the micro-batches' gradients in fp32, or in bf16
-    bucket_cap_mb: float = 25.0  # torch-ddp: DDP's gradient bucket size, MiB
-    sync_every: int = 50  # diloco/streaming-diloco: inner steps between two syncs of a fragment (H)
-    num_fragments: int = 1  # streaming-diloco: fragments synchronised in turn (F)
-    fragment_sync_delay: int = 0  # streaming-diloco: inner steps a fragment's all-reduce overlaps (tau)
-    fragment_update_alpha: float = 0.0  # streaming-diloco: share of local progress kept at a merge
-    outer_lr: float = 0.7  # diloco: outer Nesterov SGD
-    outer_momentum: float = 0.9
-    eval: bool = True
+    max_length: int = 1024  # tokens per sequence
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, 1/3 more compute
+    eval: bool = True  # evaluate every eval_step updates and at the end
     eval_step: int = 50  # optimizer updates between evaluations
-    eval_batch_size: int | None = None
+    eval_batch_size: int | None = None  # sequences per eval micro-batch (None: batch_size)
     eval_fraction: float = 0.05  # carved out of the training data when no eval set is given
     max_eval_batches: int | None = None  # per worker, None: the whole eval set
     stop_at_eval_loss: float | None = None  # stop after the first evaluation at or below it (acco-bench race)
@@ -118,12 +104,12 @@ class TrainArgs:
     save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
     save_total_limit: int | None = None  # keep only the newest checkpoints
     resume_from_checkpoint: Any = None  # a checkpoint folder, or "latest" (true) in output_dir
-    overwrite_output_dir: bool = False
+    overwrite_output_dir: bool = False  # a finished run in output_dir is never overwritten without it
     output_dir: str = "outputs/run"
     seed: int = 0
-    log_step: int = 10
+    log_step: int = 10  # optimizer updates between log lines
     slowdown: float = 1.0  # benchmarks: this worker sleeps (slowdown - 1) x its compute time
-    cache_dir: str | None = DEFAULT_CACHE_DIR
+    cache_dir: str | None = DEFAULT_CACHE_DIR  # tokenized corpora and trained tokenizers (acco-prepare)
     timeout_s: float = 30.0  # collectives give up after this long: a dead or stalled worker
     # The seed's keys that have no effect here (SEED_ONLY_KEYS); null when not given.
     group_by_length: Any = None
@@ -302,7 +288,7 @@ def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     schema = OmegaConf.structured(Config)
-    # Keys a group file must set (train/base.yaml's `method_name: ???`, data/text.yaml's
+    # Keys a group file must set (train.method_name, which each train/<method>.yaml sets; data/text.yaml's
     # `path: ???`): MISSING here, since merging ??? onto a default would keep the default.
     schema.train = OmegaConf.structured(TrainArgs)
     schema.train.method_name = MISSING

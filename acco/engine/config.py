@@ -1,4 +1,12 @@
-"""What the engine is told (EngineConfig) and what it reports after each optimizer update (UpdateRecord)."""
+"""What the engine is told (EngineSettings, checked as EngineConfig) and what it reports after each
+optimizer update (UpdateRecord).
+
+Each engine setting is declared once, in ``EngineSettings``, with its meaning: ``EngineConfig`` is
+those settings plus the method, checked; the trainer's ``TrainArgs`` (acco/config.py, the ``train``
+group of the Hydra config) inherits the same fields, and ``acco/conf/train/*.yaml`` set only the
+values a configuration changes. Units: ``nb_steps_tot`` and ``warmup`` count micro-batches over
+all workers; ``n_warmup_steps`` counts optimizer updates.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +17,7 @@ from dataclasses import dataclass, field
 METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
 # Methods with no per-update collective: local steps, and every sync_every of them an outer step.
 LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
-# acco's estimate round: "lean" (the default) adds half of the last estimate's error
-# theta~_t - theta_t to Opt_trial(theta_t, g~_t), which damps the error's feedback loop; "paper"
-# is Opt_trial(theta_t, g~_t) as the paper writes it (acco/engine/comm.py's docstring; the
-# learning-rate sweep in BENCHMARKS.md).
 ACCO_ESTIMATES = ("lean", "paper")
-# Where a worker sums its micro-batches' gradients in mixed precision: "fp32" (a separate fp32
-# accumulator, +4 bytes per parameter; the sum is rounded to bf16 once, for the wire) or "bf16"
-# (in the bf16 gradient buffer itself: one rounding per micro-batch). fp32 training: fp32 either way.
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 SCHEDULERS = ("cosine", "linear", "constant")
 
@@ -32,45 +33,77 @@ def check_max_grad_norm(value, key: str = "max_grad_norm") -> None:
 
 
 @dataclass
-class EngineConfig:
-    method: str = "acco"
-    # Minimum micro-batches a worker computes per comm round. ddp/torch-ddp/dpu/wp: per update;
-    # acco: per round, and one update takes two rounds (so acco k matches ddp 2k).
+class EngineSettings:
+    """The engine's settings but the method, with the library's defaults (the paper's optimizer:
+    AdamW, lr 6e-4, wd 0.1, betas (0.9, 0.95), cosine, no warm-up). No checks here: EngineConfig
+    and TrainArgs check them, with the key names their callers use."""
+
     n_grad_accumulation: int = 1
-    # Budget: total micro-batch gradients over all workers that enter committed updates.
-    nb_steps_tot: int = 100
+    """Minimum micro-batches a worker computes per comm round. ddp/torch-ddp/dpu/wp: per update;
+    acco: per round, and one update takes two rounds (so acco k matches ddp 2k)."""
+    nb_steps_tot: int = 1000
+    """The budget: micro-batch gradients over all workers that enter committed updates, whatever
+    the method. The paper's runs: 50000 (acco/conf/train/base.yaml)."""
     learning_rate: float = 6e-4
+    """AdamW's peak learning rate (after the warm-up)."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW's first-moment decay, in [0, 1)."""
     adam_beta2: float = 0.95
+    """AdamW's second-moment decay, in [0, 1)."""
     adam_eps: float = 1e-8
+    """AdamW's epsilon."""
     scheduler_name: str = "cosine"
-    # Warm-up length in the same unit as nb_steps_tot (micro-batches over all workers), so the
-    # schedule is the same function of data seen for every method and every worker speed.
+    """The learning-rate schedule after the warm-up, one of SCHEDULERS: cosine or linear decay to 0
+    at nb_steps_tot, or constant."""
     warmup: int = 0
+    """Linear warm-up length in the unit of nb_steps_tot (micro-batches over all workers), so the
+    schedule is the same function of data seen for every method and every worker speed."""
     use_mixed_precision: bool = False
-    # Keep computing micro-batches until the comm round has finished (the paper's default).
-    # False: exactly n_grad_accumulation per round (fixed batch, for exact comparisons).
+    """bf16 compute and bf16 gradients on the wire, with fp32 master weights and AdamW state
+    (torch-ddp: autocast and DDP's bf16 hook); False: fp32 throughout."""
     accumulate_while_waiting: bool = True
-    # That many first updates (updates, not micro-batches) of an overlapped method run as sequential ddp.
+    """Keep computing micro-batches until the comm round has finished (the paper's default).
+    False: exactly n_grad_accumulation per round (fixed batch, for exact comparisons)."""
     n_warmup_steps: int = 0
-    # Clip the averaged gradient to this global L2 norm before the optimizer step (Hugging Face's
-    # Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient.
+    """That many first updates (updates, not micro-batches) of an overlapped method (acco, dpu, wp)
+    run as sequential ddp."""
     max_grad_norm: float | None = 1.0
+    """Clip the averaged gradient to this global L2 norm before the optimizer step (Hugging Face's
+    Trainer default, 1.0); 0 or None: no clipping. acco's estimate round clips its own gradient."""
     acco_estimate: str = "lean"
+    """acco's estimate round: "lean" adds half of the last estimate's error theta~_t - theta_t to
+    Opt_trial(theta_t, g~_t), which damps the error's feedback loop; "paper" is Opt_trial(theta_t,
+    g~_t) as the paper writes it (acco/engine/comm.py's docstring; the lr sweep in BENCHMARKS.md)."""
     grad_accum_dtype: str = "fp32"
-    # torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep).
+    """Where a worker sums its micro-batches' gradients in mixed precision: "fp32" (a separate fp32
+    accumulator, +4 bytes per parameter; the sum is rounded to bf16 once, for the wire) or "bf16"
+    (in the bf16 gradient buffer itself: one rounding per micro-batch). fp32 training: fp32 either way."""
     bucket_cap_mb: float = 25.0
-    # diloco / streaming-diloco (acco/engine/diloco.py): inner AdamW steps between two syncs of a
-    # fragment (H), contiguous fragments synchronised in turn (F, 1 for diloco), inner steps between
-    # a fragment's all-reduce launch and its use (tau < H / F), the share of local progress kept
-    # when a fragment is merged (alpha: 0 takes the global parameters), the outer Nesterov SGD.
+    """torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep)."""
     sync_every: int = 50
+    """diloco / streaming-diloco (acco/engine/diloco.py): inner AdamW steps between two syncs of a
+    fragment (H)."""
     num_fragments: int = 1
+    """streaming-diloco: contiguous fragments of the model, synchronised in turn (F; 1 for diloco)."""
     fragment_sync_delay: int = 0
+    """streaming-diloco: inner steps between a fragment's all-reduce launch and its use (tau < H / F)."""
     fragment_update_alpha: float = 0.0
+    """streaming-diloco: the share of local progress kept when a fragment is merged (0 takes the
+    global parameters)."""
     outer_lr: float = 0.7
+    """diloco / streaming-diloco: the outer Nesterov SGD's learning rate."""
     outer_momentum: float = 0.9
+    """diloco / streaming-diloco: the outer Nesterov SGD's momentum."""
+
+
+@dataclass
+class EngineConfig(EngineSettings):
+    """What the engine is told: the method and the settings, checked on creation."""
+
+    method: str = "acco"
+    """One of METHODS (the trainer's key for it is the seed's name, ``method_name``)."""
 
     def __post_init__(self) -> None:
         self.validate()
