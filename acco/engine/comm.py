@@ -1,8 +1,8 @@
-"""The comm round (spec: "One communication round") and the background worker that overlaps it.
+"""The comm round (docs/algorithm.md, "The comm round") and the background worker that overlaps it.
 
 A round takes a flat gradient payload and its statistics (summed loss weight, summed loss,
 micro-batch count, data-exhausted flag) and, on every worker:
-  1. all-gathers the statistics (the spec's count all-reduce, keeping per-worker counts),
+  1. all-gathers the statistics (docs/algorithm.md, "Statistics"; per-worker counts kept),
   2. reduce-scatters the payload (sum): this worker receives its shard,
   3. divides by the global weight N (an average over every micro-batch of every worker) and,
      with max_grad_norm, clips to the global norm: each worker's squared shard norm travels with
@@ -49,7 +49,7 @@ N_SENT = N_STATS + 1
 
 
 class RoundKind(enum.Enum):
-    """The spec's two kinds of comm round ("The methods", acco's table); the value is the label
+    """The two kinds of comm round (docs/algorithm.md, "The schedules"); the value is the label
     that progress marks, and so errors naming a stalled rank, show."""
 
     # acco only: theta~_{t+1} = Opt_trial(theta_t, g~_t); the optimizer state, the step count and

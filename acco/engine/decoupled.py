@@ -1,6 +1,6 @@
 """ddp (ZeRO-1), dpu, wp and acco: one loop, four schedules of the same comm round.
 
-Read this file with the spec's tables (shared docs, algorithm.md) beside it:
+Read this file with the tables of docs/algorithm.md ("The schedules") beside it:
 
     method  rounds, in order      at a round's launch the accumulator is  swap-in writes
     ddp     update (no overlap)   zeroed                                  theta_{t+1}
@@ -48,7 +48,7 @@ LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 _END = object()
 
-# The kinds of the comm rounds that make one update, in order (spec: "The methods"): acco
+# The kinds of the comm rounds that make one update, in order (docs/algorithm.md): acco
 # alternates an estimate round and an update round, every other method runs update rounds only.
 ROUND_SCHEDULE: dict[str, tuple[RoundKind, ...]] = {
     "acco": (RoundKind.ESTIMATE, RoundKind.UPDATE),
@@ -87,7 +87,7 @@ class DecoupledEngine:
         self.accumulator = torch.zeros_like(self.flat.grads, dtype=torch.float32) if fp32_sum else self.flat.grads
         self.stats = new_stats(self.device)  # statistics of what the accumulator holds
         if self.overlapped:
-            # The spec's one communication buffer, named for each of its two roles: a round
+            # docs/algorithm.md's one communication buffer, named for each of its two roles: a round
             # reduce-scatters its `payload` (the gradients swapped out) before it all-gathers the
             # new parameters into `gathered_params`, so one model-sized buffer serves both.
             self.payload = torch.zeros_like(self.flat.params)
