@@ -257,3 +257,24 @@ def test_mixed_precision_sends_bf16_and_keeps_fp32_state():
     assert torch.equal(params, global_params.to(torch.bfloat16))  # the final model is the global one
     assert torch.equal(global_params, results[1][3])  # and the same on every worker
     assert all(math.isfinite(r.loss) for r in records) and records[-1].samples == 16
+
+
+def test_a_steps_record_is_read_once_the_next_steps_micro_batches_are_queued():
+    """No host read drains the GPU at every inner step: the record of step t is read (a pinned copy
+    and an event) after step t + 1's micro-batches are queued behind it; the last step's at once.
+    On the CPU the order is what can be pinned: loss_fn calls before each record."""
+    n, steps = 2, 5
+    cfg = config(method="diloco", n_grad_accumulation=n, nb_steps_tot=n * steps, sync_every=2)
+    engine = DiLoCoEngine(make_model("mlp"), cfg)
+    calls = []
+
+    def counting_loss(model, batch):
+        calls.append(1)
+        return loss_fn(model, batch)
+
+    reads, read = [], engine._read_stats
+    engine._read_stats = lambda k: (reads.append(len(calls)), read(k))[1]
+    seen = [(record.step, engine.computed_ahead) for record in engine.run(stream("mlp", 0, 1), counting_loss)]
+    engine.close()
+    assert reads == [(t + 1) * n for t in range(1, steps)] + [steps * n]  # micro-batches computed at each read
+    assert seen == [(t, n) for t in range(1, steps)] + [(steps, 0)]  # what a checkpoint's data position rewinds
