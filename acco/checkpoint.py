@@ -163,6 +163,16 @@ def load_meta(folder: Path) -> dict:
     return meta
 
 
+def saved_vocab_size(folder: Path) -> int | None:
+    """The vocabulary the checkpoint's model was built for (its model/config.json), None when it
+    cannot be read: a run whose BPE is not trained yet counts its model's size with it."""
+    try:
+        vocab = json.loads((folder / "model" / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) else None
+
+
 def already_completed(folder: Path, meta: dict, nb_steps_tot: int) -> str | None:
     """The line to print when the checkpoint has already consumed the budget (a resumed run
     would train one update more and overwrite the finished run's outputs), else None."""

@@ -6,9 +6,12 @@ The path of a job, in the order it runs:
 2. ``run``: a plain ``python main.py`` is the local launcher (acco/launch/local.py). It starts
    ``launch.nproc`` workers of the same command at once and, while they import torch, runs the one
    validation pass (acco/validate.py); the workers start only once it has passed. Under torchrun
-   or srun each process is a worker, and rank 0 validates while the others wait.
+   or srun each process is a worker, and rank 0 validates while the others wait. With one worker
+   the launcher is that worker.
 3. ``train_worker``: the worker loads the corpus, the tokenizer and the model, and hands them to
-   ``DecoupledTrainer`` (acco/trainer.py), whose engine (acco/engine) runs the comm rounds.
+   ``DecoupledTrainer`` (acco/trainer.py), whose engine (acco/engine) runs the comm rounds. A
+   worker that ran the validation pass itself (launch.nproc=1, rank 0 under torchrun) starts from
+   what the pass loaded (its ``Job``: the corpus, its split, the tokenizer, the model config).
 """
 
 from __future__ import annotations
@@ -51,9 +54,8 @@ def run(cfg: DictConfig) -> int:
 
     nproc = local_nproc(cfg.launch.nproc)
     try:
-        if nproc == 1:
-            validate_job(cfg, 1)
-            return train_worker(cfg, checked=True)
+        if nproc == 1:  # this process is the worker: it starts from what the pass loaded
+            return train_worker(cfg, job=validate_job(cfg, 1))
         with _job_config_file(cfg) as path:
             # As torchrun does: workers sharing a machine must not each spin up a thread per core.
             threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
@@ -77,9 +79,10 @@ def _job_config_file(cfg: DictConfig):
         os.unlink(path)
 
 
-def train_worker(cfg: DictConfig, checked: bool) -> int:
+def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
     """One worker's job: import what training needs (the local launcher validates meanwhile), wait
-    for its go, validate on rank 0 unless a launcher did, then train."""
+    for its go, validate on rank 0 unless a launcher did (`checked`, or `job`: what this process's
+    validation pass loaded), then train."""
     import torch
     import torch.distributed as dist
 
@@ -89,10 +92,12 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
     from acco.trainer import DecoupledTrainer, TrainArgs
 
     wait_for_go()
-    args = TrainArgs.from_any(cfg.train)
+    args = job.args if job is not None else TrainArgs.from_any(cfg.train)
     rank, world_size, _, device = init_distributed(args.timeout_s)
-    if not checked:  # torchrun / srun: rank 0 validates once for all, the others wait on the store
-        verdict = decided_by_rank0(lambda: _verdict(cfg, world_size), key="validation")
+    if not checked and job is None:  # torchrun / srun: rank 0 validates once for all, the others wait
+        passed = {}
+        verdict = decided_by_rank0(lambda: _verdict(cfg, world_size, passed), key="validation")
+        job = passed.get("job")  # rank 0's pass
         kind, _, line = verdict.partition(" ")
         if kind != "ok":
             dist.destroy_process_group()
@@ -107,10 +112,12 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-    train_corpus, eval_corpus = split_corpus(load_corpus_rank0_first(cfg.data), args)
-    tokenizer = prepare_tokenizer(cfg, train_corpus)
+    # every rank takes part in the waits on rank 0, including a rank 0 that starts from its pass
+    corpus = load_corpus_rank0_first(cfg.data, loaded=getattr(job, "corpus", None))
+    train_corpus, eval_corpus = getattr(job, "splits", None) or split_corpus(corpus, args)
+    tokenizer = prepare_tokenizer(cfg, train_corpus, built=getattr(job, "tokenizer", None))
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model_cfg = dict(job.model) if job is not None else OmegaConf.to_container(cfg.model, resolve=True)
     if not model_cfg.get("attn_implementation"):  # chosen for the device (a pretrained model: by its type)
         chosen = attention_for(model_cfg.get("arch"), device.type, args.use_mixed_precision)
         if chosen == "flash_attention_2" or not model_cfg.get("pretrained"):
@@ -141,12 +148,13 @@ def train_worker(cfg: DictConfig, checked: bool) -> int:
     return 0
 
 
-def _verdict(cfg: DictConfig, world_size: int) -> str:
-    """Rank 0's validation, as the one word and line every rank acts on: ok, done or error."""
+def _verdict(cfg: DictConfig, world_size: int, passed: dict) -> str:
+    """Rank 0's validation, as the one word and line every rank acts on: ok, done or error; what
+    the pass loaded goes to ``passed["job"]``, for rank 0 to start from."""
     from acco.validate import validate_job
 
     try:
-        validate_job(cfg, world_size)
+        passed["job"] = validate_job(cfg, world_size)
     except AlreadyCompleted as done:
         return f"done {done}"
     except Exception as e:

@@ -306,3 +306,16 @@ def flops_per_token(model_or_config: Any, seq_len: int) -> float:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return float(6 * n + 12 * layers * heads * head_dim * seq_len)
+
+
+def trainable_parameters(cfg: Any, vocab_size: int | None, max_length: int | None = None,
+                         pretrained_config: PretrainedConfig | None = None) -> int:  # fmt: skip
+    """The trainable parameters of the model ``build_model(cfg, vocab_size, max_length)`` builds,
+    counted on the meta device (nothing allocated, no weights read); for a pretrained model, from
+    its ``pretrained_config`` (the checks of a job's validation pass: a resumed checkpoint's size)."""
+    with torch.device("meta"):
+        if pretrained_config is not None:
+            model = AutoModelForCausalLM.from_config(pretrained_config)
+        else:
+            model = build_model(cfg, vocab_size=vocab_size, max_length=max_length)
+    return count_parameters(model, trainable_only=True)

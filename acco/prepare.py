@@ -61,10 +61,16 @@ def prepare(cfg, num_proc: int | None = None) -> dict:
     """Tokenize the run's training and eval splits into train.cache_dir; returns what was done:
     ``{"splits": {name: {"tokens", "path", "cached"}}, "tokens", "seconds", "tokenize_seconds"}``."""
     from acco.data.packing import cache_path, token_stream
-    from acco.data.prepare import build_tokenizer, split_corpus
+    from acco.data.prepare import split_corpus
     from acco.data.text import temporary_environ
     from acco.data.tokenizer import as_saved
-    from acco.validate import check_config_values, check_writable_dir, load_corpus, typed_config
+    from acco.validate import (
+        check_config_values,
+        check_writable_dir,
+        job_tokenizer,
+        read_corpus,
+        typed_config,
+    )
 
     start = time.perf_counter()
     num_proc = num_proc or default_num_proc()
@@ -79,11 +85,9 @@ def prepare(cfg, num_proc: int | None = None) -> dict:
                          "records are tokenized by the run itself (they depend on train.max_length)")
     if not resolved["model"].get("tokenizer"):
         raise InputError("model.tokenizer is not set (a folder, a Hub name, or bpe)")
-    splits = dict(zip(("train", "eval"), split_corpus(load_corpus(data), args)))
-    try:
-        tokenizer = as_saved(build_tokenizer(cfg, splits["train"]))
-    except DataError as e:
-        raise InputError(f"model.tokenizer: {one_line_error(e)}") from e
+    # the corpus and the tokenizer as the validation pass and the workers load them
+    splits = dict(zip(("train", "eval"), split_corpus(read_corpus(data), args)))
+    tokenizer = as_saved(job_tokenizer(cfg, splits["train"]))
 
     done, tokenize_start = {}, time.perf_counter()
     # With several processes each tokenizes in one thread: tokenizers' own threads would only

@@ -3,31 +3,39 @@
 The schema (acco/config.py) has already checked types, key names and each group's values. This
 module checks the rest, once per job: ``acco.cli`` runs ``validate_job`` in the local launcher
 while its workers import torch, or on rank 0 under torchrun / srun while the other ranks wait on
-the store. Workers never repeat it. In order, cheap checks first:
+the store. Workers never repeat it. The pass loads what the job needs once, through the functions
+the workers call (``acco.data.text.load_corpus``; ``split_corpus``, ``build_tokenizer`` and
+``prepare_dataset`` of acco.data.prepare), and returns it as a ``Job``: a worker of the same
+process (launch.nproc=1, rank 0 under torchrun) starts from it rather than loading the corpus and
+the tokenizer again, and what the pass tokenizes lands in the caches that the workers read. The
+modules that own a thing expose what the checks need (``acco.models.trainable_parameters``,
+``acco.checkpoint.check_resumable``). In order, cheap checks first:
 
 - mandatory values set and interpolations resolvable;
 - ``train.output_dir`` and ``train.cache_dir`` writable, and no earlier run overwritten by mistake;
 - the model config, or the pretrained model's ``config.json``, against train.max_length;
-- the tokenizer, against the model's embedding;
-- ``train.resume_from_checkpoint``: a whole checkpoint this run can continue (acco.checkpoint);
-- the data: readable, and at least one global batch. Data is tokenized only when its size alone
-  cannot tell (a small corpus), and packed blocks go to the packing cache, so the workers' own
-  tokenization is then a cache hit. A large corpus (``PREPARE_FROM_TOKENS``) must have been
-  tokenized into the cache before the job, by ``acco-prepare`` (acco/prepare.py).
+- the tokenizer, loaded as rank 0 loads it, against the model's embedding;
+- ``train.resume_from_checkpoint``: a whole checkpoint this run can continue;
+- the data: readable, and at least one global batch. Its size tells at once for a large corpus;
+  a small one is split, its BPE trained and its training split tokenized as the workers do it,
+  into the packing cache where they then find it. A large corpus (``PREPARE_FROM_TOKENS``) must
+  have been tokenized into the cache before the job, by ``acco-prepare`` (acco/prepare.py).
 
 Every failure is an ``InputError`` (a ValueError) whose message is one line naming the config key
 and the file, value or numbers at fault. Nothing here writes to ``train.output_dir``; writability
 is probed with a temporary file that is removed at once. torch and transformers are imported only
-where a check needs them (a named tokenizer, a pretrained model, a resume).
+where a check needs them (a named tokenizer, a small corpus, a pretrained model, a resume).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +51,11 @@ from acco.config import (
     gpt_neo_attention_types,
     one_line_error,
 )
+from acco.data.errors import DataError, looks_like_local_path
+from acco.data.text import load_corpus, quiet_datasets, text_bytes
 from acco.engine.config import ConfigError
 
-__all__ = ["PREPARE_FROM_TOKENS", "InputError", "check_output_dir", "check_prepared", "validate_job"]
+__all__ = ["PREPARE_FROM_TOKENS", "InputError", "Job", "check_output_dir", "check_prepared", "validate_job"]
 
 # The data is tokenized in the validation pass only while its size alone cannot tell whether it
 # fills one global batch: while an upper bound on its samples is below this many global batches.
@@ -58,8 +68,30 @@ PREPARE_FROM_TOKENS = 100_000_000
 RUN_MARKERS = ("summary.json", "metrics.jsonl")
 
 
+@dataclass
+class Job:
+    """What the validation pass loaded, for a worker of its own process to start from."""
+
+    args: TrainArgs
+    data: DataConfig
+    model: dict  # the model group, resolved
+    world_size: int
+    tokenizer: Any = None  # model.tokenizer as loaded here, or the BPE trained here (None: not yet)
+    corpus: Any = None  # documents or instruction records
+    splits: tuple | None = None  # (train, eval) documents, where the pass had to split them
+
+
 def _fail(message: str, cause: BaseException | None = None) -> None:
     raise InputError(message) from cause
+
+
+@contextlib.contextmanager
+def _named(source: str):
+    """A DataError inside, as the InputError ``{source}: {its line}``."""
+    try:
+        yield
+    except DataError as e:
+        _fail(f"{source}: {one_line_error(e)}", e)
 
 
 def _missing_values(node: Any, prefix: str = "") -> list[str]:
@@ -152,8 +184,6 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
 def _pretrained_config(name: str):
     from transformers import AutoConfig
 
-    from acco.data.errors import looks_like_local_path
-
     path = os.path.expanduser(str(name))
     if looks_like_local_path(path):
         if not os.path.isdir(path):
@@ -229,46 +259,80 @@ def check_flash_window(model: Mapping, pretrained_config: Any, max_length: int) 
               f"train.max_length {max_length}; use sdpa (the default) or train.max_length <= {window}")
 
 
-def _load_tokenizer(spec: str, pretrained: str | None = None):
-    from acco.data.errors import DataError
-    from acco.data.tokenizer import load_tokenizer
+def job_tokenizer(cfg: DictConfig, train_corpus=None):
+    """model.tokenizer as rank 0 builds it (acco.data.prepare.build_tokenizer): loaded, or the BPE
+    trained on `train_corpus` (and cached in train.cache_dir, where rank 0 then finds it)."""
+    from acco.data.prepare import build_tokenizer
 
+    spec, pretrained = str(cfg.model.tokenizer), cfg.model.get("pretrained")
     try:
-        return load_tokenizer(spec)
+        return build_tokenizer(cfg, train_corpus)
     except DataError as e:
-        if pretrained and spec == pretrained:  # the default: the pretrained model's own tokenizer
+        if spec == "bpe":
+            _fail(f"model.tokenizer=bpe: {one_line_error(e)}", e)
+        if pretrained and spec == str(pretrained):  # the default: the pretrained model's own tokenizer
             _fail(f"model.pretrained {pretrained!r} has no tokenizer ({one_line_error(e)}): "
                   "name one with model.tokenizer=PATH_OR_HUB_NAME", e)
         _fail(f"model.tokenizer: {one_line_error(e)}", e)
 
 
-def _train_bpe_as_rank0(texts, vocab_size: int, cache_dir: str | None, text_column: str):
-    """The BPE rank 0 will train, saved and loaded again as the workers get it (same fingerprint);
-    cached in train.cache_dir as rank 0 caches it, so that rank 0 then finds it there."""
-    from acco.data.errors import DataError
-    from acco.data.tokenizer import as_saved, load_tokenizer
+def check_tokenizer(cfg: DictConfig, model: Mapping, pretrained_config: Any):
+    """A named tokenizer, loaded, fits the model; for the BPE (trained by the workers, or below on a
+    small corpus) model.vocab_size does. Returns the loaded tokenizer, or None for the BPE."""
+    spec = model.get("tokenizer")
+    if not spec:
+        _fail("model.tokenizer is not set (a folder, a Hub name, or bpe)")
+    if str(spec) != "bpe":
+        tokenizer = job_tokenizer(cfg)
+        check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {str(spec)!r}")
+        return tokenizer
+    vocab = model.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 257:
+        _fail(f"model.vocab_size must be an integer above 257 for model.tokenizer=bpe, got {vocab!r}")
+    check_model_fits(model, pretrained_config, vocab, "model.tokenizer=bpe (model.vocab_size)")
+    return None
 
+
+# --------------------------------------------------------------------------- resume
+
+
+def check_resume(job: Job, pretrained_config: Any) -> None:
+    """``train.resume_from_checkpoint`` names a complete checkpoint that this run can continue
+    (acco.checkpoint.check_resumable), with a model of as many parameters as the workers will build
+    (acco.models.trainable_parameters); ``AlreadyCompleted`` passes through."""
+    args, model = job.args, job.model
+    if not args.resume_from_checkpoint:
+        return
+    from acco import checkpoint, models
+    from acco.engine import CheckpointError
+
+    def numel(folder: Path) -> int | None:  # None: cannot be told here (the workers re-check)
+        # the BPE is trained by the workers: the vocabulary the checkpoint's model was built for
+        vocab = len(job.tokenizer) if job.tokenizer is not None else checkpoint.saved_vocab_size(folder)
+        if vocab is None and pretrained_config is None:
+            return None
+        try:
+            return models.trainable_parameters(dict(model), vocab, args.max_length, pretrained_config)
+        except Exception:  # the model checks above report a bad model config
+            return None
+
+    label = f"model {model.get('name') or model.get('pretrained') or '?'!r}"
     try:
-        return as_saved(load_tokenizer("bpe", train_texts=texts, vocab_size=vocab_size, cache_dir=cache_dir or None,
-                                       text_column=text_column))  # fmt: skip
-    except DataError as e:
-        _fail(f"model.tokenizer=bpe: {one_line_error(e)}", e)
+        checkpoint.check_resumable(args, job.world_size, numel, label)
+    except CheckpointError as e:
+        _fail(f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {one_line_error(e)}", e)
 
 
 # --------------------------------------------------------------------------- data
 
 
-def load_corpus(data: DataConfig):
-    """Documents or instruction records, as the workers will load them (acco.data.prepare)."""
-    from acco.data.errors import DataError
-    from acco.data.text import load_corpus as load
-    from acco.data.text import quiet_datasets
-
+def read_corpus(data: DataConfig):
+    """Documents or instruction records, loaded as the workers load them (acco.data.text)."""
     if data.name != "synthetic" and not data.path:
         _fail(f"data.path is not set (data={data.name} needs a file, a folder or a Hub name)")
     try:
         with quiet_datasets():
-            return load(OmegaConf.structured(data))
+            return load_corpus(OmegaConf.structured(data))
     except DataError as e:
         _fail(f"data.path: {one_line_error(e)}", e)
     except OSError as e:  # unreadable file or folder
@@ -276,138 +340,78 @@ def load_corpus(data: DataConfig):
         _fail(f"data.path: cannot read {str(where)!r}: {e.strerror or one_line_error(e)}", e)
 
 
-def check_fills_global_batch(cfg: Mapping, args, corpus, tokenizer, world_size: int) -> None:
-    """The training split holds at least one global batch. The split is by document, from
-    train.seed, as the workers make it (acco.data.prepare.split_corpus)."""
-    from acco.data.errors import DataError
-    from acco.data.instruct import format_alpaca, tokenize_instructions
-    from acco.data.packing import pack_documents
-    from acco.data.prepare import split_corpus
-    from acco.data.text import text_bytes
-    from acco.data.tokenizer import as_saved
+def _source(data: DataConfig) -> str:
+    return "data.n_docs" if data.name == "synthetic" else f"data.path {str(data.path)!r}"
 
-    data = cfg["data"]
-    need = args.batch_size * world_size
-    instruct = data.get("format") == "instruct"
-    text_column = data.get("text_column") or "text"
+
+def check_fills_global_batch(cfg: DictConfig, job: Job, n_bytes: int | None) -> None:
+    """The training split holds at least one global batch. Told from the corpus's size
+    (`n_bytes` of text) where that is plenty; else the corpus is split, the BPE trained and the
+    training split tokenized as the workers do it (acco.data.prepare), into their caches."""
+    args, data, corpus = job.args, job.data, job.corpus
+    need = args.batch_size * job.world_size
+    instruct = data.format == "instruct"
     train_fraction = (1 - args.eval_fraction) if args.eval else 1.0
     if instruct:
         typical = len(corpus) * train_fraction
     else:  # one token per 2 bytes (+ one eos per document): with the margin, safe up to 20 bytes/token
-        typical = (text_bytes(corpus, text_column) / 2 + len(corpus)) * train_fraction / args.max_length
+        typical = (n_bytes / 2 + len(corpus)) * train_fraction / args.max_length
     if typical >= EXACT_CHECK_MARGIN * need:
         return  # plenty for any real tokenizer: the exact count below would tokenise it all
-    source = "data.n_docs" if data.get("name") == "synthetic" else f"data.path {str(data.get('path'))!r}"
-    try:
-        corpus, _ = split_corpus(corpus, args)
-    except DataError as e:
-        _fail(f"{source}: {one_line_error(e)}", e)
+    from acco.data.prepare import prepare_dataset, split_corpus
+    from acco.data.tokenizer import as_saved
 
-    if tokenizer is None:  # bpe: train it as rank 0 will (the corpus is small here)
-        texts = ["".join(format_alpaca(r)) for r in corpus] if instruct else corpus
-        tokenizer = _train_bpe_as_rank0(texts, int(cfg["model"]["vocab_size"]), args.cache_dir, text_column)
-    else:
-        tokenizer = as_saved(tokenizer)  # as the workers load it: packing here fills their cache entry
-    try:
-        if instruct:
-            n = len(tokenize_instructions(corpus, tokenizer, args.max_length)["input_ids"])
-            what = f"{n} instruction examples of train.max_length {args.max_length}"
-        else:
-            n = len(pack_documents(corpus, tokenizer, args.max_length, args.cache_dir, text_column))
-            what = f"{n} blocks of train.max_length {args.max_length}"
-    except DataError as e:
-        _fail(f"{source}: {one_line_error(e)}", e)
+    source = _source(data)
+    with _named(source):
+        job.splits = split_corpus(corpus, args)
+    if job.tokenizer is None:  # bpe: trained as rank 0 will train it (the corpus is small here)
+        job.tokenizer = job_tokenizer(cfg, job.splits[0])
+    with _named(source):  # as the workers load the tokenizer: the packing cache entry is theirs
+        rows = prepare_dataset(job.splits[0], tokenizer=as_saved(job.tokenizer), max_length=args.max_length,
+                               cache_dir=args.cache_dir or None, text_column=data.text_column, alone=True)  # fmt: skip
+    n = len(rows)
+    what = f"{n} {'instruction examples' if instruct else 'blocks'} of train.max_length {args.max_length}"
     split = f" in its training split (train.eval_fraction {args.eval_fraction})" if args.eval else ""
     if n < need:
         _fail(
             f"dataset too small: {source} gives {what}{split}, fewer than one global batch of "
-            f"train.batch_size {args.batch_size} x {world_size} worker(s) = {need}"
+            f"train.batch_size {args.batch_size} x {job.world_size} worker(s) = {need}"
         )
 
 
-def check_prepared(cfg: Mapping, args, corpus, tokenizer) -> None:
+def check_prepared(job: Job, n_bytes: int | None) -> None:
     """A corpus of more than PREPARE_FROM_TOKENS tokens (estimated from its size, so a small one
     costs nothing more) has been tokenized into train.cache_dir by acco-prepare, for the splits and
     tokenizer of this run. Without a cache every rank tokenizes for itself: the user's choice."""
-    data, model = cfg["data"], cfg["model"]
-    text_column = data.get("text_column") or "text"
-    if data.get("format") == "instruct" or not args.cache_dir:
+    args, data = job.args, job.data
+    if n_bytes is None or not args.cache_dir:  # instruction records: tokenized by the run itself
         return
-    from acco.data.text import text_bytes
-
-    tokens = text_bytes(corpus, text_column) // 4
+    tokens = n_bytes // 4
     if tokens <= PREPARE_FROM_TOKENS:
         return
     from acco.data.prepare import is_prepared, split_corpus
 
-    splits = [docs for docs in split_corpus(corpus, args) if docs is not None]
-    if is_prepared(splits, tokenizer, int(model.get("vocab_size") or 0), args.cache_dir, text_column):
+    if job.splits is None:
+        job.splits = split_corpus(job.corpus, args)
+    splits = [docs for docs in job.splits if docs is not None]
+    if is_prepared(splits, job.tokenizer, int(job.model.get("vocab_size") or 0), args.cache_dir, data.text_column):
         return
     argv = sys.argv[1:]  # the launcher's or the worker's command line: the same overrides
     command = f"`acco-prepare {shlex.join(argv)}`" if argv and all(
         "=" in a and not a.startswith("-") for a in argv) else "acco-prepare with this run's overrides"  # fmt: skip
-    source = f"data.path {str(data.get('path'))!r}" if data.get("path") else f"data={data.get('name')}"
+    source = f"data.path {str(data.path)!r}" if data.path else f"data={data.name}"
     _fail(f"{source}: about {tokens:,} tokens, not prepared yet in train.cache_dir {str(args.cache_dir)!r}: "
           f"run {command} first (or set train.cache_dir to where it was prepared), rather than have "
           "every worker wait for rank 0 to tokenize it")
 
 
-# --------------------------------------------------------------------------- resume
-
-
-def _model_numel(
-    model: Mapping, pretrained_config: Any, tokenizer, folder: Path, max_length: int
-) -> int | None:
-    """Trainable parameters of the model the workers will build, counted on the meta device
-    (nothing allocated); None when it cannot be told here."""
-    import torch
-
-    from acco.models import build_model, count_parameters
-
-    try:
-        with torch.device("meta"):
-            if pretrained_config is not None:
-                from transformers import AutoModelForCausalLM
-
-                built = AutoModelForCausalLM.from_config(pretrained_config)
-            else:
-                if tokenizer is not None:
-                    vocab = len(tokenizer)
-                else:  # bpe, trained by the workers: the vocabulary the checkpoint's model was built for
-                    import json
-
-                    vocab = json.loads((folder / "model" / "config.json").read_text()).get("vocab_size")
-                built = build_model(dict(model), vocab_size=vocab, max_length=max_length)
-    except Exception:  # the model checks above report a bad model config; the workers re-check the size
-        return None
-    return count_parameters(built, trainable_only=True)
-
-
-def check_resume(args, model: Mapping, pretrained_config: Any, tokenizer, world_size: int) -> None:
-    """``train.resume_from_checkpoint`` names a complete checkpoint that this run can continue
-    (acco.checkpoint.check_resumable); ``AlreadyCompleted`` passes through."""
-    if not args.resume_from_checkpoint:
-        return
-    from acco import checkpoint
-    from acco.engine import CheckpointError
-
-    label = f"model {model.get('name') or model.get('pretrained') or '?'!r}"
-    try:
-        checkpoint.check_resumable(
-            args, world_size, lambda folder: _model_numel(model, pretrained_config, tokenizer, folder, args.max_length),
-            label,
-        )  # fmt: skip
-    except CheckpointError as e:
-        _fail(f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {one_line_error(e)}", e)
-
-
 # --------------------------------------------------------------------------- all together
 
 
-def validate_job(cfg: DictConfig, world_size: int | None = None) -> None:
+def validate_job(cfg: DictConfig, world_size: int | None = None) -> Job:
     """Check a job's config, output folders, model, tokenizer, checkpoint and data for
     `world_size` workers (default: launch.nproc's); raise ``InputError`` (or
-    ``acco.config.AlreadyCompleted``)."""
+    ``acco.config.AlreadyCompleted``). Returns what it loaded, for a worker of this process."""
     resolved = check_config_values(cfg)
     args, launch, data = typed_config(cfg)
     if world_size is None:
@@ -418,24 +422,14 @@ def validate_job(cfg: DictConfig, world_size: int | None = None) -> None:
     if args.cache_dir:
         check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
 
-    model = resolved["model"]
-    pretrained_config = check_model(model, args.max_length)
-    spec = model.get("tokenizer")
-    if not spec:
-        _fail("model.tokenizer is not set (a folder, a Hub name, or bpe)")
-    spec = str(spec)
-    tokenizer = None
-    if spec == "bpe":
-        vocab = model.get("vocab_size")
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 257:
-            _fail(f"model.vocab_size must be an integer above 257 for model.tokenizer=bpe, got {vocab!r}")
-        check_model_fits(model, pretrained_config, vocab, "model.tokenizer=bpe (model.vocab_size)")
-    else:
-        tokenizer = _load_tokenizer(spec, model.get("pretrained"))
-        check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {spec!r}")
-    check_flash_window(model, pretrained_config, args.max_length)
-    check_resume(args, model, pretrained_config, tokenizer, world_size)
+    job = Job(args, data, resolved["model"], world_size)
+    pretrained_config = check_model(job.model, args.max_length)
+    job.tokenizer = check_tokenizer(cfg, job.model, pretrained_config)
+    check_flash_window(job.model, pretrained_config, args.max_length)
+    check_resume(job, pretrained_config)
 
-    corpus = load_corpus(data)
-    check_fills_global_batch(resolved, args, corpus, tokenizer, world_size)
-    check_prepared(resolved, args, corpus, tokenizer)
+    job.corpus = read_corpus(data)
+    n_bytes = None if data.format == "instruct" else text_bytes(job.corpus, data.text_column)  # once, for both
+    check_fills_global_batch(cfg, job, n_bytes)
+    check_prepared(job, n_bytes)
+    return job

@@ -24,7 +24,7 @@ _MODULES = {
     "loader": ["MicroBatchStream", "Rows", "as_columns", "eval_batches", "split_train_eval"],
     "packing": ["blocks_of", "cache_path", "pack_documents", "packing_cache_key", "token_stream"],
     "prepare": ["build_tokenizer", "is_prepared", "load_corpus_rank0_first", "prepare_dataset", "prepare_tokenizer",
-                "split_corpus"],
+                "rank0_first", "split_corpus"],
     "synthetic": ["synthetic_corpus", "unigram_entropy"],
     "text": ["corpus_fingerprint", "is_hf_dataset", "load_corpus", "load_documents", "load_records", "open_documents",
              "text_bytes"],

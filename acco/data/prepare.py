@@ -11,6 +11,9 @@
 
 One-off work that every rank would otherwise repeat (tokenizing into the cache, training the BPE)
 runs on rank 0 while the others wait on the store (``acco.launch.process_group.after_rank0``).
+The job's validation pass (acco/validate.py) calls these same functions, as one process
+(``alone=True``, no store): what it loads it hands to a worker of its own process, and what it
+tokenizes lands in the caches the workers then read.
 """
 
 from __future__ import annotations
@@ -32,10 +35,21 @@ from .tokenized import pad_token_ids
 from .tokenizer import as_saved, bpe_cache_folder, load_tokenizer
 
 
-def load_corpus_rank0_first(data: Mapping):
+def rank0_first(work, key: str, alone: bool = False):
+    """`work()` on rank 0 while the other ranks wait, then on them (they find what rank 0 cached,
+    or compute it where they cannot see its cache). `alone`: in this process only, the store not
+    touched (the validation pass, which runs on rank 0 alone or in the launcher)."""
+    if alone:
+        return work()
+    result = after_rank0(work, key=key)
+    return result if result is not None else work()
+
+
+def load_corpus_rank0_first(data: Mapping, loaded=None):
     """``load_corpus`` on rank 0 first, so that a Hub dataset is downloaded and converted once;
-    the others then open that copy."""
-    corpus = after_rank0(lambda: load_corpus(data), key="corpus")
+    the others then open that copy. `loaded`: the corpus this process's validation pass loaded,
+    which rank 0 takes as it is."""
+    corpus = after_rank0(lambda: load_corpus(data) if loaded is None else loaded, key="corpus")
     return corpus if corpus is not None else load_corpus(data)
 
 
@@ -54,24 +68,28 @@ def split_corpus(corpus, args):
     return [corpus[i] for i in train_idx.tolist()], [corpus[i] for i in eval_idx.tolist()]
 
 
-def prepare_tokenizer(cfg, train_corpus):
+def prepare_tokenizer(cfg, train_corpus, built=None):
     """Rank 0 trains (on the training split only) or loads the tokenizer and saves it with the
     run; the others load that copy. A trained BPE is cached in train.cache_dir, keyed by the
-    training texts and vocab_size, so that the next run on the same data reuses it."""
+    training texts and vocab_size, so that the next run on the same data reuses it. `built`: the
+    tokenizer this process's validation pass built, which rank 0 saves rather than building again."""
     saved = Path(cfg.train.output_dir) / "tokenizer"
-    after_rank0(lambda: build_tokenizer(cfg, train_corpus, save_dir=saved), key=f"tokenizer/{saved.resolve()}")
+    work = (lambda: build_tokenizer(cfg, train_corpus, save_dir=saved)) if built is None else (
+        lambda: built.save_pretrained(str(saved)))  # fmt: skip
+    after_rank0(work, key=f"tokenizer/{saved.resolve()}")
     return load_tokenizer(str(saved))
 
 
-def build_tokenizer(cfg, train_corpus, save_dir=None):
+def build_tokenizer(cfg, train_corpus=None, save_dir=None):
     """What rank 0 does in `prepare_tokenizer`: load model.tokenizer, or train the BPE on the
-    training split (from train.cache_dir when it was trained there before), saved to `save_dir`."""
-    if cfg.data.format == "pretrain":
-        texts = train_corpus
-    else:
-        texts = ["".join(format_alpaca(r)) for r in train_corpus]
+    training split (from train.cache_dir when it was trained there before), saved to `save_dir`.
+    Only the BPE reads `train_corpus` and model.vocab_size."""
+    spec, texts, vocab_size = str(cfg.model.tokenizer), None, 0
+    if spec == "bpe":
+        texts = train_corpus if cfg.data.format == "pretrain" else ["".join(format_alpaca(r)) for r in train_corpus]
+        vocab_size = int(cfg.model.vocab_size)
     return load_tokenizer(
-        cfg.model.tokenizer, train_texts=texts, vocab_size=int(cfg.model.vocab_size), save_dir=save_dir,
+        spec, train_texts=texts, vocab_size=vocab_size, save_dir=save_dir,
         cache_dir=cfg.train.get("cache_dir") or None, text_column=cfg.data.text_column,
     )  # fmt: skip
 
@@ -90,9 +108,11 @@ def is_prepared(splits, tokenizer, vocab_size: int, cache_dir, text_column: str 
 
 
 def prepare_dataset(dataset, *, tokenizer, max_length: int, cache_dir: str | None, text_column: str = "text",
-                    data_collator=None):  # fmt: skip
+                    data_collator=None, alone: bool = False):  # fmt: skip
     """What the streams read: `Rows` of packed blocks (text), masked prompts (instructions)
-    or padded token ids (pre-tokenized); with a data collator, the examples themselves."""
+    or padded token ids (pre-tokenized); with a data collator, the examples themselves.
+    Instruction records are told by their instruction and output fields, before a text column
+    (the Hub's Alpaca has both). `alone`: tokenized in this process only (``rank0_first``)."""
     arrays = torch.Tensor | np.ndarray
     if isinstance(dataset, Rows | arrays) or (
         isinstance(dataset, Mapping) and all(isinstance(v, arrays) for v in dataset.values())
@@ -104,14 +124,14 @@ def prepare_dataset(dataset, *, tokenizer, max_length: int, cache_dir: str | Non
     first = dataset[0] if len(dataset) else None
     if isinstance(first, str):
         docs = dataset if isinstance(dataset, list) else list(dataset)
-        return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column))
+        return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column, alone))
     columns = getattr(dataset, "column_names", None) or (list(first) if isinstance(first, Mapping) else [])
-    if text_column in columns:
-        docs = dataset if is_hf_dataset(dataset) else [r[text_column] for r in dataset]
-        return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column))
     if "instruction" in columns and "output" in columns:
         records = list(dataset) if isinstance(dataset, list) else dataset.to_list()
-        return Rows(_instructions(records, _need(tokenizer), max_length, cache_dir))
+        return Rows(_instructions(records, _need(tokenizer), max_length, cache_dir, alone))
+    if text_column in columns:
+        docs = dataset if is_hf_dataset(dataset) else [r[text_column] for r in dataset]
+        return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column, alone))
     if "input_ids" in columns:  # pre-tokenized (run_clm.py's output): a tokenizer only pads
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         return Rows(pad_token_ids(dataset, max_length, pad))
@@ -126,25 +146,22 @@ def _need(tokenizer):
     return tokenizer
 
 
-def _instructions(records: list[dict], tokenizer, max_length: int, cache_dir: str | None) -> dict:
+def _instructions(records: list[dict], tokenizer, max_length: int, cache_dir: str | None, alone: bool) -> dict:
     """Masked instruction examples; with a cache, rank 0 tokenizes them into it while the
     other ranks wait, then they load that file (or tokenize, if they cannot see it)."""
     if not cache_dir:
         return tokenize_instructions(records, tokenizer, max_length)
-    examples = after_rank0(lambda: cached_instructions(records, tokenizer, max_length, cache_dir), key="instructions")
-    return examples if examples is not None else cached_instructions(records, tokenizer, max_length, cache_dir)
+    return rank0_first(lambda: cached_instructions(records, tokenizer, max_length, cache_dir), "instructions", alone)
 
 
-def _packed(docs, tokenizer, max_length: int, cache_dir: str | None, text_column: str) -> np.ndarray:
+def _packed(docs, tokenizer, max_length: int, cache_dir: str | None, text_column: str, alone: bool) -> np.ndarray:
     """Packed blocks, memory-mapped: rank 0 tokenizes the corpus into the cache while the other
     ranks wait, then every rank maps the cache file (a rank that cannot see it, its cache
     folder being on another machine's disk, tokenizes for itself)."""
     if not cache_dir:
         return pack_documents(docs, tokenizer, max_length, None, text_column)
-    stream = after_rank0(lambda: token_stream(docs, tokenizer, cache_dir, text_column), key="packing")
-    if stream is None:  # not rank 0
-        stream = token_stream(docs, tokenizer, cache_dir, text_column)
-    return blocks_of(stream, max_length)
+    return blocks_of(rank0_first(lambda: token_stream(docs, tokenizer, cache_dir, text_column), "packing", alone),
+                     max_length)  # fmt: skip
 
 
 def select(data, idx: torch.Tensor):
