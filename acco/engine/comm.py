@@ -2,8 +2,10 @@
 
 A round takes a flat gradient payload and its statistics (summed loss weight, summed loss,
 micro-batch count, data-exhausted flag) and, on every worker:
-  1. all-gathers the statistics (docs/algorithm.md, "Statistics"; per-worker counts kept),
-  2. reduce-scatters the payload (sum): this worker receives its shard,
+  1. reduce-scatters the payload (sum): this worker receives its shard (first, so that a lost
+     peer's error names the ring's neighbours),
+  2. all-gathers the statistics (docs/algorithm.md, "Statistics"; per-worker counts kept) with
+     this worker's squared shard norm,
   3. divides by the global weight N (an average over every micro-batch of every worker) and,
      with max_grad_norm, clips to the global norm: each worker's squared shard norm travels with
      the statistics, so the norm costs no extra collective and no extra host read,
