@@ -20,10 +20,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m acco.demo
+	$(PY) -m acco_bench.demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check acco tests main.py
+	$(VENV)/bin/ruff check acco acco_bench tests main.py
 
 clean:
 	rm -rf $(VENV) outputs build *.egg-info

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from acco.bench import cluster, namespaces
-from acco.bench.analysis import add_comparisons, method_metrics
-from acco.bench.cli import main
-from acco.bench.network import WORKER_ENV, Network
-from acco.bench.settings import BenchError, BenchSettings
+from acco_bench import BenchError, cluster
+from acco_bench.analysis import add_comparisons, method_metrics
+from acco_bench.cli import main
+from acco_bench.cluster import WORKER_ENV
+from acco_bench.network import Network, namespaces
+from acco_bench.settings import BenchSettings
 
 REASON = namespaces.netns_unavailable_reason()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -138,7 +139,7 @@ def test_lr_sweep_and_its_reference_check(tmp_path):
 
 
 def test_lr_sweep_summary_pairs_seeds_and_finds_half_the_best():
-    from acco.bench.lr_sweep import nearest, summarize
+    from acco_bench.lr_sweep import nearest, summarize
 
     def run(loss):
         return {"final_eval_loss": loss}
@@ -160,7 +161,7 @@ def test_estimate_stability_limits():
     """The linearised recurrences behind acco_estimate=lean: the paper's estimate loop diverges
     from a preconditioned curvature of 2 / (1 - beta1), the lean one from 3 / (1 - beta1), AdamW
     itself from 2 (1 + beta1) / (1 - beta1)."""
-    from acco.bench.reference import stability_limit
+    from acco_bench.reference import stability_limit
 
     assert stability_limit(0.9, lean=None) == pytest.approx(38.0)
     assert stability_limit(0.9, lean=0.0) == pytest.approx(20.0)
@@ -173,12 +174,12 @@ def test_gpu_without_cuda_exits_cleanly(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the gpu benchmark would really run")
     out = tmp_path / "gpu"
-    proc = subprocess.run([sys.executable, "-m", "acco.bench.cli", "gpu", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "acco_bench.cli", "gpu", "--out", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "SKIPPED" in proc.stderr and "CUDA" in proc.stderr
     assert json.loads((out / "gpu.json").read_text())["skipped"] is True
-    proc = subprocess.run([sys.executable, "-m", "acco.bench.cli", "gpu", "--require-cuda", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "acco_bench.cli", "gpu", "--require-cuda", "--out", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
 
@@ -279,7 +280,7 @@ def test_timeout_kills_the_workers(tmp_path, monkeypatch):
 
 
 def test_batch_size_settings_keep_the_samples():
-    from acco.bench.convergence import batch_size_settings
+    from acco_bench.convergence import batch_size_settings
 
     s = BenchSettings(nb_steps_tot=100, batch_size=8, eval_step=10, grad_accum=4)
     one = batch_size_settings(s, 1)

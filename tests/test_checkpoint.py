@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
+from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
 from acco import checkpoint
 from acco.engine import CheckpointError, ConfigError
@@ -34,13 +35,6 @@ def cli(out: Path, *overrides: str, fault: str | None = None, nproc: int = 2) ->
         f"train.cache_dir={out.parent / 'cache'}", *RUN, *overrides,
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-
-
-def train_losses(out: Path) -> dict[int, float]:
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [x["step"] for x in lines if x["type"] == "train"]
-    assert len(steps) == len(set(steps)), f"duplicated steps in metrics.jsonl: {steps}"
-    return {x["step"]: x["loss"] for x in lines if x["type"] == "train"}
 
 
 def no_worker_left(out: Path) -> bool:
@@ -303,31 +297,6 @@ def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):
 # ---- exact resume of every method, through DecoupledTrainer on 2 processes (tiny and fast) ---------
 
 METHODS = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
-
-
-def tiny_model():
-    from acco.models import build_model
-
-    config = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16, window_size=16)
-    return build_model(config, vocab_size=96, max_length=16)
-
-
-def tiny_args(method: str, output_dir, **more) -> dict:
-    # 40 sequences, 2 per micro-batch on 2 workers: 10 micro-batches per worker and epoch, so the
-    # runs cross epochs; fixed counts (no accumulate_while_waiting) make the runs reproducible.
-    if method == "acco-paper":  # acco (its default, lean estimate) keeps its estimate error as state too
-        method, more = "acco", {"acco_estimate": "paper", **more}
-    if method == "diloco":
-        more = {"sync_every": 3, **more}
-    if method == "streaming-diloco":  # fragment 0's all-reduce is in flight at checkpoint-2
-        more = {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, **more}
-    return dict(method_name=method, batch_size=2, n_grad_accumulation=2, nb_steps_tot=48, max_length=16,
-                learning_rate=3e-3, accumulate_while_waiting=False, eval=False, save_step=2,
-                output_dir=str(output_dir)) | more  # fmt: skip
-
-
-def tiny_data() -> dict:
-    return {"input_ids": torch.randint(0, 96, (40, 16), generator=torch.Generator().manual_seed(0))}
 
 
 def _train_then_resume_every_method(rank: int, world_size: int, root: str) -> dict:

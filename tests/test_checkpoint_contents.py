@@ -102,7 +102,7 @@ def test_resharding_refuses_another_method_or_model():
 def _save_every_method(rank: int, world_size: int, root: str) -> dict:
     """Each method trained briefly through DecoupledTrainer on 2 workers, with a fixed batch and
     with accumulate_while_waiting; then resumed on the same world size to the end of the budget."""
-    from test_checkpoint import tiny_args, tiny_data, tiny_model
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
 
     from acco.trainer import DecoupledTrainer
 
@@ -161,7 +161,7 @@ def test_no_rank_file_holds_the_parameter_vector_and_the_accumulator_only_for_a_
 def test_a_resharded_resume_maps_the_old_files_instead_of_reading_them(saved_root, monkeypatch):
     """2 -> 1 worker through DecoupledTrainer: every old file is opened memory-mapped (only what
     is then touched is read), and the engine takes its slices from the old shards it overlaps."""
-    from test_checkpoint import tiny_args, tiny_data, tiny_model
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
 
     from acco.trainer import DecoupledTrainer
 

@@ -17,15 +17,13 @@ trainer with evaluations, checkpoints and a stop at the eval loss (then the fina
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from distributed import run_distributed
+from trainer_helpers import TINY
 
 from acco.engine.config import METHODS
-
-TINY = Path(__file__).parents[1] / "acco" / "conf" / "model" / "tiny.yaml"
 
 COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "reduce_scatter", "all_to_all_single", "isend", "irecv", "send", "recv", "all_gather_object",

@@ -3,11 +3,11 @@ tests check. Elsewhere every test skips with its reason. Run it with
 
     .venv/bin/python -m pytest -q tests/test_cuda.py -rs
 
-- ddp and acco, in fp32, equal the plain single-process references of test_engine_methods.py;
+- ddp and acco, in fp32, equal the plain single-process references (acco_bench/reference.py);
 - every rank ends with the same parameters after several updates;
 - the overlap is real: a sleep put on the comm side stream in every round (torch.cuda._sleep, as
   acco-bench gpu does) lets compute go on (many micro-batches per round), the same sleep on the
-  compute stream (the control) does not. tests/test_cuda_one_gpu.py runs the same check on one GPU.
+  compute stream (the control) does not (overlap_helpers.py); test_cuda_one_gpu.py runs it on one GPU.
 
 The processes set TORCH_NCCL_HIGH_PRIORITY=1 before their NCCL group, as acco's init_distributed
 does: the group's own stream (async collectives; before torch 2.8 synchronous ones too) is then
@@ -16,10 +16,8 @@ as high-priority as the comm round's side stream.
 
 from __future__ import annotations
 
-import itertools
 import os
 import tempfile
-import time
 from datetime import timedelta
 
 import pytest
@@ -27,15 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from distributed import free_port
-from test_engine_methods import (
-    Reference,
-    assert_close,
-    config,
-    loss_fn,
-    make_model,
-    micro_batch,
-    reference_acco,
-)
+from engine_helpers import Reference, assert_close, config, loss_fn, make_model, reference_acco
+from overlap_helpers import OVERLAP_UPDATES, assert_overlap, device_stream, overlap_run
 
 WORLD = 2
 
@@ -73,14 +64,6 @@ def run_nccl(fn, *args) -> list:
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
-def _stream(kind: str, rank: int, device, world: int = WORLD):
-    j = 0
-    while True:  # worker `rank` reads global micro-batches rank, rank + W, ... (as the gloo tests)
-        x, y = micro_batch(kind, j * world + rank)
-        yield x.to(device), y.to(device)
-        j += 1
-
-
 def _train(rank, device, kind, cfgs):
     from acco.engine import build_engine
 
@@ -88,7 +71,7 @@ def _train(rank, device, kind, cfgs):
     for cfg in cfgs:
         model = make_model(kind).to(device)
         engine = build_engine(model, cfg)
-        records = list(engine.run(_stream(kind, rank, device), loss_fn))
+        records = list(engine.run(device_stream(kind, rank, device, WORLD), loss_fn))
         engine.close()
         theta = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
         out.append((theta, [(r.step, r.loss, r.micro_batches) for r in records]))
@@ -111,61 +94,6 @@ def test_ddp_and_acco_equal_their_references_on_nccl(kind):
     ref = Reference(kind, cfgs[1], WORLD, [n // 2] * WORLD)
     assert_close(acco, reference_acco(ref, updates), "acco on NCCL vs the estimate/update reference")
     assert [mb for _, _, mb in acco_rec] == [[n] * WORLD] * updates
-
-
-# The overlap check runs a fixed number of updates, not a fixed budget: with a fast GPU a 50 ms
-# round leaves time for hundreds of micro-batches, and a budget of 400 was spent in the first
-# update, leaving nothing to compare (issue 19, finding 11). The budget is now far out of reach
-# and every rank stops after OVERLAP_UPDATES updates (between two records no round is in flight).
-OVERLAP_UPDATES = 12
-OVERLAP_BUDGET = 10**7  # micro-batches over all workers
-MIN_UPDATES = 5
-
-
-def overlap_run(rank, device, delay_ms: float, on_side_stream: bool, world: int = WORLD):
-    """acco with accumulate-while-waiting, a sleep of `delay_ms` in every comm round (on the side
-    stream, or on the compute stream: the control); the parameters and this rank's micro-batches
-    per update. On the CPU (a check of the stopping logic) the comm thread itself sleeps."""
-    from acco.bench.gpu import calibrate_sleep
-    from acco.engine import build_engine
-
-    if device.type == "cuda":
-        cycles = int(delay_ms * calibrate_sleep(device))
-        compute = torch.cuda.current_stream(device)
-
-        def sleep():  # called by the comm thread, inside the round (on the side stream by default)
-            if on_side_stream:
-                torch.cuda._sleep(cycles)
-            else:
-                with torch.cuda.stream(compute):
-                    torch.cuda._sleep(cycles)
-    else:
-        assert on_side_stream, "the CPU has no compute stream to delay"
-
-        def sleep():
-            time.sleep(delay_ms / 1000)
-
-    cfg = config(method="acco", n_grad_accumulation=1, nb_steps_tot=OVERLAP_BUDGET, accumulate_while_waiting=True)
-    model = make_model("mlp").to(device)
-    engine = build_engine(model, cfg)
-    engine.comm.delay_hook = sleep
-    run = engine.run(_stream("mlp", rank, device, world), loss_fn)
-    records = list(itertools.islice(run, OVERLAP_UPDATES))
-    run.close()
-    engine.close()
-    theta = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
-    return theta, [r.micro_batches[rank] for r in records]
-
-
-def assert_overlap(side: list[int], control: list[int]) -> None:
-    """Micro-batches per update (after the warm start) with the side stream delayed, against the control."""
-    assert min(len(side), len(control)) >= MIN_UPDATES, f"too few updates to compare: {len(side)}, {len(control)}"
-    per_update = sum(side[1:]) / (len(side) - 1)
-    per_update_control = sum(control[1:]) / (len(control) - 1)
-    # An update is 2 rounds of >= 1 micro-batch; a 50 ms sleep per round on the side stream leaves
-    # time for many more tiny micro-batches, on the compute stream it holds them up.
-    assert per_update >= 10, f"micro-batches per update with the side stream delayed: {per_update:.1f}"
-    assert per_update > 3 * per_update_control, (per_update, per_update_control)
 
 
 def test_the_overlap_is_real_with_a_delayed_side_stream():

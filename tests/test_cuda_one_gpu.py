@@ -6,8 +6,8 @@ without TF32, bf16) is what the engine trains with. Run it with
 
     .venv/bin/python -m pytest -q tests/test_cuda_one_gpu.py -rs -s
 
-- every method (acco/engine/config.py METHODS) in fp32 equals its single-process reference (those of
-  test_engine_methods.py and test_diloco.py);
+- every method (acco/engine/config.py METHODS) in fp32 equals its single-process reference
+  (acco_bench/reference.py, as test_engine_methods.py and test_diloco.py check on gloo);
 - a tiny GPT-Neo trains in bf16 under every method with a falling loss;
 - the overlap is real: test_cuda.py's sleep check (a sleep in every comm round on the side stream
   lets compute go on, the same sleep on the compute stream does not), on one rank;
@@ -33,9 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_cuda import OVERLAP_UPDATES, assert_overlap, overlap_run
-from test_diloco import reference_diloco
-from test_engine_methods import (
+from engine_helpers import (
     Reference,
     assert_close,
     config,
@@ -44,7 +42,9 @@ from test_engine_methods import (
     micro_batch,
     reference_acco,
     reference_delayed,
+    reference_diloco,
 )
+from overlap_helpers import OVERLAP_UPDATES, assert_overlap, overlap_run
 from torch.nn.utils import parameters_to_vector
 
 from acco.engine.config import METHODS
@@ -261,7 +261,7 @@ def test_the_overlap_is_real_on_one_rank():
 
 @needs_gpu
 def test_gpt_neo_125m_memory_and_throughput_against_a_plain_fused_adamw_loop(tmp_path):
-    from acco.bench.cli import main
+    from acco_bench.cli import main
 
     out = tmp_path / "gpu"
     variants = ["engine-acco", "plain-bf16", "plain-autocast", "engine-acco-gc", "plain-bf16-gc"]

@@ -82,7 +82,7 @@ def test_bench_gpu_nproc_2_runs_its_processes_and_skips_without_the_gpus(tmp_pat
     import argparse
     import json
 
-    from acco.bench import gpu
+    from acco_bench import gpu
 
     parser = argparse.ArgumentParser()
     gpu.add_arguments(parser)

@@ -1,8 +1,8 @@
 """diloco and streaming-diloco, on real gloo processes, equal a plain single-process reference.
 
-The reference keeps W copies of the model, each with torch.optim.AdamW (ddp's parameter groups),
-and a global copy with torch.optim.SGD(nesterov=True): torchft's local_sgd.py recurrence written
-out with whole parameters, fragment by fragment.
+The reference (acco_bench/reference.py, Reference.diloco) keeps W copies of the model, each with
+torch.optim.AdamW (ddp's parameter groups), and a global copy with torch.optim.SGD(nesterov=True):
+torchft's local_sgd.py recurrence written out with whole parameters, fragment by fragment.
 """
 
 from __future__ import annotations
@@ -14,101 +14,13 @@ import math
 import pytest
 import torch
 from distributed import run_distributed
-from test_engine_methods import (
-    assert_close,
-    config,
-    decay_groups,
-    loss_fn,
-    make_model,
-    micro_batch,
-    reference_lr,
-    run_engine,
-    stream,
-)
+from engine_helpers import assert_close, config, loss_fn, make_model, reference_diloco, run_engine, stream
 from torch import nn
-from torch.nn.utils import clip_grad_norm_, parameters_to_vector
+from torch.nn.utils import parameters_to_vector
 
 from acco.engine import ConfigError, EngineConfig, build_engine
 from acco.engine.diloco import DiLoCoEngine, fragment_slices
 from acco.engine.flat import FlatParams
-
-
-def reference_fragments(model: nn.Module, num_fragments: int) -> list[list[int]]:
-    """Parameter indices (registration order) of each fragment: where each parameter's middle falls
-    when the parameters are laid end to end and cut into equal parts."""
-    sizes = [p.numel() for p in model.parameters()]
-    total, before, out = sum(sizes), 0, [[] for _ in range(num_fragments)]
-    for k, n in enumerate(sizes):
-        out[min(int((before + n / 2) / total * num_fragments), num_fragments - 1)].append(k)
-        before += n
-    return out
-
-
-def reference_diloco(kind: str, cfg: EngineConfig, world: int) -> tuple[torch.Tensor, list[float]]:
-    """Final global parameters and worker 0's loss per inner step."""
-    n, H, F, tau = cfg.n_grad_accumulation, cfg.sync_every, cfg.num_fragments, cfg.fragment_sync_delay
-    alpha = cfg.fragment_update_alpha
-    glob = make_model(kind)
-    outer = torch.optim.SGD(glob.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
-    workers = [copy.deepcopy(glob) for _ in range(world)]
-    inner = [torch.optim.AdamW(decay_groups(w, cfg.weight_decay), lr=cfg.learning_rate,
-                               betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps) for w in workers]  # fmt: skip
-    fragments = reference_fragments(glob, F)
-    offsets = [math.floor(H / F * (i + 1)) for i in range(F)]
-    read = [0] * world
-    losses, pending, merged, samples, step = [], {}, [0] * F, 0, 0
-
-    def params(model, i):
-        ps = list(model.parameters())
-        return [ps[k] for k in fragments[i]]
-
-    def due(i, delay):
-        return step >= offsets[i] + delay and (step - offsets[i] - delay) % H == 0
-
-    def outer_step(i, pseudo, keep):
-        for p in glob.parameters():
-            p.grad = None
-        for p, g in zip(params(glob, i), pseudo):
-            p.grad = g.clone()
-        outer.step()
-        with torch.no_grad():
-            for w in workers:
-                for p, g in zip(params(w, i), params(glob, i)):
-                    p.copy_(keep * p + (1 - keep) * g)
-        merged[i] = step
-
-    while samples < cfg.nb_steps_tot:
-        lr = reference_lr(cfg, samples, world * n)
-        for r, (w, opt) in enumerate(zip(workers, inner)):
-            opt.zero_grad()
-            total = 0.0
-            for _ in range(n):
-                loss = loss_fn(w, micro_batch(kind, read[r] * world + r))
-                (loss / n).backward()
-                total += loss.item()
-                read[r] += 1
-            if r == 0:
-                losses.append(total / n)
-            clip_grad_norm_(w.parameters(), cfg.max_grad_norm or math.inf)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-        step, samples = step + 1, samples + world * n
-        for i in range(F):
-            if due(i, 0):  # the pseudo-gradient: global minus local, averaged over the workers
-                pending[i] = [sum(g.detach() - p.detach() for p in ps) / world
-                              for g, *ps in zip(params(glob, i), *(params(w, i) for w in workers))]  # fmt: skip
-        for i in range(F):
-            if due(i, tau) and i in pending:
-                outer_step(i, pending.pop(i), alpha)
-    for i in list(pending):  # the end: what is in flight, then every fragment with progress
-        outer_step(i, pending.pop(i), 0.0)
-    for i in range(F):
-        if merged[i] < step:
-            pseudo = [sum(g.detach() - p.detach() for p in ps) / world
-                      for g, *ps in zip(params(glob, i), *(params(w, i) for w in workers))]  # fmt: skip
-            outer_step(i, pseudo, 0.0)
-    return parameters_to_vector(glob.parameters()).detach(), losses
 
 
 # Budgets that are not a multiple of a sync cycle: the end-of-run synchronisation is exercised too.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from distributed import run_distributed
-from test_engine_methods import config, make_model
+from engine_helpers import config, make_model
 
 from acco.engine import build_engine
 
@@ -55,7 +55,7 @@ def test_every_worker_starts_from_rank0s_weights_and_its_fp32_master():
 
 def _evaluate_under_autocast(rank, world):
     from omegaconf import OmegaConf
-    from test_collective_order import TINY
+    from trainer_helpers import TINY
 
     from acco.data import load_tokenizer, synthetic_corpus
     from acco.models import build_model

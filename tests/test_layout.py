@@ -1,5 +1,7 @@
 """The layout the README's "How it is built" promises: no import circles (function-level imports
-count) and no source file over 450 lines."""
+count), no source file over 450 lines, the library (acco) never importing the benchmarks
+(acco_bench), no benchmark module reaching for another's private (underscore) names, and no test
+module importing another (shared helpers live in tests/*_helpers.py, distributed.py, faults.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
+PACKAGES = ("acco", "acco_bench")
 
 
 def _module_name(path: Path) -> str:
@@ -29,11 +32,19 @@ def _defined_names(path: Path) -> set[str]:
     return names
 
 
+def _files() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+
+
+def _ours(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in PACKAGES)
+
+
 def import_graph() -> dict[str, set[str]]:
-    """acco module -> the acco modules it imports anywhere in its file (a package counts as its
-    __init__; ``from pkg import name`` counts as pkg.name when that is a module, and as the
-    submodule that defines `name` when the package loads it lazily, else as pkg)."""
-    files = {_module_name(p): p for p in (ROOT / "acco").rglob("*.py")}
+    """module of acco or acco_bench -> the modules of either it imports anywhere in its file (a
+    package counts as its __init__; ``from pkg import name`` counts as pkg.name when that is a
+    module, and as the submodule that defines `name` when the package loads it lazily, else as pkg)."""
+    files = _files()
     defines = {name: _defined_names(path) for name, path in files.items()}
 
     def where(package: str, attr: str) -> str:
@@ -61,7 +72,7 @@ def import_graph() -> dict[str, set[str]]:
             for target in targets:
                 while target and target not in files:  # acco.engine.comm.X -> acco.engine.comm
                     target = target.rpartition(".")[0]
-                if target.startswith("acco") and target != name:
+                if _ours(target) and target != name:
                     edges.add(target)
         graph[name] = edges
     return graph
@@ -110,7 +121,58 @@ def test_the_circle_finder_sees_function_level_imports():
     assert "acco.engine.decoupled" in real["acco.checkpoint"]  # CheckpointError: lazily from acco.engine
 
 
+def test_the_library_never_imports_the_benchmarks():
+    reach = {m: {t for t in edges if t == "acco_bench" or t.startswith("acco_bench.")}
+             for m, edges in import_graph().items() if m == "acco" or m.startswith("acco.")}
+    assert {m: t for m, t in reach.items() if t} == {}
+
+
+def _private_uses(path: Path, modules: set[str]) -> list[str]:
+    """``from M import _x`` and ``m._x`` (m bound to an imported module of ours) in one file."""
+    found, bound = [], set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and _ours(node.module or ""):
+            for a in node.names:
+                if a.name.startswith("_"):
+                    found.append(f"from {node.module} import {a.name}")
+                elif f"{node.module}.{a.name}" in modules:
+                    bound.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            bound.update(a.asname for a in node.names if a.asname and _ours(a.name))
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_benchmark_module_uses_another_modules_private_names():
+    files = _files()
+    uses = {name: u for name, path in files.items() if name.startswith("acco_bench")
+            if (u := _private_uses(path, set(files)))}
+    assert uses == {}
+
+
+def test_the_private_name_finder_sees_both_forms(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from acco_bench.report import _plt, fmt\nfrom acco_bench import report\n"
+                    "def f():\n    return report._plt(), fmt, report.__doc__\n")
+    assert _private_uses(path, {"acco_bench.report"}) == ["from acco_bench.report import _plt", "report._plt"]
+
+
+def test_no_test_module_imports_another():
+    imports = {}
+    for path in (ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            hits = [n for n in names if n.split(".")[0].startswith("test_")]
+            if hits:
+                imports.setdefault(path.name, []).extend(hits)
+    assert imports == {}
+
+
 def test_no_source_file_over_the_limit():
-    sources = [*ROOT.glob("acco/**/*.py"), *ROOT.glob("tests/*.py"), ROOT / "main.py"]
+    sources = [*ROOT.glob("acco/**/*.py"), *ROOT.glob("acco_bench/**/*.py"), *ROOT.glob("tests/*.py"), ROOT / "main.py"]
     long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}

@@ -50,7 +50,7 @@ def test_the_loss_is_the_textbook_formula(monkeypatch, arch, chunked):
 def _train_with_and_without_checkpointing(rank: int, world_size: int, root: str) -> dict:
     from pathlib import Path
 
-    from test_checkpoint import tiny_args, tiny_data, tiny_model, train_losses
+    from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
     from acco.trainer import DecoupledTrainer
 

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from acco.bench.delayline import parse_time
-from acco.bench.namespaces import (
+from acco_bench.network import (
+    EmulatedCluster,
     available_shapers,
     cleanup_stale,
     list_namespaces,
     netns_unavailable_reason,
     parse_rate,
+    parse_time,
 )
-from acco.bench.netns import EmulatedCluster
 
 REPO = Path(__file__).resolve().parents[1]
 REASON = netns_unavailable_reason()
@@ -167,7 +167,7 @@ def test_signal_removes_namespaces(sig):
         # A test run started in the background by a shell without job control hands SIGINT down
         # ignored; a user's interactive run has Python's own handler, which is what this checks.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from acco.bench.netns import EmulatedCluster
+        from acco_bench.network import EmulatedCluster
         c = EmulatedCluster(2, bandwidth="50mbit", latency=None)
         print(c.run_prefix, flush=True)
         try:

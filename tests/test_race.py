@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from acco.bench import namespaces, race
-from acco.bench.cli import main
-from acco.bench.settings import BenchSettings
 from acco.data import load_tokenizer, synthetic_corpus
 from acco.models import build_model
 from acco.trainer import DecoupledTrainer
+from acco_bench import race
+from acco_bench.cli import main
+from acco_bench.network import namespaces
+from acco_bench.settings import BenchSettings
 
 TINY_MODEL = dict(name="small", arch="gpt_neo", hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64,
                   window_size=64, pretrained=None)
@@ -196,7 +197,7 @@ def test_race_needs_ddp_and_known_methods(tmp_path, capsys):
 def test_demo_on_loopback_says_why_the_times_tie(tmp_path, capsys, monkeypatch):
     """The demo is a thin call of the race (tested above on real processes): its settings and
     what it prints, with the race itself replaced by a canned result."""
-    from acco import demo
+    from acco_bench import demo
 
     seen = {}
 

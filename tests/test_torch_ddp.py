@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from distributed import run_distributed
-from test_engine_methods import Reference, assert_close, config, loss_fn, make_model, run_engine, stream
+from engine_helpers import Reference, assert_close, config, loss_fn, make_model, run_engine, stream
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parameters_to_vector

@@ -2,7 +2,7 @@
 
 Gloo's ``reduce_scatter_tensor`` moves as many bytes as a full all-reduce (about twice what a
 reduce-scatter needs), and its ``all_gather_into_tensor`` is slower than a ring too (measured in
-``acco.bench.collectives_bench``). On gloo these functions therefore run a ring of point-to-point
+``acco_bench.collectives_bench``). On gloo these functions therefore run a ring of point-to-point
 ``isend``/``irecv``: ``world - 1`` steps, each sending one chunk (``numel / world`` elements) to
 the next rank while receiving one from the previous rank, so every rank sends and receives
 ``(world - 1) / world`` of the tensor, the minimum. On other backends (nccl) they call

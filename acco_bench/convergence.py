@@ -26,26 +26,18 @@ updates start from exactly the same optimizer state.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from acco.bench.analysis import read_jsonl
-from acco.bench.cluster import run_workers
-from acco.bench.network import Network, check_worker_available
-from acco.bench.settings import BenchError, BenchSettings
+from acco_bench import BenchError
+from acco_bench.analysis import read_jsonl, summary_stats
+from acco_bench.cluster import check_worker_available, run_workers
+from acco_bench.network import Network
+from acco_bench.settings import BenchSettings, model_settings
 
-TINYSTORIES = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"
-
-
-def _stats(values: list[float]) -> dict:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return {"n": 0, "values": []}
-    return {"n": len(values), "values": values, "mean": statistics.fmean(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
+TINYSTORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"
 
 
 def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closeness: bool = True,
@@ -86,12 +78,12 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
                     conv["curves"].setdefault(method, {})[str(seed)] = evals
                     log(f"[acco-bench] {method} seed {seed}: final eval loss {final}")
         for method, by_seed in conv["runs"].items():
-            conv["final_eval_loss"][method] = _stats([r["final_eval_loss"] for r in by_seed.values()])
+            conv["final_eval_loss"][method] = summary_stats([r["final_eval_loss"] for r in by_seed.values()])
             ddp = conv["runs"].get("ddp", {})
             diffs = [r["final_eval_loss"] - ddp[k]["final_eval_loss"] for k, r in by_seed.items()
                      if k in ddp and r["final_eval_loss"] is not None and ddp[k]["final_eval_loss"] is not None]
             if method != "ddp" and diffs:
-                conv["final_eval_loss"][method]["paired_diff_vs_ddp"] = _stats(diffs)
+                conv["final_eval_loss"][method]["paired_diff_vs_ddp"] = summary_stats(diffs)
     if closeness:
         try:
             conv["update_closeness"] = update_closeness(
@@ -103,7 +95,7 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
             log(f"[acco-bench] update closeness failed: {type(e).__name__}: {e}")
             conv["update_closeness"] = {"error": f"{type(e).__name__}: {e}"}
     (out / "convergence.json").write_text(json.dumps(conv, indent=2, default=str) + "\n")
-    from acco.bench import report
+    from acco_bench import report
 
     report.write_convergence_report(conv, out)
     return conv
@@ -111,17 +103,6 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
 
 # --------------------------------------------------------------------------------------------
 # update closeness
-
-
-def _model_config(name: str, size: dict) -> dict:
-    from omegaconf import OmegaConf
-
-    path = Path(__file__).resolve().parents[1] / "conf" / "model" / f"{name}.yaml"
-    if not path.exists():
-        raise BenchError(f"no model config {name!r} ({path})")
-    cfg = OmegaConf.to_container(OmegaConf.load(path))
-    cfg.update(size or {})
-    return cfg
 
 
 def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str = "tiny", model_size=None,
@@ -144,7 +125,7 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     docs = load_documents(data_path) if data_path else synthetic_corpus(n_docs, seed=0)
-    mcfg = _model_config(model, model_size or {})
+    mcfg = model_settings(model, model_size or {})
     tok = load_tokenizer(tokenizer, train_texts=docs, vocab_size=int(mcfg.get("vocab_size") or 2048))
     blocks = pack_documents(docs, tok, max_length)
     net = build_model(mcfg, vocab_size=len(tok), max_length=max_length)
@@ -266,7 +247,7 @@ def run_batch_sizes(settings: BenchSettings, seeds: list[int], batch_sizes: list
 
 
 def batch_sizes_markdown(table: dict) -> str:
-    from acco.bench.report import fmt, md_table
+    from acco_bench.report import fmt, md_table
 
     cfg = table["config"]
     methods = list(cfg["methods"])

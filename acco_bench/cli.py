@@ -19,7 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from acco.bench.settings import ALL_METHODS, DEFAULT_MODEL_SIZE, KNOWN_METHODS, BenchError, BenchSettings
+from acco_bench import BenchError
+from acco_bench.settings import ALL_METHODS, DEFAULT_MODEL_SIZE, KNOWN_METHODS, BenchSettings
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convergence", help="eval loss against samples on real text, several seeds, "
                                            "and the acco/Adam update closeness")
     _add_common(p, "outputs/bench/convergence", 1600)
-    from acco.bench.convergence import TINYSTORIES
+    from acco_bench.convergence import TINYSTORIES
 
     p.set_defaults(data=str(TINYSTORIES) if TINYSTORIES.exists() else "synthetic", hidden_size=0, num_layers=0,
                    num_heads=0, grad_accum=4, max_length=64, loopback=True)
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("race", help="time to ddp's final eval loss: ddp to its budget, then every other method "
                                     "until its eval loss reaches ddp's or it has seen twice ddp's samples")
-    from acco.bench.race import RACE_BUDGET, RACE_METHODS
+    from acco_bench.race import RACE_BUDGET, RACE_METHODS
 
     _add_common(p, "outputs/bench/race", RACE_BUDGET, methods=RACE_METHODS)
     p.set_defaults(accumulate_while_waiting=True, retry_disturbed=0)
@@ -179,14 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=8, help="eval batches per worker per evaluation")
     p.add_argument("--scheduler", choices=("constant", "cosine", "linear"), default="constant",
                    help="LR schedule after a warm-up of a tenth of the budget (a decaying one ends at each run's "
-                        "own budget: ddp's, or the cap; see acco/bench/race.py)")
+                        "own budget: ddp's, or the cap; see acco_bench/race.py)")
 
     p = sub.add_parser("report", help="re-render the tables and plots of a finished run (cluster runs: "
                                       "the figures are recomputed from the run folders)")
     p.add_argument("dir", help="the --out folder of an acco-bench cluster, sweep or convergence run")
 
     p = sub.add_parser("gpu", help="GPT-Neo 125M bf16 through the engine vs a fused-AdamW loop; side-stream check")
-    from acco.bench import gpu
+    from acco_bench import gpu
 
     gpu.add_arguments(p)
     return parser
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "cluster":
-            from acco.bench.cluster import run_bench
+            from acco_bench.cluster import run_bench
 
             s = _settings(args, bandwidth=args.bandwidth, latency=args.latency)
             bench = run_bench(s, Path(args.out))
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             print((Path(args.out) / "bench.md").read_text())
             return 1 if any("error" in r for r in bench["methods"].values()) else 0
         if args.command == "sweep":
-            from acco.bench.cluster import run_sweep
+            from acco_bench.cluster import run_sweep
 
             bws = [_none(b.strip()) for b in args.bandwidths.split(",") if b.strip()]
             s = _settings(args, latency=args.latency)
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = any("error" in r for p in sweep["points"] for r in p["methods"].values())
             return 1 if failed or not sweep["points"] else 0
         if args.command == "convergence":
-            from acco.bench.convergence import run_convergence
+            from acco_bench.convergence import run_convergence
 
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
             if args.data == "synthetic":
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                       "corpus; pass --data PATH for real text", flush=True)
             s = _settings(args, bandwidth=args.bandwidth, latency=None, eval_step=args.eval_step)
             if args.batch_sizes is not None:
-                from acco.bench.convergence import run_batch_sizes
+                from acco_bench.convergence import run_batch_sizes
 
                 if args.closeness_only:
                     raise BenchError("--batch-sizes and --closeness-only exclude each other")
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             print((Path(args.out) / "convergence.md").read_text())
             return 1 if conv.get("failed") else 0
         if args.command == "lr-sweep":
-            from acco.bench.lr_sweep import run_lr_sweep
+            from acco_bench.lr_sweep import run_lr_sweep
 
             def numbers(text, kind):
                 try:
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             print((Path(args.out) / "lr_sweep.md").read_text())
             return 1 if sweep.get("failed") else 0
         if args.command == "race":
-            from acco.bench.race import run_race
+            from acco_bench.race import run_race
 
             if args.repeats != 1 or args.retry_disturbed:
                 raise BenchError("race runs every method once: --repeats and --retry-disturbed do not apply "
@@ -269,12 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             print((Path(args.out) / "race.md").read_text())
             return 1 if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values()) else 0
         if args.command == "report":
-            from acco.bench import report
-            from acco.bench.cluster import rerender
+            from acco_bench import report
+            from acco_bench.cluster import rerender
 
             d = Path(args.dir)
             if (d / "race.md").exists() and (d / "bench.json").exists():
-                from acco.bench.race import write_race_report
+                from acco_bench.race import write_race_report
 
                 write_race_report(report.load_json(d / "bench.json"), d)
                 print((d / "race.md").read_text())
@@ -285,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                 report.write_sweep_report(report.load_json(d / "sweep.json"), d)
                 print((d / "sweep.md").read_text())
             elif (d / "lr_sweep.json").exists():
-                from acco.bench import lr_sweep
+                from acco_bench import lr_sweep
 
                 lr_sweep.write(report.load_json(d / "lr_sweep.json"), d)  # the summary is recomputed
                 print((d / "lr_sweep.md").read_text())
             elif (d / "batch_sizes.json").exists():
-                from acco.bench.convergence import batch_sizes_markdown
+                from acco_bench.convergence import batch_sizes_markdown
 
                 (d / "batch_sizes.md").write_text(batch_sizes_markdown(report.load_json(d / "batch_sizes.json")))
                 print((d / "batch_sizes.md").read_text())
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise BenchError(f"{d}: no bench.json, sweep.json or convergence.json")
             return 0
         if args.command == "gpu":
-            from acco.bench import gpu
+            from acco_bench import gpu
 
             return gpu.main(args)
     except BenchError as e:

@@ -1,17 +1,17 @@
 """``acco-bench cluster`` and ``acco-bench sweep``: the methods side by side on an emulated cluster.
 
-Each of N emulated hosts (:class:`~acco.bench.netns.EmulatedCluster`: a network namespace whose
+Each of N emulated hosts (:class:`~acco_bench.network.EmulatedCluster`: a network namespace whose
 link is shaped with ``tc``) runs one training worker, ``python -m acco.cli train=METHOD ...`` with
 torchrun's variables set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` = host 0's address, ...), so
 the gradients and parameters of every comm round cross the shaped links as real gloo traffic. The
 methods run one after the other on one cluster with identical settings (model, data, seed,
 samples, effective batch), each bounded in time; every worker writes its own per-update timers
 (``workers/rank{r}.jsonl``) and rank 0 the run's ``metrics.jsonl`` and ``summary.json``, from
-which :func:`~acco.bench.analysis.method_metrics` derives the figures of ``bench.json``.
+which :func:`~acco_bench.analysis.method_metrics` derives the figures of ``bench.json``.
 
 Where namespaces cannot be made (not root, no iproute2, no shaping qdisc) the harness says why and
 stops, unless ``--loopback`` asks for unshaped local processes on 127.0.0.1. Kernels without
-``netem`` shape the rate with ``tbf`` and add the latency with :mod:`acco.bench.delayline` (the
+``netem`` shape the rate with ``tbf`` and add the latency with :mod:`acco_bench.network.delayline` (the
 outputs say which).
 
 Effective batch: ``grad_accum`` is the number of micro-batches per worker and per optimizer update
@@ -20,8 +20,8 @@ two rounds (the paper's Table 5: acco 2 against ddp 4).
 
 This module runs the benchmark: one method's workers (:func:`run_workers`), the CPU load meanwhile,
 every method in turn (:func:`run_bench`) and the sweep (:func:`run_sweep`). A run's settings are
-in :mod:`acco.bench.settings`, the network its workers start on in :mod:`acco.bench.network`, and
-the figures read from their files in :mod:`acco.bench.analysis`.
+in :mod:`acco_bench.settings`, the network its workers start on in :mod:`acco_bench.network`, and
+the figures read from their files in :mod:`acco_bench.analysis`.
 """
 
 from __future__ import annotations
@@ -33,17 +33,41 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from acco.bench import namespaces
-from acco.bench.analysis import BUSY_CORES, add_comparisons, combine_repeats, method_metrics
-from acco.bench.network import Network, check_worker_available, worker_command
-from acco.bench.settings import BenchError, BenchSettings
+from acco_bench import BenchError
+from acco_bench.analysis import BUSY_CORES, add_comparisons, combine_repeats, method_metrics
+from acco_bench.network import Network, parse_rate
+from acco_bench.settings import BenchSettings
 
 RETRY_PAUSE_S = 20.0
+
+# The worker command; ACCO_BENCH_WORKER (a shell-quoted command prefix) replaces it, e.g. to time
+# a development build of the trainer.
+WORKER_ENV = "ACCO_BENCH_WORKER"
+
+
+def worker_command() -> list[str]:
+    """The command every worker runs (its Hydra overrides follow): ``python -m acco.cli``, or
+    ``$ACCO_BENCH_WORKER``."""
+    custom = os.environ.get(WORKER_ENV)
+    if custom:
+        return shlex.split(custom)
+    return [sys.executable, "-m", "acco.cli"]
+
+
+def check_worker_available() -> None:
+    """Fail with one clear line when the training CLI is not importable."""
+    if os.environ.get(WORKER_ENV):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("acco.cli") is None:
+        raise BenchError("the training CLI (acco.cli) is not installed: acco-bench drives `python -m acco.cli`")
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -197,7 +221,7 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
     """Run every method of ``settings`` on ``net`` (made and torn down here when None) and write
     ``out/bench.json``, ``out/bench.md`` and the plots. Returns the bench.json content. A method
     that fails or times out is recorded with its error and the others still run."""
-    from acco.bench import report
+    from acco_bench import report
 
     settings.validate()
     check_worker_available()
@@ -265,7 +289,7 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
 def rerender(out: Path) -> dict:
     """Recompute ``out/bench.json``'s figures from the run folders it lists (after a change to the
     analysis) and write bench.json, bench.md and the plots again; the loads measured then are kept."""
-    from acco.bench import report
+    from acco_bench import report
 
     bench = json.loads((out / "bench.json").read_text())
     cfg = dict(bench["config"])
@@ -324,7 +348,7 @@ def run_sweep(settings: BenchSettings, bandwidths: Sequence[str | None], out: Pa
     """One :func:`run_bench` per bandwidth (``None``: unshaped veth links; on loopback when
     namespaces are unavailable and ``settings.loopback``), then ``sweep.json``, ``sweep.md`` and
     the speedup plot."""
-    from acco.bench import report
+    from acco_bench import report
 
     settings.validate()
     check_worker_available()
@@ -341,7 +365,7 @@ def run_sweep(settings: BenchSettings, bandwidths: Sequence[str | None], out: Pa
         log(f"[acco-bench] sweep point {label}")
         bench = run_bench(s, out / label.replace("/", "_"), log=log)
         points.append({"label": label, "bandwidth": bw,
-                       "bandwidth_bps": namespaces.parse_rate(bw) if bw else None, "bench": bench})
+                       "bandwidth_bps": parse_rate(bw) if bw else None, "bench": bench})
     sweep = {"config": {**settings.describe(), "bandwidths": [sweep_label(b) for b in bandwidths],
                         "machine": machine_description()},
              "points": [{"label": p["label"], "bandwidth_bps": p["bandwidth_bps"],

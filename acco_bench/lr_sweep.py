@@ -11,7 +11,7 @@ weights, data order, budget in micro-batches and fixed batch for all), in ``OUT/
   against learning rate (``final_loss_vs_lr.png``);
 - running again into the same ``--out`` with the same settings extends the sweep: new learning
   rates and seeds are added, the (learning rate, seed) pairs already done are not run again;
-- the plain reference of the recurrences (:mod:`acco.bench.reference`, no engine code) runs
+- the plain reference of the recurrences (:mod:`acco_bench.reference`, no engine code) runs
   beside the engine at ddp's best learning rate for the first ``--reference-updates`` updates:
   its training losses must equal the engine's, update by update, or the engine is wrong.
 """
@@ -23,9 +23,10 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from acco.bench.analysis import read_jsonl
-from acco.bench.convergence import _stats, run_convergence
-from acco.bench.settings import VARIANTS, BenchError, BenchSettings, base_method
+from acco_bench import BenchError
+from acco_bench.analysis import read_jsonl, summary_stats
+from acco_bench.convergence import run_convergence
+from acco_bench.settings import VARIANTS, BenchSettings, base_method
 
 
 def _lr_dir(out: Path, lr: float) -> Path:
@@ -48,7 +49,7 @@ def nearest(values: list[float], target: float) -> float:
 
 def summarize(runs: dict, learning_rates: list[float], methods) -> dict:
     """Per method and learning rate: final eval loss statistics; best learning rates; acco's gaps."""
-    table = {m: {f"{lr:g}": _stats([r["final_eval_loss"] for r in runs.get(f"{lr:g}", {}).get(m, {}).values()])
+    table = {m: {f"{lr:g}": summary_stats([r["final_eval_loss"] for r in runs.get(f"{lr:g}", {}).get(m, {}).values()])
                  for lr in learning_rates} for m in methods}
     best = {}
     for m in methods:
@@ -91,7 +92,7 @@ def paired_ratio(by_method: dict, method: str) -> float | None:
 
 def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Path, updates: int, log=print) -> dict:
     """Train losses of the engine's runs (read from their metrics.jsonl) against the plain reference's."""
-    from acco.bench.reference import build_case, simulate
+    from acco_bench.reference import build_case, simulate
 
     overrides = replace(settings, seed=seed).overrides("ddp", run_root / "reference", 0) + [f"train.learning_rate={lr!r}"]
     overrides = [o for o in overrides if not o.startswith(("train=", "launch."))]
@@ -176,7 +177,7 @@ def _previous(out: Path, settings: BenchSettings) -> dict | None:
 
 def write(sweep: dict, out: Path) -> None:
     """lr_sweep.json (every run), lr_sweep.md (the tables) and the plot; also for a partial sweep."""
-    from acco.bench import report
+    from acco_bench import report
 
     lrs = [float(x) for x in sweep["config"]["learning_rates"]]
     sweep["summary"] = summarize(sweep["runs"], lrs, sweep["config"]["methods"])

@@ -110,11 +110,11 @@ def _fresh_model(args, vocab: int, device, dtype, checkpointing: bool = False):
     """The model from its local config (acco/conf/model, never a hub), in training mode."""
     import torch
 
-    from acco.bench.convergence import _model_config
     from acco.models import build_model
+    from acco_bench.settings import model_settings
 
     torch.manual_seed(0)
-    model = build_model(_model_config(args.model, {}), vocab_size=vocab, max_length=args.max_length)
+    model = build_model(model_settings(args.model), vocab_size=vocab, max_length=args.max_length)
     model = model.to(device=device, dtype=dtype).train()  # checkpointing acts in training mode only
     if checkpointing:  # transformers 5 renamed gradient_checkpointing_enable (a deprecated alias)
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -343,11 +343,11 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from acco.bench.convergence import _model_config
     from acco.models import flops_per_token, model_config
+    from acco_bench.settings import model_settings
 
-    vocab = int(_model_config(args.model, {}).get("vocab_size") or 50257)
-    fpt = flops_per_token(model_config(_model_config(args.model, {}), vocab), args.max_length)
+    vocab = int(model_settings(args.model).get("vocab_size") or 50257)
+    fpt = flops_per_token(model_config(model_settings(args.model), vocab), args.max_length)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
     if device.type == "cuda":
@@ -404,7 +404,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
 
 
 def gpu_markdown(r: dict) -> str:
-    from acco.bench.report import fmt, md_table
+    from acco_bench.report import fmt, md_table
 
     lines = [f"# acco-bench gpu: {r['device']}" + (f" x {r['nproc']} (NCCL)" if r.get("nproc", 1) > 1 else ""), "",
              f"{r['model']} (random init, vocab {r['vocab_size']}), bf16, micro-batch {r['batch_size']} x "

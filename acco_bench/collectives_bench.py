@@ -1,10 +1,10 @@
 """Gloo's flat collectives against acco's ring ones, between emulated hosts.
 
-    python -m acco.bench.collectives_bench --bandwidth 100mbit          # 2 hosts, 1.33M elements
-    python -m acco.bench.collectives_bench --bandwidth none             # unshaped veth links
-    python -m acco.bench.collectives_bench --loopback                   # no namespaces, 127.0.0.1
+    python -m acco_bench.collectives_bench --bandwidth 100mbit          # 2 hosts, 1.33M elements
+    python -m acco_bench.collectives_bench --bandwidth none             # unshaped veth links
+    python -m acco_bench.collectives_bench --loopback                   # no namespaces, 127.0.0.1
 
-Each host of an :class:`~acco.bench.netns.EmulatedCluster` runs one worker; every operation is
+Each host of an :class:`~acco_bench.network.EmulatedCluster` runs one worker; every operation is
 timed ``--reps`` times after ``--warmup`` calls, each timing the slowest rank's, preceded by a
 barrier, and the median is reported with the bandwidth bound (bytes one rank must send through its
 shaped link / bandwidth). Where namespaces are not available (not root, no iproute2) it falls back
@@ -90,7 +90,7 @@ def _worker(args) -> None:
 
 
 def _report(res: dict, args, world: int, where: str) -> None:
-    from acco.bench.namespaces import parse_rate
+    from acco_bench.network import parse_rate
 
     rate = parse_rate(args.bandwidth) if args.bandwidth else None
     print(f"\n{world} hosts, {where}, {args.numel:,} elements, median of {args.reps} "
@@ -135,13 +135,12 @@ def main(argv=None) -> int:
         if str(getattr(args, k)).lower() in ("none", "off", "0", ""):
             setattr(args, k, None)
 
-    from acco.bench.namespaces import netns_unavailable_reason
-    from acco.bench.netns import EmulatedCluster
+    from acco_bench.network import EmulatedCluster, netns_unavailable_reason
 
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
            "WORLD_SIZE": str(args.hosts), "MASTER_PORT": "29531"}
-    cmd = [sys.executable, "-m", "acco.bench.collectives_bench", "--worker", "--numel", str(args.numel),
+    cmd = [sys.executable, "-m", "acco_bench.collectives_bench", "--worker", "--numel", str(args.numel),
            "--dtypes", args.dtypes, "--reps", str(args.reps), "--warmup", str(args.warmup)]
     reason = None if args.loopback else netns_unavailable_reason()
     cluster = None

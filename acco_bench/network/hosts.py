@@ -1,38 +1,19 @@
-"""Where and how the benchmark's workers start: :class:`Network` (the hosts of an
-:class:`~acco.bench.netns.EmulatedCluster`, or local processes on 127.0.0.1 with ``--loopback``)
-and the worker command (``python -m acco.cli``, or ``$ACCO_BENCH_WORKER``)."""
+"""Where the benchmark's workers start: :class:`Network`, the hosts of an
+:class:`~acco_bench.network.emulated.EmulatedCluster`, or local processes on 127.0.0.1 with
+``--loopback``."""
 
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import sys
 
-from acco.bench import namespaces, netns
-from acco.bench.settings import BenchError
+from acco_bench import BenchError
+from acco_bench.network import namespaces
+from acco_bench.network.emulated import EmulatedCluster
 
-# The worker command; ACCO_BENCH_WORKER (a shell-quoted command prefix) replaces it, e.g. to time
-# a development build of the trainer.
-WORKER_ENV = "ACCO_BENCH_WORKER"
-
-
-def worker_command() -> list[str]:
-    custom = os.environ.get(WORKER_ENV)
-    if custom:
-        return shlex.split(custom)
-    return [sys.executable, "-m", "acco.cli"]
-
-
-def check_worker_available() -> None:
-    """Fail with one clear line when the training CLI is not importable."""
-    if os.environ.get(WORKER_ENV):
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("acco.cli") is None:
-        raise BenchError("the training CLI (acco.cli) is not installed: acco-bench drives `python -m acco.cli`")
+__all__ = ["Network"]
 
 
 class Network:
@@ -40,7 +21,7 @@ class Network:
 
     def __init__(self, hosts: int, bandwidth: str | None, latency: str | None, loopback: bool):
         self.hosts = hosts
-        self.cluster: netns.EmulatedCluster | None = None
+        self.cluster: EmulatedCluster | None = None
         self._port = 29500
         if loopback:
             self.kind = "loopback"
@@ -58,7 +39,7 @@ class Network:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # said below, in the outputs
-            self.cluster = netns.EmulatedCluster(hosts, bandwidth=bandwidth, latency=latency)
+            self.cluster = EmulatedCluster(hosts, bandwidth=bandwidth, latency=latency)
         self.kind = "netns"
         self.bandwidth, self.latency = bandwidth, latency
         self.shaper = self.cluster.shaper
@@ -84,6 +65,10 @@ class Network:
         """Processes that carry the emulated network (the delay line), if any."""
         proc = self.cluster.delay_proc if self.cluster is not None else None
         return [proc] if proc is not None else []
+
+    def tx_bytes(self) -> list[int] | None:
+        """Bytes each host has sent on its link so far (None on loopback)."""
+        return None if self.cluster is None else self.cluster.tx_bytes()
 
     def describe(self) -> dict:
         return {"kind": self.kind, "bandwidth": self.bandwidth, "latency": self.latency,

@@ -24,7 +24,8 @@ def colors_for(names) -> dict:
     return out
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -131,7 +132,7 @@ def write_bench_report(bench: dict, out: Path) -> list[str]:
 
 
 def plot_bench(bench: dict, out: Path) -> list[str]:
-    plt = _plt()
+    plt = pyplot()
     ok = {n: r for n, r in bench["methods"].items() if "error" not in r}
     if not ok:
         return []
@@ -154,7 +155,7 @@ def plot_bench(bench: dict, out: Path) -> list[str]:
     plt.close(fig)
     files.append("step_time.png")
     # 2. training loss against wall time
-    from acco.bench.analysis import read_jsonl
+    from acco_bench.analysis import read_jsonl
 
     fig, ax = plt.subplots(figsize=(7, 4))
     any_curve = False
@@ -226,7 +227,7 @@ def write_sweep_report(sweep: dict, out: Path) -> list[str]:
 
 
 def plot_sweep(sweep: dict, out: Path) -> list[str]:
-    plt = _plt()
+    plt = pyplot()
     points = sweep["points"]
     if not points:
         return []
@@ -311,7 +312,7 @@ def write_convergence_report(conv: dict, out: Path) -> list[str]:
 
 
 def plot_convergence(conv: dict, out: Path) -> list[str]:
-    plt = _plt()
+    plt = pyplot()
     curves = conv.get("curves", {})
     if not curves:
         return []
@@ -389,7 +390,7 @@ def lr_sweep_markdown(sweep: dict, plots: list[str]) -> str:
     ref = sweep.get("reference_check")
     if ref and "error" not in ref:
         lines += [f"Reference check at learning rate {ref['learning_rate']:g}, seed {ref['seed']}: training loss "
-                  "of the engine against the plain single-process recurrence (acco.bench.reference), first "
+                  "of the engine against the plain single-process recurrence (acco_bench.reference), first "
                   f"{ref['updates']} updates:", "",
                   md_table(["method", "updates", "max abs difference"],
                            [[m, len(r["engine"]), f"{r['max_abs_diff']:.2e}"] for m, r in ref["methods"].items()]), ""]
@@ -407,7 +408,7 @@ def write_lr_sweep_report(sweep: dict, out: Path) -> list[str]:
 
 
 def plot_lr_sweep(sweep: dict, out: Path) -> list[str]:
-    plt = _plt()
+    plt = pyplot()
     table = sweep["summary"]["table"]
     fig, (ax, rax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for m, by_ratio in sweep["summary"].get("ratio_to_ddp", {}).items():

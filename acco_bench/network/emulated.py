@@ -1,7 +1,7 @@
 """An emulated cluster on one Linux machine: network namespaces joined by a bridge, with ``tc netem``.
 
 Where the kernel has no ``netem`` (many minimal VM kernels), the rate is shaped with ``tbf`` and,
-when a latency is asked for, the hosts are joined by :mod:`acco.bench.delayline` (TUN devices and
+when a latency is asked for, the hosts are joined by :mod:`acco_bench.network.delayline` (TUN devices and
 a user-space delay line) instead of the bridge: :attr:`EmulatedCluster.shaper` says which.
 
 Each host ``h{i}`` is a network namespace with one veth interface; the other end of every veth
@@ -14,10 +14,10 @@ addresses (``10.77.N.0/24``) exist only inside the namespaces this module made.
 
 Everything is removed by :meth:`EmulatedCluster.close` (idempotent), which also runs on leaving
 the ``with`` block, on SIGTERM/SIGINT/SIGHUP and at interpreter exit.
-:func:`~acco.bench.namespaces.cleanup_stale` removes what a crashed (SIGKILLed) run left behind.
-Needs root and iproute2 (``ip``, ``tc``); :func:`~acco.bench.namespaces.netns_unavailable_reason`
+:func:`~acco_bench.network.namespaces.cleanup_stale` removes what a crashed (SIGKILLed) run left behind.
+Needs root and iproute2 (``ip``, ``tc``); :func:`~acco_bench.network.namespaces.netns_unavailable_reason`
 says why it cannot run here. That machine-wide side (the ``ip`` commands, the probe, the stale
-clean-up and the signal handlers) is :mod:`acco.bench.namespaces`.
+clean-up and the signal handlers) is :mod:`acco_bench.network.namespaces`.
 
 Names: ``{prefix}{pid}-{seq}-h{i}`` and ``{prefix}{pid}-{seq}-br`` (default prefix ``acco-``), so
 two runs, or a run and a stale leftover, never collide, and leftovers can be attributed to a
@@ -26,6 +26,7 @@ two runs, or a run and a stale leftover, never collide, and leftovers can be att
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import subprocess
@@ -34,18 +35,18 @@ import threading
 import warnings
 from collections.abc import Sequence
 
-from acco.bench import delayline
-from acco.bench.namespaces import (
-    _CMD_TIMEOUT,
+from acco_bench.network import delayline
+from acco_bench.network.namespaces import (
+    CMD_TIMEOUT,
     DEFAULT_PREFIX,
-    _delete_namespace,
-    _run,
-    _seq,
-    _tbf_args,
     available_shapers,
+    delete_namespace,
     netns_unavailable_reason,
+    next_id,
     parse_rate,
     register,
+    run_command,
+    tbf_args,
     unregister,
 )
 
@@ -115,9 +116,10 @@ class EmulatedCluster:
         self.bandwidth = bandwidth
         self.latency = latency
         self.prefix = prefix
-        self._owner_pid = os.getpid()
+        #: the process that built it (a forked child must not tear it down)
+        self.owner_pid = os.getpid()
         #: prefix of every namespace of this run (unique per process and per cluster)
-        self.run_prefix = f"{prefix}{os.getpid()}-{next(_seq)}-"
+        self.run_prefix = f"{prefix}{os.getpid()}-{next_id()}-"
         self.bridge_ns = f"{self.run_prefix}br"
         self.host_ns = [f"{self.run_prefix}h{i}" for i in range(n_hosts)]
         # The subnet exists only inside this run's namespaces, so collisions between runs are
@@ -143,7 +145,7 @@ class EmulatedCluster:
 
     def _add_ns(self, name: str) -> None:
         self._created.append(name)  # first, so a signal right after the add cannot leak it
-        _run(["ip", "netns", "add", name])
+        run_command(["ip", "netns", "add", name])
 
     def _build(self, limit: int | None) -> None:
         if self.shaper == "tbf+delayline":
@@ -151,21 +153,21 @@ class EmulatedCluster:
             return
         br = self.bridge_ns
         self._add_ns(br)
-        _run(["ip", "-n", br, "link", "add", "b0", "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", "b0", "up"])
+        run_command(["ip", "-n", br, "link", "add", "b0", "type", "bridge"])
+        run_command(["ip", "-n", br, "link", "set", "b0", "up"])
         for i, ns in enumerate(self.host_ns):
             self._add_ns(ns)
             dev, peer = self.ifname(i), f"p{i}"
             # created inside the host namespace, peer moved straight into the bridge namespace
-            _run(["ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", peer, "netns", br])
-            _run(["ip", "-n", br, "link", "set", peer, "master", "b0"])
-            _run(["ip", "-n", br, "link", "set", peer, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])
-            _run(["ip", "-n", ns, "link", "set", dev, "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run_command(["ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", peer, "netns", br])
+            run_command(["ip", "-n", br, "link", "set", peer, "master", "b0"])
+            run_command(["ip", "-n", br, "link", "set", peer, "up"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])
+            run_command(["ip", "-n", ns, "link", "set", dev, "up"])
+            run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
             qdisc = self._qdisc_args(limit)
             if qdisc:
-                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc])
+                run_command(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc])
 
     def _build_delayline(self) -> None:
         """Host i's interface is the TUN device ``v{i}``, served by a delay line that runs in the
@@ -175,11 +177,11 @@ class EmulatedCluster:
             self._add_ns(ns)
         links = [f"{self.ifname(i)}={ns}" for i, ns in enumerate(self.host_ns)]
         self.delay_proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.bridge_ns, sys.executable, "-m", "acco.bench.delayline",
+            ["ip", "netns", "exec", self.bridge_ns, sys.executable, "-m", "acco_bench.network.delayline",
              "--delay", str(self.latency), "--subnet", f"10.77.{self.subnet}", *links],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._procs.append(self.delay_proc)
-        ready, _, _ = select.select([self.delay_proc.stdout], [], [], _CMD_TIMEOUT)
+        ready, _, _ = select.select([self.delay_proc.stdout], [], [], CMD_TIMEOUT)
         line = self.delay_proc.stdout.readline().strip() if ready else ""
         if line != "ready":
             self.delay_proc.kill()
@@ -187,16 +189,16 @@ class EmulatedCluster:
             raise RuntimeError(f"the delay line did not start: {err[-1] if err else 'no answer in time'}")
         for i, ns in enumerate(self.host_ns):
             dev = self.ifname(i)
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])
-            _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(delayline.MTU), "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])
+            run_command(["ip", "-n", ns, "link", "set", dev, "mtu", str(delayline.MTU), "up"])
+            run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
             if self.bandwidth is not None:
-                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                      *_tbf_args(self.bandwidth)])
+                run_command(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                      *tbf_args(self.bandwidth)])
 
     def _qdisc_args(self, limit: int | None) -> list[str]:
         if self.shaper == "tbf":
-            return _tbf_args(self.bandwidth) if self.bandwidth is not None else []
+            return tbf_args(self.bandwidth) if self.bandwidth is not None else []
         netem = []
         if self.bandwidth is not None:
             netem += ["rate", str(self.bandwidth)]
@@ -227,6 +229,14 @@ class EmulatedCluster:
         if not 0 <= i < self.n_hosts:
             raise IndexError(i)
         return f"v{i}"
+
+    def tx_bytes(self) -> list[int]:
+        """The tx byte counter of every host's interface: the bytes each host has sent."""
+        counts = []
+        for i, ns in enumerate(self.host_ns):
+            proc = run_command(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", self.ifname(i)])
+            counts.append(int(json.loads(proc.stdout)[0]["stats64"]["tx"]["bytes"]))
+        return counts
 
     def exec_prefix(self, i: int) -> list[str]:
         """``["ip", "netns", "exec", name]``: prepend to a command to run it on host ``i``."""
@@ -269,7 +279,7 @@ class EmulatedCluster:
                     except OSError:
                         pass
             for ns in list(reversed(self._created)):
-                _delete_namespace(ns)
+                delete_namespace(ns)
                 if ns in self._created:
                     self._created.remove(ns)
             self._done = True
@@ -283,7 +293,7 @@ class EmulatedCluster:
 
     def __del__(self):
         try:
-            if not self._done and self._owner_pid == os.getpid():
+            if not self._done and self.owner_pid == os.getpid():
                 self.close()
         except Exception:
             pass

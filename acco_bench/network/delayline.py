@@ -6,9 +6,9 @@ written into the TUN device of the host its IPv4 destination names, where the ke
 it. So every packet crosses one shaped egress and one fixed delay, as with ``netem rate BW delay
 LAT`` on every host's link: the round-trip time is twice the delay.
 
-Run by :class:`acco.bench.netns.EmulatedCluster` inside the cluster's own bridge namespace:
+Run by :class:`acco_bench.network.EmulatedCluster` inside the cluster's own bridge namespace:
 
-    python -m acco.bench.delayline --delay 1ms --subnet 10.77.42 v0=NS0 v1=NS1
+    python -m acco_bench.network.delayline --delay 1ms --subnet 10.77.42 v0=NS0 v1=NS1
 
 creates the TUN devices ``v0``, ``v1`` there, moves each into its host namespace (the open file
 descriptors keep working), prints ``ready`` and forwards until killed. The parent gives the

@@ -1,6 +1,6 @@
 """What one benchmark run is: the methods and their variants, :class:`BenchSettings` (everything
-that defines a run, identical for every method of it, and each worker's Hydra overrides) and
-:class:`BenchError`, the error of a benchmark that cannot run as asked."""
+that defines a run, identical for every method of it, and each worker's Hydra overrides). A
+benchmark that cannot run as asked raises :class:`acco_bench.BenchError`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from acco.bench import namespaces
+from acco_bench import BenchError
+from acco_bench.network import parse_rate
 
 ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco", "diloco", "streaming-diloco")
 # Variants run as methods of their own, side by side: name -> (train config, its overrides).
@@ -23,6 +24,20 @@ VARIANTS = {
 KNOWN_METHODS = ALL_METHODS + tuple(VARIANTS)
 
 
+def model_settings(name: str, size: dict | None = None) -> dict:
+    """acco's model config ``acco/conf/model/<name>.yaml`` as a dict, with ``size``'s keys over it."""
+    from omegaconf import OmegaConf
+
+    import acco
+
+    path = Path(acco.__file__).resolve().parent / "conf" / "model" / f"{name}.yaml"
+    if not path.exists():
+        raise BenchError(f"no model config {name!r} ({path})")
+    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    cfg.update(size or {})
+    return cfg
+
+
 def base_method(method: str) -> str:
     """The train config a method or variant name runs (acco-lean: acco)."""
     return VARIANTS[method][0] if method in VARIANTS else method
@@ -32,10 +47,6 @@ def base_method(method: str) -> str:
 # 1.1M parameters, micro-batches of 8 x 96 tokens, 4 per worker per update, 100 Mbit/s links:
 # ddp spends about 40% of its step in its comm round there.
 DEFAULT_MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4}
-
-
-class BenchError(RuntimeError):
-    """A benchmark that cannot run as asked (no namespaces, a worker failed, a timeout)."""
 
 
 @dataclass
@@ -98,7 +109,7 @@ class BenchSettings:
                 raise BenchError(f"--slow-worker factor must be >= 1, got {factor}")
         if self.bandwidth is not None:
             try:
-                namespaces.parse_rate(self.bandwidth)
+                parse_rate(self.bandwidth)
             except ValueError as e:
                 raise BenchError(str(e)) from e
 

@@ -4,7 +4,7 @@ Where the machine allows it (root and iproute2, as ``acco-bench cluster`` needs)
 run on two emulated hosts joined by a slow link (100 Mbit/s, 1 ms), where ddp waits for every
 comm round and acco computes through it; elsewhere on loopback, where there is no communication
 to hide and the two take about the same time. Either way this is a small ``acco-bench race``
-(acco/bench/race.py): ddp trains to its budget, acco until its eval loss reaches ddp's final one;
+(acco_bench/race.py): ddp trains to its budget, acco until its eval loss reaches ddp's final one;
 the tiny GPT-Neo on the synthetic corpus. The batch is fixed and the same for both (ddp 6
 micro-batches per worker per update, acco 3 per round and two rounds), so ddp waits for every
 round and acco computes through it; at 100 Mbit/s this model spends about a third of ddp's step
@@ -21,9 +21,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from acco.bench import namespaces
-from acco.bench.race import run_race
-from acco.bench.settings import BenchError, BenchSettings
+from acco_bench import BenchError
+from acco_bench.network import netns_unavailable_reason
+from acco_bench.race import run_race
+from acco_bench.settings import BenchSettings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loopback", action="store_true", help="run on 127.0.0.1 even where a link can be emulated")
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for both runs")
     args = parser.parse_args(argv)
-    reason = None if args.loopback else namespaces.netns_unavailable_reason()
+    reason = None if args.loopback else netns_unavailable_reason()
     loopback = args.loopback or reason is not None
     settings = BenchSettings(methods=("ddp", "acco"), nb_steps_tot=args.nb_steps_tot, bandwidth=None if loopback else args.bandwidth,
                              loopback=loopback, accumulate_while_waiting=False, grad_accum=6, eval_step=2,

@@ -1,7 +1,7 @@
 """``acco-bench race``: the wall-clock time every method needs to reach ddp's loss.
 
-On the emulated cluster of ``acco-bench cluster`` (:class:`~acco.bench.network.Network`, the same
-workers through :func:`~acco.bench.cluster.run_workers`), in the paper's setting (acco, dpu and wp
+On the emulated cluster of ``acco-bench cluster`` (:class:`~acco_bench.network.Network`, the same
+workers through :func:`~acco_bench.cluster.run_workers`), in the paper's setting (acco, dpu and wp
 keep accumulating micro-batches while their round runs: ``accumulate_while_waiting``):
 
 1. ddp trains to its budget (``nb_steps_tot`` micro-batches over all workers); its final eval loss
@@ -40,10 +40,17 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from acco.bench.analysis import read_jsonl
-from acco.bench.cluster import LoadMeter, machine_description, run_workers
-from acco.bench.network import Network, check_worker_available, worker_command
-from acco.bench.settings import BenchError, BenchSettings
+from acco_bench import BenchError
+from acco_bench.analysis import read_jsonl
+from acco_bench.cluster import (
+    LoadMeter,
+    check_worker_available,
+    machine_description,
+    run_workers,
+    worker_command,
+)
+from acco_bench.network import Network
+from acco_bench.settings import BenchSettings
 
 REFERENCE = "ddp"
 RACE_METHODS = ("ddp", "torch-ddp", "acco", "diloco", "streaming-diloco")
@@ -122,23 +129,6 @@ def add_targets(methods: dict, target: float) -> None:
             continue
         for key, out in (("time_to_target_s", "time_to_target_vs_ddp"), ("samples_to_target", "samples_to_target_vs_ddp")):
             res[out] = res[key] / ref[key] if res.get(key) is not None and ref.get(key) else None
-
-
-# --------------------------------------------------------------------------------------------
-# bytes on the links
-
-
-def tx_bytes(net: Network) -> list[int] | None:
-    """The tx byte counter of every emulated host's link (None on loopback)."""
-    if net.cluster is None:
-        return None
-    from acco.bench.namespaces import _run
-
-    counts = []
-    for i in range(net.hosts):
-        proc = _run(["ip", "-n", net.cluster.netns(i), "-s", "-j", "link", "show", "dev", net.cluster.ifname(i)])
-        counts.append(int(json.loads(proc.stdout)[0]["stats64"]["tx"]["bytes"]))
-    return counts
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,7 +214,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
             log(f"[acco-bench] {method}: " + (f"to its budget, {budget} micro-batches" if ref else
                 f"to eval loss {target:.4f} or {s.nb_steps_tot} micro-batches"))
             load = LoadMeter()
-            before = tx_bytes(net)
+            before = net.tx_bytes()
             exit_error = None
             try:
                 try:
@@ -236,7 +226,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                     # out: the figures are whole; the failure is recorded with them.
                     exit_error, wall = str(e), None
                     log(f"[acco-bench] {method}: a worker failed after training finished: {e.args[0].splitlines()[0]}")
-                after = tx_bytes(net)
+                after = net.tx_bytes()
                 sent = [b - a for a, b in zip(before, after)] if before is not None else None
                 methods[method] = _method_result(run_dir, s, wall, load.result(), sent)
                 if exit_error:
@@ -277,7 +267,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
 
 
 def race_markdown(race: dict, plots: list[str]) -> str:
-    from acco.bench.report import fmt, md_table
+    from acco_bench.report import fmt, md_table
 
     cfg = race["config"]
     mb = 2**20
@@ -320,9 +310,9 @@ def race_markdown(race: dict, plots: list[str]) -> str:
 
 
 def plot_race(race: dict, out: Path) -> list[str]:
-    from acco.bench.report import _plt, colors_for
+    from acco_bench.report import colors_for, pyplot
 
-    plt = _plt()
+    plt = pyplot()
     palette = colors_for(race["methods"])
     fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
     target = race.get("target_eval_loss")

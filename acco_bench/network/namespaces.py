@@ -1,9 +1,9 @@
-"""The machine's side of the emulated clusters of :mod:`acco.bench.netns`: the ``ip`` commands,
+"""The machine's side of the emulated clusters of :mod:`acco_bench.network.emulated`: the ``ip`` commands,
 whether network namespaces and a shaping qdisc can be used here (:func:`netns_unavailable_reason`,
 :func:`available_shapers`), link rates, and the clean-up of namespaces.
 
 Clean-up: :func:`cleanup_stale` removes what a crashed (SIGKILLed) run left behind, recognised by
-the ``{prefix}{pid}-`` of its names (see :mod:`acco.bench.netns`); every open cluster of this
+the ``{prefix}{pid}-`` of its names (see :mod:`acco_bench.network.emulated`); every open cluster of this
 process is :func:`register`-ed, so that it is closed on SIGTERM/SIGINT/SIGHUP and at interpreter
 exit. Needs root and iproute2 (``ip``, ``tc``).
 """
@@ -23,22 +23,27 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "CMD_TIMEOUT",
     "DEFAULT_PREFIX",
-    "cleanup_stale",
-    "list_namespaces",
     "available_shapers",
+    "cleanup_stale",
+    "delete_namespace",
+    "list_namespaces",
     "netns_unavailable_reason",
+    "next_id",
     "parse_rate",
     "register",
+    "run_command",
+    "tbf_args",
     "unregister",
 ]
 
 DEFAULT_PREFIX = "acco-"
-_CMD_TIMEOUT = 30.0
+CMD_TIMEOUT = 30.0  # seconds, for every ip/tc command (and the delay line's start)
 
 _seq = itertools.count()
 _lock = threading.RLock()
-_live: dict[int, Any] = {}  # id -> EmulatedCluster (acco.bench.netns), clusters not yet closed
+_live: dict[int, Any] = {}  # id -> EmulatedCluster (emulated.py), clusters not yet closed
 _prev_handlers: dict[int, object] = {}  # signal number -> handler we replaced
 _atexit_registered = False
 
@@ -47,9 +52,16 @@ _atexit_registered = False
 # helpers
 
 
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+def next_id() -> int:
+    """A number not given before in this process (the ``{seq}`` of a cluster's names, probes)."""
+    return next(_seq)
+
+
+def run_command(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run an ``ip``/``tc`` command (output captured, :data:`CMD_TIMEOUT`); with ``check``, a
+    non-zero exit raises RuntimeError with its stderr."""
     proc = subprocess.run(
-        list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT
+        list(argv), capture_output=True, text=True, timeout=CMD_TIMEOUT
     )
     if check and proc.returncode != 0:
         raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(argv)}: {proc.stderr.strip()}")
@@ -58,7 +70,7 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 def list_namespaces(prefix: str = "") -> list[str]:
     """Names of the network namespaces (``ip netns list``) starting with ``prefix``."""
-    proc = _run(["ip", "netns", "list"], check=False)
+    proc = run_command(["ip", "netns", "list"], check=False)
     names = []
     for line in proc.stdout.splitlines():
         parts = line.split()
@@ -79,7 +91,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _kill_pids_in(ns: str) -> None:
     """SIGKILL every process still running inside namespace ``ns`` (they would keep it alive)."""
-    proc = _run(["ip", "netns", "pids", ns], check=False)
+    proc = run_command(["ip", "netns", "pids", ns], check=False)
     for tok in proc.stdout.split():
         try:
             pid = int(tok)
@@ -93,10 +105,11 @@ def _kill_pids_in(ns: str) -> None:
             pass
 
 
-def _delete_namespace(ns: str) -> None:
+def delete_namespace(ns: str) -> None:
+    """Kill what still runs in namespace ``ns``, then delete it (and its interfaces)."""
     _kill_pids_in(ns)
     # Deleting a namespace destroys its interfaces; a veth pair goes with either end.
-    _run(["ip", "netns", "delete", ns], check=False)
+    run_command(["ip", "netns", "delete", ns], check=False)
 
 
 _RATE_UNITS = {
@@ -131,20 +144,20 @@ def _probe() -> tuple[str | None, tuple[str, ...]]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"The '{tool}' command (iproute2) is not installed.", ()
-    probe = f"{DEFAULT_PREFIX}{os.getpid()}-probe{next(_seq)}"
+    probe = f"{DEFAULT_PREFIX}{os.getpid()}-probe{next_id()}"
     shapers = []
     try:
-        proc = _run(["ip", "netns", "add", probe], check=False)
+        proc = run_command(["ip", "netns", "add", probe], check=False)
         if proc.returncode != 0:
             return f"'ip netns add' failed: {proc.stderr.strip() or 'unknown error'}.", ()
-        proc = _run(["ip", "-n", probe, "link", "add", "vprobe", "type", "veth", "peer", "name",
+        proc = run_command(["ip", "-n", probe, "link", "add", "vprobe", "type", "veth", "peer", "name",
                      "pprobe"], check=False)
         if proc.returncode != 0:
             return f"veth pairs cannot be created: {proc.stderr.strip() or 'unknown error'}.", ()
         tc = ["ip", "netns", "exec", probe, "tc", "qdisc", "replace", "dev", "vprobe", "root"]
-        if _run([*tc, "netem", "rate", "100mbit", "delay", "1ms"], check=False).returncode == 0:
+        if run_command([*tc, "netem", "rate", "100mbit", "delay", "1ms"], check=False).returncode == 0:
             shapers.append("netem")
-        if _run([*tc, *_tbf_args("100mbit")], check=False).returncode == 0:
+        if run_command([*tc, *tbf_args("100mbit")], check=False).returncode == 0:
             shapers.append("tbf")
         if "tbf" in shapers and os.access("/dev/net/tun", os.R_OK | os.W_OK):
             shapers.append("tbf+delayline")
@@ -154,7 +167,7 @@ def _probe() -> tuple[str | None, tuple[str, ...]]:
     except (OSError, subprocess.SubprocessError) as exc:
         return f"Running 'ip netns' failed: {exc}.", ()
     finally:
-        _run(["ip", "netns", "delete", probe], check=False)
+        run_command(["ip", "netns", "delete", probe], check=False)
     return None, tuple(shapers)
 
 
@@ -172,12 +185,12 @@ def available_shapers() -> tuple[str, ...]:
     ``tbf+delayline``.
 
     netem emulates rate and latency; tbf only the rate (many minimal kernels lack netem);
-    tbf+delayline adds the latency with TUN devices and :mod:`acco.bench.delayline`.
+    tbf+delayline adds the latency with TUN devices and :mod:`acco_bench.network.delayline`.
     """
     return _probe()[1]
 
 
-def _tbf_args(bandwidth: str) -> list[str]:
+def tbf_args(bandwidth: str) -> list[str]:
     """A token bucket at ``bandwidth``: bucket of ~2 ms of traffic (at least 64 KiB, one GSO
     super-packet), queue of ~50 ms (at least 4 buckets)."""
     bytes_per_s = parse_rate(bandwidth) / 8.0
@@ -208,7 +221,7 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX, include_live: bool = False) -> l
         pid = int(m.group(1))
         if not include_live and pid != os.getpid() and _pid_alive(pid):
             continue
-        _delete_namespace(ns)
+        delete_namespace(ns)
         removed.append(ns)
     return removed
 
@@ -221,7 +234,7 @@ def _close_all_owned() -> None:
     with _lock:
         clusters = list(_live.values())
     for c in clusters:
-        if c._owner_pid == os.getpid():  # not in a forked child that inherited the registry
+        if c.owner_pid == os.getpid():  # not in a forked child that inherited the registry
             c.close()
 
 

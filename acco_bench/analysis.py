@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 from pathlib import Path
 
-from acco.bench.settings import BenchError, BenchSettings, base_method
+from acco_bench import BenchError
+from acco_bench.settings import BenchSettings, base_method
 
 COMM_MEASURES = {
     "ddp": "time inside the comm round (reduce-scatter, optimizer step, all-gather), computation waiting",
@@ -32,6 +34,15 @@ def read_jsonl(path: Path) -> list[dict]:
             with contextlib.suppress(json.JSONDecodeError):
                 rows.append(json.loads(line))
     return rows
+
+
+def summary_stats(values: list[float]) -> dict:
+    """n, the values, mean, std, min and max of the finite values (None and nan/inf left out)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return {"n": 0, "values": []}
+    return {"n": len(values), "values": values, "mean": statistics.fmean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
 
 
 def _median(xs):

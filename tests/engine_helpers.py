@@ -1,0 +1,126 @@
+"""Shared by the engine tests: toy models and micro-batches, an engine config, a runner for
+`distributed.run_distributed`, and the plain reference of the recurrences
+(`acco_bench.reference.Reference`) on those models and micro-batches."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+from acco.engine import EngineConfig, build_engine
+from acco_bench import reference
+
+MICRO_BATCH = 4
+
+
+class TinyBlock(nn.Module):
+    """A transformer encoder block and a head: attention, layer norms, MLP.
+
+    No biases in the block: the key bias's gradient is zero in exact arithmetic, and Adam turns
+    its rounding noise into full-size steps that no two summation orders agree on.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(
+            8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True, bias=False
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return TinyBlock()
+
+
+def micro_batch(kind: str, index: int):
+    gen = torch.Generator().manual_seed(10_000 + index)
+    shape = (MICRO_BATCH, 8) if kind == "mlp" else (MICRO_BATCH, 5, 8)
+    x = torch.randn(shape, generator=gen)
+    y = torch.sin(x[..., :4] * 1.5) + 0.1 * torch.randn(x[..., :4].shape, generator=gen)
+    return x, y
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def stream(kind: str, rank: int, world: int):
+    """Worker `rank` reads global micro-batches rank, rank + W, rank + 2W, ..."""
+    for j in itertools.count():
+        yield micro_batch(kind, j * world + rank)
+
+
+def config(**kw) -> EngineConfig:
+    base = dict(
+        learning_rate=2e-2,
+        # An eps near the gradients' size makes AdamW sensitive to their scale: a wrong
+        # normalisation (N) then changes the parameters instead of cancelling out.
+        adam_eps=1e-2,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        scheduler_name="cosine",
+        warmup=4,
+        accumulate_while_waiting=False,
+        max_grad_norm=None,
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def run_engine(rank, world, kind, cfgs, delay_s=0.0, measure=None):
+    """Runs on every rank: train a fresh model with each config, return final params and records
+    (and `measure(engine, model)`, taken before the engine closes, when given)."""
+    out = []
+    for cfg in cfgs:
+        if isinstance(cfg, list):  # per-rank configs
+            cfg = cfg[rank]
+        model = make_model(kind)
+        engine = build_engine(model, cfg)
+        if delay_s:
+            import time
+
+            engine.comm.delay_hook = lambda: time.sleep(delay_s)
+        records = list(engine.run(stream(kind, rank, world), loss_fn))
+        extra = () if measure is None else (measure(engine, model),)
+        engine.close()
+        out.append((parameters_to_vector(model.parameters()).detach().float(), records, *extra))
+    return out
+
+
+def assert_close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
+
+
+class Reference(reference.Reference):
+    """The plain reference on a fresh `make_model(kind)`: worker r reads the global micro-batches
+    r, r + W, r + 2W, ... (as `stream`), with `loss_fn`."""
+
+    def __init__(self, kind: str, cfg: EngineConfig, world: int, counts: list[int]):
+        super().__init__(make_model(kind), cfg, world, counts, read=lambda r, j: micro_batch(kind, j * world + r),
+                         loss_fn=loss_fn)
+
+
+def reference_acco(ref: Reference, updates: int, sequential_updates: int = 0, lean: bool = False) -> torch.Tensor:
+    return ref.acco(updates, sequential_updates, lean)
+
+
+def reference_delayed(ref: Reference, updates: int, predict: bool, counts_per_round=None) -> torch.Tensor:
+    return ref.delayed(updates, predict, counts_per_round)
+
+
+def reference_diloco(kind: str, cfg: EngineConfig, world: int) -> tuple[torch.Tensor, list[float]]:
+    """Final global parameters and worker 0's loss per inner step."""
+    ref = Reference(kind, cfg, world, [cfg.n_grad_accumulation] * world)
+    return ref.diloco(), ref.losses
