@@ -68,12 +68,12 @@ def test_state_bytes_counts_each_buffer_once():
     p = sum(q.numel() for q in mlp().parameters())  # world size 1: no padding, the shard is everything
     bf16 = build_engine(mlp(), cfg("wp", bf16=True))
     # model-dtype params, grads, payload, summed gradient and sent shard; fp32 master, moments,
-    # gradient shard, wp's previous master (the trial workspace is acco's only), the fp32
-    # gradient accumulator (grad_accum_dtype fp32, the default)
+    # gradient shard, wp's previous master (the trial workspace is acco's only); no fp32
+    # gradient accumulator (grad_accum_dtype bf16, the default: test_grad_accum_dtype_... has fp32)
     assert bf16.state_bytes() == {
-        "params": 2 * p, "grads": 2 * p, "grad_accumulator_fp32": 4 * p, "payload": 2 * p, "master": 4 * p,
-        "exp_avg": 4 * p, "exp_avg_sq": 4 * p, "grad_shard": 4 * p, "summed_grad_shard": 2 * p,
-        "new_param_shard": 2 * p, "wp_previous_master": 4 * p}  # fmt: skip
+        "params": 2 * p, "grads": 2 * p, "payload": 2 * p, "master": 4 * p, "exp_avg": 4 * p, "exp_avg_sq": 4 * p,
+        "grad_shard": 4 * p, "summed_grad_shard": 2 * p, "new_param_shard": 2 * p,
+        "wp_previous_master": 4 * p}  # fmt: skip
     bf16.close()
     fp32 = build_engine(mlp(), cfg("ddp", bf16=False))
     got = fp32.state_bytes()  # ddp: no payload; the reduce-scatter lands in the fp32 gradient shard itself

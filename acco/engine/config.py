@@ -76,10 +76,12 @@ class EngineSettings:
     """acco's estimate round: "lean" adds half of the last estimate's error theta~_t - theta_t to
     Opt_trial(theta_t, g~_t), which damps the error's feedback loop; "paper" is Opt_trial(theta_t,
     g~_t) as the paper writes it (acco/engine/comm.py's docstring; the lr sweep in BENCHMARKS.md)."""
-    grad_accum_dtype: str = "fp32"
-    """Where a worker sums its micro-batches' gradients in mixed precision: "fp32" (a separate fp32
-    accumulator, +4 bytes per parameter; the sum is rounded to bf16 once, for the wire) or "bf16"
-    (in the bf16 gradient buffer itself: one rounding per micro-batch). fp32 training: fp32 either way."""
+    grad_accum_dtype: str = "bf16"
+    """Where a worker sums its micro-batches' gradients in mixed precision: "bf16" (in the bf16
+    gradient buffer itself: one rounding per micro-batch) or "fp32" (a separate fp32 accumulator,
+    +4 bytes per parameter; the sum is rounded to bf16 once, for the wire). fp32 training: fp32
+    either way. bf16 by measurement: the same eval loss to 4 digits at 16 to 64 micro-batches per
+    worker per update, for 4 bytes per parameter less (BENCHMARKS.md, "Numerics")."""
     bucket_cap_mb: float = 25.0
     """torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep)."""
     sync_every: int = 50
