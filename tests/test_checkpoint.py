@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
 from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
 from acco import checkpoint
@@ -104,22 +103,21 @@ def test_resume_on_another_world_size_continues_from_the_same_samples(interrupte
     assert abs(lines[0]["loss"] - train_losses(out)[5]) < 0.15
 
 
-def test_a_stalled_worker_ends_the_run_within_the_timeout(tmp_path):
-    out = tmp_path / "stall"
-    start = time.monotonic()
-    proc = cli(out, "launch.timeout_s=10", fault="rank=1,step=3,mode=hang")
-    assert proc.returncode != 0 and time.monotonic() - start < 60
-    assert "rank 1 stopped responding (died or stalled)" in proc.stderr, proc.stderr[-2000:]
-    assert no_worker_left(out)
+STALL_TIMEOUT_S = 5  # launch.timeout_s of the stall test: the detection takes this plus a few seconds
 
 
 def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
-    """4 workers, rank 2 stalls at the default timeout. Its ring neighbours time out as well as
-    the others: the progress record must still name rank 2, and nobody else, as the lost one."""
+    """4 workers, rank 2 stalls. Its ring neighbours time out as well as the others: the progress
+    record must still name rank 2, and nobody else, as the lost one, and the run ends with no
+    worker left. Run at launch.timeout_s=5: the detection takes the timeout plus what follows it
+    (settling, reports, stopping the workers), and at the default timeout that sum stays within 60 s."""
+    from acco.config import compose
+
+    default_timeout_s = compose([]).launch.timeout_s
     out = tmp_path / "stall4"
     cmd = [
         sys.executable, FAULTS, "rank=2,step=3,mode=hang", "launch.nproc=4", f"train.output_dir={out}",
-        f"train.cache_dir={out.parent / 'cache'}", *RUN, "train.save_step=2",
+        f"train.cache_dir={out.parent / 'cache'}", *RUN, "train.save_step=2", f"launch.timeout_s={STALL_TIMEOUT_S}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -141,8 +139,10 @@ def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
     reader.join(timeout=10)
     err = "\n".join(lines)
     assert code != 0 and stalled_at, err[-3000:]
-    print(f"stalled rank detected and the run ended {ended - stalled_at[0]:.1f} s after the stall")
-    assert ended - stalled_at[0] < 60, err[-3000:]
+    detected_s = ended - stalled_at[0]
+    print(f"stalled rank detected and the run ended {detected_s:.1f} s after the stall (timeout {STALL_TIMEOUT_S} s)")
+    assert detected_s >= STALL_TIMEOUT_S - 1 and default_timeout_s - STALL_TIMEOUT_S + detected_s < 60, err[-3000:]
+    assert "rank 2 stopped responding (died or stalled)" in err, err[-3000:]
     launcher = [line for line in lines if line.startswith("acco.launch:")]
     assert len(launcher) == 1 and launcher[0].startswith("acco.launch: rank 2 stopped responding"), err[-3000:]
     named = re.findall(r"(ranks? [\d, and]+?) stopped responding", err)
@@ -180,19 +180,6 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     assert sorted(train_losses(out)) == list(range(1, 13))
 
 
-def test_corrupted_or_mismatched_checkpoints_get_one_clear_line(interrupted, tmp_path):
-    out, _, _ = interrupted
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    os.system(f"cp -r {out / 'checkpoint-4'} {broken}/")
-    rank1 = broken / "checkpoint-4" / "rank1-of-2.pt"
-    rank1.write_bytes(rank1.read_bytes()[:1000])
-    proc = cli(broken, "train.resume_from_checkpoint=latest")
-    assert proc.returncode != 0 and "corrupted checkpoint file" in proc.stderr and "Traceback" not in proc.stderr
-    proc = cli(tmp_path / "other", f"train.resume_from_checkpoint={out / 'checkpoint-4'}", "train=ddp")
-    assert proc.returncode != 0 and "written by method 'acco', this run is 'ddp'" in proc.stderr
-
-
 def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference):
     before = {p: p.stat().st_mtime_ns for p in reference.rglob("*")}
     proc = cli(reference, "train.save_step=4", "train.resume_from_checkpoint=latest")
@@ -223,35 +210,50 @@ def validation_error(out: Path, *overrides: str) -> str:
 
 
 def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
+    """Every bad resume is one clear line from the validation pass, before anything is written:
+    through the CLI once (one line on stderr, no traceback, no folder written), then in-process
+    (the same pass as the CLI's, without its start-up) for every case."""
     run = tmp_path / "run"
     run.mkdir()
     os.system(f"cp -r {reference / 'checkpoint-4'} {reference / 'config.yaml'} {run}/")
     config = (run / "config.yaml").read_bytes()
-    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "train=ddp"))
+
+    def nothing_written():
+        assert (run / "config.yaml").read_bytes() == config and not (run / "tokenizer").exists()
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "config.yaml"]
+
+    # The CLI: one line, and neither the new run's folder nor the checkpoint's is written.
+    line = one_error_line(cli(tmp_path / "other", f"train.resume_from_checkpoint={run / 'checkpoint-4'}", "train=ddp"))
     assert "checkpoint-4 was written by method 'acco', this run is 'ddp'" in line
-    line = one_error_line(cli(run, "train.resume_from_checkpoint=latest", "model.hidden_size=32"))
+    assert not (tmp_path / "other").exists()
+    nothing_written()
+    line = validation_error(run, "train.resume_from_checkpoint=latest", "train=ddp")
+    assert "checkpoint-4 was written by method 'acco', this run is 'ddp'" in line
+    line = validation_error(tmp_path / "empty", "train.resume_from_checkpoint=latest")
+    assert "no complete checkpoint in" in line and not (tmp_path / "empty").exists()
+    line = validation_error(run, "train.resume_from_checkpoint=latest", "model.hidden_size=32")
     assert "checkpoint-4 holds a model of" in line and "model 'tiny' has" in line
-    # (in-process validation from here on: the same pass as the CLI's, without its start-up)
     line = validation_error(run, "train.resume_from_checkpoint=latest", "train.seed=5")
     assert "train.seed=5 (the checkpoint has 0)" in line and "other samples" in line
     line = validation_error(run, "train.resume_from_checkpoint=latest", "train.batch_size=4")
     assert "train.batch_size=4 (the checkpoint has 8)" in line
     # Damaged in the middle, size unchanged: the values would be finite garbage; the CRC sees it.
     rank1 = run / "checkpoint-4" / "rank1-of-2.pt"
-    data = bytearray(rank1.read_bytes())
+    whole = rank1.read_bytes()
+    data = bytearray(whole)
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
     rank1.write_bytes(bytes(data))
     line = validation_error(run, "train.resume_from_checkpoint=latest")
     assert "rank1-of-2.pt: corrupted checkpoint file" in line and "CRC" in line
+    rank1.write_bytes(whole[:1000])  # truncated: no zip directory
+    line = validation_error(run, "train.resume_from_checkpoint=latest")
+    assert "rank1-of-2.pt: corrupted checkpoint file" in line
     rank1.unlink()
-    assert "missing rank1-of-2.pt" in one_error_line(cli(run, "train.resume_from_checkpoint=latest"))
-    assert (run / "config.yaml").read_bytes() == config and not (run / "tokenizer").exists()
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "config.yaml"]
-    line = one_error_line(cli(run, f"train.resume_from_checkpoint={tmp_path / 'nowhere'}"))
+    assert "missing rank1-of-2.pt" in validation_error(run, "train.resume_from_checkpoint=latest")
+    line = validation_error(run, f"train.resume_from_checkpoint={tmp_path / 'nowhere'}")
     assert "nowhere: no such checkpoint folder" in line
-    line = one_error_line(cli(tmp_path / "empty", "train.resume_from_checkpoint=latest"))
-    assert "no complete checkpoint in" in line and not (tmp_path / "empty").exists()
+    nothing_written()
 
 
 def test_resharding_resumes_from_the_committed_samples():
@@ -294,38 +296,7 @@ def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):
     assert TrainArgs(save_total_limit=1).save_total_limit == 1
 
 
-# ---- exact resume of every method, through DecoupledTrainer on 2 processes (tiny and fast) ---------
-
-METHODS = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
-
-
-def _train_then_resume_every_method(rank: int, world_size: int, root: str) -> dict:
-    from acco.trainer import DecoupledTrainer
-
-    losses = {}
-    for method in METHODS:
-        ref, resumed = Path(root) / method / "reference", Path(root) / method / "resumed"
-        torch.manual_seed(0)
-        DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, ref)).train()
-        torch.manual_seed(1)  # other initial weights: the checkpoint must bring everything back
-        trainer = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, resumed))
-        trainer.train(resume_from_checkpoint=str(ref / "checkpoint-2"))
-        if rank == 0:
-            losses[method] = (train_losses(ref), train_losses(resumed))
-    return losses
-
-
-@pytest.fixture(scope="module")
-def every_method_resumed(tmp_path_factory):
-    return run_distributed(_train_then_resume_every_method, 2, str(tmp_path_factory.mktemp("methods")))[0]
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_resume_is_exact_for_every_method(every_method_resumed, method):
-    reference, resumed = every_method_resumed[method]
-    updates = 48 // (8 if method.startswith("acco") else 4)  # micro-batches per update over both workers
-    assert sorted(reference) == list(range(1, updates + 1))
-    assert resumed == {step: loss for step, loss in reference.items() if step > 2}  # fp32: bit-identical
+# ---- the trainer's own resume (every method's exact resume: test_checkpoint_contents.py) -------
 
 
 def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """What a checkpoint holds, each distinct tensor once (issue 12): no rank file holds the full
 parameter vector, the accumulator is saved exactly when a fixed batch needs it, and a resharded
 resume reads only the old shards that overlap each new worker's. Sizes are those of the bytes
-written: torch.save writes the whole storage of a view (issue 19)."""
+written: torch.save writes the whole storage of a view (issue 19). And every method resumes from
+its checkpoint exactly: the same runs, saved and resumed once, serve both."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from torch.utils._pytree import tree_leaves
 from acco import checkpoint
 from acco.engine import CheckpointError, EngineConfig, build_engine
 
-# Every method once with a fixed batch; the overlapped ones also with accumulate_while_waiting.
-SAVED = [(m, fixed) for m in ("acco", "ddp", "dpu", "wp", "torch-ddp") for fixed in (True, False)]
-SAVED += [("diloco", True), ("streaming-diloco", True)]
+# Every method with a fixed batch (acco also with the paper's estimate); the methods of the
+# engine's timed mode also with accumulate_while_waiting.
+EXACT = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
+SAVED = [(m, True) for m in EXACT] + [(m, False) for m in ("acco", "ddp", "dpu", "wp", "torch-ddp")]
+OVERLAPPED = ("acco", "acco-paper", "dpu", "wp")  # a pending accumulator between updates
 UNSHARDED = ("diloco", "streaming-diloco")  # every worker's local parameters and moments are its own
 
 
@@ -99,26 +102,31 @@ def test_resharding_refuses_another_method_or_model():
         build_engine(nn.Linear(7, 3), EngineConfig(method="acco")).load_state_dict(older[0], older.__getitem__)
 
 
-def _save_every_method(rank: int, world_size: int, root: str) -> dict:
-    """Each method trained briefly through DecoupledTrainer on 2 workers, with a fixed batch and
-    with accumulate_while_waiting; then resumed on the same world size to the end of the budget."""
-    from trainer_helpers import tiny_args, tiny_data, tiny_model
+def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict:
+    """Each method trained through DecoupledTrainer on 2 workers, then resumed from its
+    checkpoint-2 on the same world size, from other initial weights, to the end of the budget:
+    with a fixed batch 48 micro-batches (the runs cross epochs) and exactly; with
+    accumulate_while_waiting 16, resumed to 24 (from its warm start, not exactly)."""
+    from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
     from acco.trainer import DecoupledTrainer
 
     found = {}
     for method, fixed in SAVED:
-        out = Path(root) / f"{method}-{fixed}"
-        args = tiny_args(method, out, nb_steps_tot=16, accumulate_while_waiting=not fixed)
+        ref, resumed = Path(root) / f"{method}-{fixed}" / "reference", Path(root) / f"{method}-{fixed}" / "resumed"
+        budget, resumed_budget = (48, 48) if fixed else (16, 24)
+        args = tiny_args(method, ref, nb_steps_tot=budget, accumulate_while_waiting=not fixed)
         torch.manual_seed(0)
         model = tiny_model()
         numel = sum(p.numel() for p in model.parameters())
         DecoupledTrainer(model=model, train_dataset=tiny_data(), args=args).train()
-        folder = checkpoint.list_checkpoints(out)[0]  # checkpoint-2: mid-run
+        folder = ref / "checkpoint-2"  # mid-run
         state = checkpoint.load_worker(folder, rank, world_size)["engine"]
-        # The resumed run writes checkpoint-4 and -6 (streaming-diloco: fragment 1 lands at 4).
-        resumed = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args | {"nb_steps_tot": 24})
-        summary = resumed.train(resume_from_checkpoint=str(folder))
+        torch.manual_seed(1)  # other initial weights: the checkpoint must bring everything back
+        args = tiny_args(method, resumed, nb_steps_tot=resumed_budget, accumulate_while_waiting=not fixed)
+        summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
+            resume_from_checkpoint=str(folder)
+        )
         found[(method, fixed)] = {
             "numel": numel,
             # in elements of the storage written, not of the tensor (a view's is larger)
@@ -127,6 +135,8 @@ def _save_every_method(rank: int, world_size: int, root: str) -> dict:
             "accumulator": state.get("accumulator") is not None,
             "dropped": state.get("dropped_micro_batches", 0),
             "samples": summary["samples"],
+            "budget": resumed_budget,
+            "losses": (train_losses(ref), train_losses(resumed)) if rank == 0 else None,
         }
     return {"runs": found, "torch-ddp shard": _torch_ddp_shard()}
 
@@ -134,7 +144,7 @@ def _save_every_method(rank: int, world_size: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def saved_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("contents")
-    results = run_distributed(_save_every_method, 2, str(root))
+    results = run_distributed(_save_and_resume_every_method, 2, str(root))
     return root, results[0]["runs"], [got["torch-ddp shard"] for got in results]
 
 
@@ -143,18 +153,26 @@ def saved(saved_root):
     return saved_root[1]
 
 
+@pytest.mark.parametrize("method", EXACT)
+def test_resume_is_exact_for_every_method(saved, method):
+    reference, resumed = saved[(method, True)]["losses"]
+    updates = 48 // (8 if method.startswith("acco") else 4)  # micro-batches per update over both workers
+    assert sorted(reference) == list(range(1, updates + 1))
+    assert resumed == {step: loss for step, loss in reference.items() if step > 2}  # fp32: bit-identical
+
+
 def test_no_rank_file_holds_the_parameter_vector_and_the_accumulator_only_for_a_fixed_batch(saved):
     assert set(saved) == set(SAVED)
     for (method, fixed), got in saved.items():
-        assert got["samples"] >= 24, (method, fixed)  # resumed (exactly, or from its warm start) to the budget
+        assert got["samples"] >= got["budget"], (method, fixed)  # resumed (exactly, or from its warm start) to the budget
         # a fixed batch resumes exactly with the accumulator that an overlapped method holds
-        assert got["accumulator"] == (fixed and method in ("acco", "dpu", "wp")), (method, fixed)
+        assert got["accumulator"] == (fixed and method in OVERLAPPED), (method, fixed)
         if method in UNSHARDED:  # every worker's state is its own (test_diloco: what a resume reads again)
             continue
         size, name = got["largest"]
         assert size <= -(-got["numel"] // 2), (method, fixed, name, size)  # at most one shard of 2
         # without it, the micro-batches it held are read again: the data position went back by them
-        overlapped_and_timed = not fixed and method in ("acco", "dpu", "wp")
+        overlapped_and_timed = not fixed and method in OVERLAPPED
         assert (got["dropped"] > 0) == overlapped_and_timed, (method, fixed, got["dropped"])
 
 
@@ -166,7 +184,7 @@ def test_a_resharded_resume_maps_the_old_files_instead_of_reading_them(saved_roo
     from acco.trainer import DecoupledTrainer
 
     root = saved_root[0]
-    folder = checkpoint.list_checkpoints(root / "acco-True")[0]
+    folder = checkpoint.list_checkpoints(root / "acco-True" / "reference")[0]
     loads = []
     load_worker = checkpoint.load_worker
 
@@ -197,12 +215,13 @@ def test_every_rank_file_writes_only_the_bytes_of_its_tensors(saved_root):
     root = saved_root[0]
     seen = set()
     for method, fixed in SAVED:
-        for folder in checkpoint.list_checkpoints(root / f"{method}-{fixed}"):
+        runs = (root / f"{method}-{fixed}" / run for run in ("reference", "resumed"))
+        for folder in (folder for run in runs for folder in checkpoint.list_checkpoints(run)):
             numel = checkpoint.load_meta(folder)["numel"]
             for rank in range(2):
                 path = checkpoint.rank_file(folder, rank, 2)
                 state = checkpoint.load_worker(folder, rank, 2, mmap=True)
-                where = (method, fixed, folder.name, rank)
+                where = (method, fixed, folder.parent.name, folder.name, rank)
                 views = [(name, t.numel() * t.element_size(), t.untyped_storage().nbytes())
                          for name, t in checkpoint.floating_tensors(state)
                          if t.untyped_storage().nbytes() != t.numel() * t.element_size()]  # fmt: skip
