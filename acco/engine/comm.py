@@ -23,6 +23,10 @@ half of the last error to the next estimate, theta~_{t+1} = Opt_trial(theta_t, g
 moves that limit to a = 30 at the cost of one fp32 shard (4 P / W bytes). In the learning-rate
 sweep (BENCHMARKS.md) it halves acco's gap to ddp at ddp's best learning rate on the synthetic
 corpus and equals the paper's form on TinyStories.
+
+`estimate_comm: int8` (acco only; acco/engine/quantize.py): the estimate round's reduce-scatter
+is an all-to-all of int8 blocks summed in fp32, and its all-gather sends the int8 delta
+theta~_{t+1} - theta_t, added to the theta_t every worker holds. The update round stays exact.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from acco.engine import collectives, progress
+from acco.engine import collectives, progress, quantize
 from acco.engine.config import EngineConfig
 from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
@@ -120,6 +124,13 @@ class CommRound:
         # wp: the fp32 master shard before the round's commit, for the prediction 2 theta_{t+1} -
         # theta_t taken in fp32 (in bf16 most updates at a small LR are below one bf16 step)
         self.previous_master = torch.empty_like(self.master) if cfg.method == "wp" else None
+        # estimate_comm=int8: the estimate round's int8 collectives, their buffers allocated here;
+        # its all-gather adds the delta to theta_t, the model's parameters during that round.
+        self.int8 = None
+        if cfg.method == "acco" and cfg.estimate_comm == "int8":
+            self.int8 = quantize.Int8EstimateComm(self.world_size, self.layout.rank, self.layout.shard_numel,
+                                                  device, group, block=quantize.BLOCK)  # (read now: tests set it)
+            self.params = flat.params
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
@@ -139,12 +150,16 @@ class CommRound:
         is_update = kind is RoundKind.UPDATE
         # If this round times out, the ranks that never marked it are the ones that stopped.
         progress.mark(f"update {self.step + 1} ({kind.value})")
+        quantized = self.int8 is not None and not is_update
+        estimate = None  # int8: the fp32 shard of theta~_{t+1}
         # The ring first: when a peer has died or stalled, its error names the ring neighbours.
-        if self.world_size > 1:
+        if quantized:  # straight into the fp32 shard
+            self.int8.reduce_scatter(payload, self.grad_shard)
+        elif self.world_size > 1:
             collectives.reduce_scatter(self.summed_grad_shard, payload, group=self.group)
         else:
             self.summed_grad_shard.copy_(payload[: self.layout.shard_numel])
-        if self.summed_grad_shard is not self.grad_shard:
+        if not quantized and self.summed_grad_shard is not self.grad_shard:
             self.grad_shard.copy_(self.summed_grad_shard)
         self.stats_sent[:N_STATS].copy_(stats)
         if self.max_grad_norm:  # one pass over the shard; padding is zero, so the shards' squared
@@ -186,18 +201,26 @@ class CommRound:
             elif self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
                 self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
                 torch.add(self.grad_shard, self.estimate_error, alpha=0.5, out=self.estimate_error)
-                self.new_param_shard.copy_(self.estimate_error)
+                estimate = self.estimate_error
+                if not quantized:
+                    self.new_param_shard.copy_(self.estimate_error)
                 self.estimate_pending = True
+            elif quantized:  # the paper's estimate, kept in fp32 for its delta
+                self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
+                estimate = self.grad_shard
             else:  # theta~_{t+1} = Opt_trial(theta_t, g~_t), the paper's estimate
                 self.optimizer.trial(self.grad_shard, lr, out=self.new_param_shard)
         else:  # nobody had data: nothing to apply
             self.new_param_shard.copy_(self.master)
+            estimate = self.master
         if is_update and weight > 0:
             self.samples += total_micro_batches
             self.step += 1
         if self.delay_hook is not None:
             self.delay_hook()
-        if self.world_size > 1:
+        if quantized:
+            self.int8.all_gather_delta(new_params, estimate, self.params)
+        elif self.world_size > 1:
             collectives.all_gather(new_params, self.new_param_shard, group=self.group)
         else:
             new_params[: self.layout.shard_numel].copy_(self.new_param_shard)

@@ -18,6 +18,7 @@ METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco"
 # Methods with no per-update collective: local steps, and every sync_every of them an outer step.
 LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
 ACCO_ESTIMATES = ("lean", "paper")
+ESTIMATE_COMMS = ("full", "int8")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 SCHEDULERS = ("cosine", "linear", "constant")
 
@@ -76,6 +77,12 @@ class EngineSettings:
     """acco's estimate round: "lean" adds half of the last estimate's error theta~_t - theta_t to
     Opt_trial(theta_t, g~_t), which damps the error's feedback loop; "paper" is Opt_trial(theta_t,
     g~_t) as the paper writes it (acco/engine/comm.py's docstring; the lr sweep in BENCHMARKS.md)."""
+    estimate_comm: str = "full"
+    """acco's estimate round on the wire: "full" sends it as the update round does; "int8" sends its
+    reduce-scatter as int8 blocks of 2048 elements with fp32 scales (an all-to-all, summed in fp32)
+    and its all-gather as the int8 delta theta~_{t+1} - theta_t: a quarter of its bytes in fp32, half
+    in bf16. The update round, which commits, stays exact (docs/algorithm.md, "The cheap estimate
+    round"). Other methods have no estimate round: "full" only."""
     grad_accum_dtype: str = "bf16"
     """Where a worker sums its micro-batches' gradients in mixed precision: "bf16" (in the bf16
     gradient buffer itself: one rounding per micro-batch) or "fp32" (a separate fp32 accumulator,
@@ -127,6 +134,11 @@ class EngineConfig(EngineSettings):
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.acco_estimate not in ACCO_ESTIMATES:
             raise ConfigError(f"acco_estimate must be one of {', '.join(ACCO_ESTIMATES)}, got {self.acco_estimate!r}")
+        if self.estimate_comm not in ESTIMATE_COMMS:
+            raise ConfigError(f"estimate_comm must be one of {', '.join(ESTIMATE_COMMS)}, got {self.estimate_comm!r}")
+        if self.estimate_comm != "full" and self.method != "acco":
+            raise ConfigError(f"estimate_comm={self.estimate_comm} applies to acco's estimate round only; "
+                              f"method {self.method} has none (estimate_comm=full)")
         check_max_grad_norm(self.max_grad_norm)
         if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
             raise ConfigError(f"grad_accum_dtype must be one of {', '.join(GRAD_ACCUM_DTYPES)}, got {self.grad_accum_dtype!r}")

@@ -422,7 +422,8 @@ class DecoupledEngine:
                  "master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq,
                  "grad_shard": comm.grad_shard, "summed_grad_shard": comm.summed_grad_shard,
                  "new_param_shard": comm.new_param_shard, "trial_workspace": opt._work,
-                 "estimate_error": comm.estimate_error, "wp_previous_master": comm.previous_master}  # fmt: skip
+                 "estimate_error": comm.estimate_error, "wp_previous_master": comm.previous_master,
+                 **({"int8_send": comm.int8.send.words, "int8_recv": comm.int8.recv.words, "int8_work": comm.int8.work} if comm.int8 else {})}  # fmt: skip
         out, seen = {}, set()
         for name, t in parts.items():
             if t is not None and t.data_ptr() not in seen:
