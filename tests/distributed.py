@@ -48,6 +48,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str, env: d
         dist.destroy_process_group()
 
 
+def start_workers(fn, nprocs: int, args: tuple = ()) -> None:
+    """mp.spawn(fn, args, nprocs): fn(rank, *args) on `nprocs` processes forked from that server."""
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def run_distributed(fn, world_size: int, *args):
     """fn(rank, world_size, *args) runs on every rank; returns the list of per-rank results."""
     with tempfile.TemporaryDirectory() as out_dir:

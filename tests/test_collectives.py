@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from distributed import start_workers
 
 from acco.engine import collectives
 from acco.engine.collectives import all_gather, reduce_scatter, uses_ring
@@ -146,7 +146,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_matches_torch(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    start_workers(_worker, world, (world, _free_port()))
 
 
 def test_shape_errors_without_process_group():
