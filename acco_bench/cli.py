@@ -7,6 +7,7 @@
     acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco --bandwidth 100mbit]
     acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
+    acco-bench map         [--compute-s C --comm-s M --workers W ...]  (where each method wins; runs nothing)
     acco-bench report DIR                      (re-render a finished run's tables and plots)
 
 Every subcommand writes JSON (the numbers), Markdown (a table) and PNG plots into ``--out``.
@@ -190,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     from acco_bench import gpu
 
     gpu.add_arguments(p)
+
+    p = sub.add_parser("map", help="where each method wins: bounds from ddp's compute C and comm M per update, "
+                                   "checked against BENCHMARKS.md, and the paper's settings (runs nothing)")
+    from acco_bench import map as map_
+
+    map_.add_arguments(p)
     return parser
 
 
@@ -305,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             from acco_bench import gpu
 
             return gpu.main(args)
+        if args.command == "map":
+            from acco_bench import map as map_
+
+            return map_.run(args)
     except BenchError as e:
         print(f"acco-bench: {e}", file=sys.stderr)
         return 2

@@ -307,3 +307,57 @@ def test_convergence_at_small_batch_sizes(tmp_path):
     md = (out / "batch_sizes.md").read_text()
     assert "| 2 | 32 |" in md and "| 4 | 16 |" in md
     assert main(["convergence", "--batch-sizes", "3", "--data", "synthetic", "--out", str(out), *TINY]) == 2
+
+
+def test_map_bounds_winners_and_cli(tmp_path, capsys):
+    """acco-bench map: the bounds on hand-computed cases, the memory table against
+    docs/algorithm.md's figures, the winner rule, and the CLI's files (with a bench.json)."""
+    from acco_bench.map import GPT_NEO, Case, bounds, flops_per_token, int8_ratio, memory_bytes, winner
+
+    t = bounds(Case(c=1.0, m=0.5, workers=2, elem_bytes=4, grad_accum=4, buckets=1))
+    assert int8_ratio(4) == pytest.approx(0.25048828125) and int8_ratio(2) == pytest.approx(0.5009765625)
+    expect = {"ddp": 1.5, "dpu": 1.0, "wp": 1.0, "acco": 1.0, "acco-int8": 1.0, "acco-int8-even": 1.0,
+              # C + max(0, M - M/B - (2/3) C/k) + M/B + M/2: the all-reduce, then ZeRO's fp32 broadcast
+              "torch-ddp": 1.0 + 0.0 + 0.5 + 0.25,
+              "diloco": 1.0 + 0.5 / 10, "streaming-diloco": 1.0}  # M/F = 0.125 hides under tau C = 1
+    assert t == pytest.approx(expect)
+    t = bounds(Case(c=1.0, m=0.8, elem_bytes=4))  # the estimate round's split decides
+    assert t["acco"] == pytest.approx(1.6) and t["acco-int8"] == pytest.approx(0.8 * 1.25048828125)
+    assert t["acco-int8-even"] == pytest.approx(0.5 + 0.8)
+    t = bounds(Case(c=1.0, m=1.0, elem_bytes=2, grad_accum=1, buckets=4, s_sync_every=4, fragments=2,
+                    fragment_delay=0))
+    assert t["acco-int8"] == pytest.approx(1.5009765625) and t["acco"] == pytest.approx(2.0)
+    assert t["torch-ddp"] == pytest.approx(1 + (1 - 0.25 - 2 / 3) + 0.25 + 1.0)  # bf16: the fp32 broadcast is M
+    assert t["streaming-diloco"] == pytest.approx(1 + 2 * 0.5 / 4)
+    acc = bounds(Case(c=1.0, m=0.8, accumulate=True))
+    assert acc["acco"] == acc["dpu"] == 1.0 and acc["ddp"] == pytest.approx(1.8)
+    # docs/algorithm.md: at W = 2 on the race's 922,880 parameters in fp32, ddp 15.8 MiB, acco 22.9,
+    # torch-ddp 10.6, diloco 33.4
+    mib = {n: memory_bytes(n, 2, 4) * 922880 / 2**20 for n in ("ddp", "acco", "torch-ddp", "diloco")}
+    assert {n: round(v, 1) for n, v in mib.items()} == {"ddp": 15.8, "acco": 22.9, "torch-ddp": 10.6,
+                                                         "diloco": 33.4}
+    assert memory_bytes("acco-int8", 4, 2) == pytest.approx(6 + 28 / 4 + 2 + 4 / 4)
+    # acco.models.flops_per_token of the gptneo-125m / 2.7b configs (meta device), written out here
+    assert flops_per_token(**GPT_NEO["125M"], seq=1024) == 855000576
+    assert flops_per_token(**GPT_NEO["2.7B"], seq=512) == 16379704320
+    times, mem = {"a": 1.0, "b": 1.005, "c": 1.2}, {"a": 10, "b": 5, "c": 1}
+    assert winner(times, mem, ["a", "b", "c"]) == "b"  # within 1%: the smaller state
+    assert winner(times, mem, ["a", "c"]) == "a" and winner(times, mem, ["c"]) == "c" and winner(times, mem, []) is None
+
+    bench = {"config": {"hosts": 2, "grad_accum": 4, "mixed_precision": False, "accumulate_while_waiting": False,
+                        "network": {"label": "100mbit"}},
+             "bounds": {"ddp_compute_s": 0.4, "ddp_comm_s": 0.3},
+             "methods": {"ddp": {"speedup_step_vs_ddp": 1.0}, "acco": {"speedup_step_vs_ddp": 1.1}}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    out = tmp_path / "map"
+    assert main(["map", "--compute-s", "1", "--comm-s", "0.5", "--workers", "2", "--dtype", "fp32",
+                 "--grad-accum", "4", "--params", "1e6", "--bench", str(tmp_path / "bench.json"),
+                 "--out", str(out)]) == 0
+    r = json.loads((out / "map.json").read_text())
+    assert r["user"]["time_s"]["ddp"] == pytest.approx(1.5) and r["user"]["winner_follow_ddp"] == "acco"
+    row = r["check"][-1]
+    assert row["source"].endswith("bench.json") and row["methods"]["acco"]["ratio"] == pytest.approx(1.1 / (0.7 / 0.6))
+    assert len(r["paper"]) == 9 and all(p["winner_all"] for p in r["paper"])
+    md = (out / "map.md").read_text()
+    assert "## Your figures" in md and "## Assumptions" in md and "MFU 0.4" in md and md in capsys.readouterr().out
+    assert main(["map", "--compute-s", "1"]) == 2  # --comm-s missing

@@ -1,0 +1,401 @@
+"""``acco-bench map``: where each method wins, from ddp's compute C and comm M per update.
+
+Nothing is run: every figure is a bound computed from C and M (seconds per update of ddp: its
+compute, and its comm round, a ring reduce-scatter + all-gather of the whole model), then
+
+1. checked against the per-update speedups measured in BENCHMARKS.md (``MEASURED`` below, each
+   row with the section it comes from): measured speedup / bound, per method;
+2. computed for the paper's settings (GPT-Neo 125M and 2.7B on A100s) with C from the FLOPs per
+   token, an assumed peak and MFU, and M from the bytes of the ring over an assumed bus bandwidth
+   and latency;
+3. computed for the user's own C and M (``--compute-s``, ``--comm-s``, or ``--bench`` a
+   ``bench.json`` / ``sweep.json`` of ``acco-bench cluster`` / ``sweep``).
+
+The formulas are ``bounds``; the assumptions are written into the output (``assumptions``).
+Memory per worker is docs/algorithm.md's table ("Memory per worker"), bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from acco_bench import BenchError
+from acco_bench.settings import base_method
+
+INT8_BLOCK = 2048  # acco/engine/quantize.py: int8 elements + one fp32 scale per block of 2048
+BACKWARD_SHARE = 2 / 3  # backward's share of a micro-batch's compute (2 of the 6 N FLOPs per token are forward)
+METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco", "acco-int8", "acco-int8-even", "diloco", "streaming-diloco")
+# methods whose committed update is the exact mean of the gradients of ddp's batch (acco: half of
+# them at the estimate); dpu/wp are one update stale, diloco takes local steps
+FOLLOW_DDP = ("ddp", "torch-ddp", "acco", "acco-int8", "acco-int8-even")
+
+
+def int8_ratio(elem_bytes: int) -> float:
+    """Bytes of the int8 estimate round over the full round's: 1 byte per element + a 4-byte scale
+    per 2048-element block, against ``elem_bytes`` (4 in fp32, 2 in bf16)."""
+    return (1 + 4 / INT8_BLOCK) / elem_bytes
+
+
+@dataclass
+class Case:
+    """ddp's compute ``c`` and comm ``m`` (s per update) and what the bounds need besides."""
+
+    c: float
+    m: float
+    workers: int = 2
+    elem_bytes: int = 4  # ddp's wire: 4 in fp32, 2 in bf16 (mixed precision)
+    grad_accum: int = 4  # ddp's micro-batches per worker per update
+    buckets: int = 1  # torch-ddp's DDP buckets
+    sync_every: int = 10  # diloco's H
+    s_sync_every: int = 20  # streaming-diloco's H
+    fragments: int = 4  # streaming-diloco's F
+    fragment_delay: int = 1  # streaming-diloco's tau (inner steps a fragment's all-reduce overlaps)
+    latency_s: float = 0.0  # the part of m that is latency (does not shrink with the bytes)
+    accumulate: bool = False  # overlapped methods keep computing while a round runs (samples/s)
+
+
+def bounds(k: Case) -> dict[str, float]:
+    """Lower bounds on seconds per ddp-sized batch (one update; for diloco one inner step)."""
+    c, m = k.c, k.m
+    r = int8_ratio(k.elem_bytes)
+    m_est = r * (m - k.latency_s) + k.latency_s  # the int8 estimate round
+    # torch-ddp: DDP's all-reduce (ddp's bytes, M) overlaps the backward of the last micro-batch
+    # only (the others run under no_sync), its last bucket starts when backward ends; then
+    # ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a ring round of 4-byte elements)
+    last = m / k.buckets
+    hidden = BACKWARD_SHARE * c / k.grad_accum
+    bcast = m / 2 * 4 / k.elem_bytes
+    t = {
+        "ddp": c + m,
+        "torch-ddp": c + max(0.0, m - last - hidden) + last + bcast,
+        "dpu": max(c, m),
+        "wp": max(c, m),
+        "acco": max(c, 2 * m),
+        "acco-int8": max(c, m_est + m),  # micro-batches split between the rounds by their durations
+        "acco-int8-even": max(c / 2, m_est) + max(c / 2, m),  # half the batch in each round
+        "diloco": c + m / k.sync_every,
+        "streaming-diloco": c + k.fragments * max(0.0, m / k.fragments - k.fragment_delay * c) / k.s_sync_every,
+    }
+    if k.accumulate:  # the overlapped methods never wait: their samples/s is bound by compute alone
+        for name in ("dpu", "wp", "acco", "acco-int8", "acco-int8-even"):
+            t[name] = c
+    return t
+
+
+def speedups(k: Case) -> dict[str, float]:
+    t = bounds(k)
+    return {n: t["ddp"] / v for n, v in t.items()}
+
+
+# docs/algorithm.md, "Memory per worker": bytes per parameter (model-sized, shard-sized / W) in
+# (bf16 mixed precision, fp32); acco-int8 adds two packed int8 buffers (2) and an fp32 shard (4 / W).
+def memory_bytes(method: str, workers: int, elem_bytes: int = 2, fragments: int = 4) -> float:
+    f = 1 / fragments
+    table = {  # method: ((model bf16, shard bf16), (model fp32, shard fp32))
+        "ddp": ((4, 20), (8, 20)), "torch-ddp": ((8, 8), (8, 8)), "dpu": ((6, 20), (12, 20)),
+        "wp": ((6, 24), (12, 24)), "acco": ((6, 28), (12, 28)), "acco-int8": ((8, 32), (14, 32)),
+        "acco-int8-even": ((8, 32), (14, 32)), "diloco": ((34, 2), (36, 4)),
+        "streaming-diloco": ((28 + 6 * f, 2 * f), (28 + 8 * f, 4 * f)),
+    }
+    model, shard = table[method][0 if elem_bytes == 2 else 1]
+    return model + shard / workers
+
+
+def winner(times: dict[str, float], mem: dict[str, float], candidates, tol: float = 0.01) -> str | None:
+    """The fastest candidate; within ``tol`` of it, the one needing the least memory."""
+    cands = [n for n in candidates if n in times]
+    if not cands:
+        return None
+    best = min(times[n] for n in cands)
+    return min((n for n in cands if times[n] <= best * (1 + tol)), key=lambda n: (mem[n], times[n]))
+
+
+# ----------------------------------------------------------------------- measured (BENCHMARKS.md)
+
+_SEC1 = dict(workers=2, elem_bytes=4, grad_accum=4, buckets=1)  # fp32, 4 micro-batches, DDP's 25 MiB: 1 bucket
+MEASURED = [  # ddp's C, M (s per update) and every method's measured speedup over ddp, as printed there
+    dict(source="§1 table (1 ms)", link="100mbit", c=0.393, m=0.296, case=_SEC1,
+         speedup={"torch-ddp": 0.69, "dpu": 1.68, "wp": 1.66, "acco": 1.13}),
+    dict(source="§1.4 (--sched batch)", link="100mbit", c=0.397, m=0.308, case=_SEC1,
+         speedup={"torch-ddp": 0.71, "dpu": 1.66, "wp": 1.65, "acco": 1.08}),
+    *[dict(source="§2 sweep", link=link, c=c, m=m, case=_SEC1,
+           speedup=dict(zip(("torch-ddp", "dpu", "wp", "acco"), s))) for link, c, m, s in (
+        ("50mbit", 0.398, 0.619, (0.62, 1.59, 1.61, 0.79)), ("200mbit", 0.407, 0.157, (0.80, 1.15, 1.28, 1.06)),
+        ("1000mbit", 0.388, 0.034, (0.75, 0.96, 1.02, 1.00)), ("unshaped", 0.406, 0.009, (0.84, 0.75, 0.94, 1.01)))],
+    *[dict(source="§2 sweep (--sched batch)", link=link, c=c, m=m, case=_SEC1,
+           speedup=dict(zip(("torch-ddp", "dpu", "wp", "acco"), s))) for link, c, m, s in (
+        ("50mbit", 0.535, 0.620, (0.69, 1.79, 1.78, 0.90)), ("200mbit", 0.402, 0.156, (0.73, 1.06, 1.05, 0.99)),
+        ("1000mbit", 0.472, 0.032, (0.98, 1.21, 1.06, 0.95)), ("unshaped", 0.415, 0.006, (0.92, 0.91, 0.89, 0.96)))],
+    # §5 race, 100 Mbit/s, the paper's setting (accumulating): samples / training time over ddp's
+    # 3840 / 39.5 s; torch-ddp at bucket_cap_mb=1 (4 buckets, §1.3), diloco H 10, streaming H 20, F 4, tau 1
+    dict(source="§5 race (accumulating; samples/s)", link="100mbit", c=0.337, m=0.300,
+         case=dict(_SEC1, buckets=4, accumulate=True),
+         speedup={n: round(s / t / (3840 / 39.5), 2) for n, s, t in (
+             ("torch-ddp", 3840, 48.8), ("acco", 7736, 46.1), ("diloco", 4480, 27.9),
+             ("streaming-diloco", 4224, 22.8))}),
+]
+
+
+def check_rows(extra: list[dict] | None = None) -> list[dict]:
+    rows = []
+    for meas in MEASURED + (extra or []):
+        k = Case(c=meas["c"], m=meas["m"], **meas["case"])
+        b = speedups(k)
+        rows.append({"source": meas["source"], "link": meas["link"], "c": k.c, "m": k.m,
+                     "methods": {n: {"measured": s, "bound": b[n], "ratio": s / b[n]}
+                                 for n, s in meas["speedup"].items()}})
+    return rows
+
+
+def from_bench_json(path: Path) -> list[dict]:
+    """Measured rows from an ``acco-bench cluster`` bench.json or a ``sweep`` sweep.json."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise BenchError(f"--bench {path}: {e}") from None
+    cfg = data.get("config", {})
+    points = data.get("points") or [{"label": (cfg.get("network") or {}).get("label", Path(path).parent.name),
+                                     "bounds": data.get("bounds") or {}, "methods": data.get("methods") or {}}]
+    acc = bool(cfg.get("accumulate_while_waiting"))
+    int8 = any("estimate_comm=int8" in str(o) for o in cfg.get("extra") or ())
+    key = "speedup_samples_vs_ddp" if acc else "speedup_step_vs_ddp"
+    case = dict(workers=int(cfg.get("hosts", 2)), elem_bytes=2 if cfg.get("mixed_precision") else 4,
+                grad_accum=int(cfg.get("grad_accum", 4)), accumulate=acc)
+    rows = []
+    for p in points:
+        b = p.get("bounds") or {}
+        if b.get("ddp_compute_s") is None or b.get("ddp_comm_s") is None:
+            raise BenchError(f"--bench {path}: no ddp compute/comm figures (run it with ddp among --methods)")
+        by_h: dict[tuple, dict] = {(): {}}  # diloco variants (diloco-h20) get a row with their own H
+        for name, r in (p.get("methods") or {}).items():
+            base, h = base_method(name), name.rpartition("-h")[2]
+            base = "acco-int8-even" if base == "acco" and int8 and not acc else base
+            if base not in METHODS or base == "ddp" or not isinstance(r, dict) or not r.get(key):
+                continue
+            hk = (("sync_every" if base == "diloco" else "s_sync_every", int(h)),) \
+                if name != base and "diloco" in base and h.isdigit() else ()
+            by_h.setdefault(hk, {})[base] = r[key]
+        for hk, sp in by_h.items():
+            if sp:
+                rows.append(dict(source=str(path) + "".join(f" ({'diloco' if n == 'sync_every' else 'streaming'} H {v})" for n, v in hk),
+                                 link=str(p.get("label")), c=b["ddp_compute_s"], m=b["ddp_comm_s"],
+                                 case={**case, **dict(hk)}, speedup=sp))
+    return rows
+
+
+# ----------------------------------------------------------------------- the paper's settings
+
+GPT_NEO = {"125M": dict(d=768, layers=12, vocab=50257, positions=1024),  # acco/conf/model/gptneo-*.yaml
+           "2.7B": dict(d=2560, layers=32, vocab=50257, positions=2048)}
+PAPER = [  # model, micro-batch sequences x tokens per GPU, ddp's micro-batches per update (train/ddp*.yaml), W
+    dict(name="GPT-Neo 125M, 24 x 1024 per GPU, 8 GPUs", model="125M", batch=24, seq=1024, grad_accum=2, workers=8),
+    dict(name="GPT-Neo 125M, 24 x 1024 per GPU, 32 GPUs", model="125M", batch=24, seq=1024, grad_accum=2, workers=32),
+    dict(name="GPT-Neo 2.7B, 4 x 512 per GPU, 16 GPUs (2 nodes)", model="2.7B", batch=4, seq=512, grad_accum=4,
+         workers=16),
+]
+
+
+def gpt_neo_params(d: int, layers: int, vocab: int, positions: int) -> tuple[int, int]:
+    """(all parameters, those in matmuls): tied token embedding, position embedding, per layer q/k/v
+    (no bias), out projection, 4d MLP, two LayerNorms; a final LayerNorm."""
+    per_layer = 12 * d * d + 10 * d
+    total = vocab * d + positions * d + layers * per_layer + 2 * d
+    return total, total - positions * d  # the position embedding is a lookup only
+
+
+def flops_per_token(d: int, layers: int, vocab: int, positions: int, seq: int) -> float:
+    """6 N + 12 L H Q T (acco.models.flops_per_token, written out; H Q = d)."""
+    return 6.0 * gpt_neo_params(d, layers, vocab, positions)[1] + 12.0 * layers * d * seq
+
+
+def paper_case(setting: dict, gbit: float, a) -> tuple[Case, dict]:
+    dims = GPT_NEO[setting["model"]]
+    params = gpt_neo_params(**dims)[0]
+    tokens = setting["grad_accum"] * setting["batch"] * setting["seq"]
+    fpt = flops_per_token(**dims, seq=setting["seq"])
+    c = tokens * fpt / (a.peak_tflops * 1e12 * a.mfu)
+    w = setting["workers"]
+    lat = 2 * (w - 1) * a.latency_us * 1e-6  # ring reduce-scatter + all-gather: 2 (W - 1) steps
+    m = 2 * (w - 1) / w * params * 2 / (gbit * 1e9 / 8) + lat  # bf16 on the wire
+    buckets = a.buckets or math.ceil(params * 4 / (25 * 2**20))  # DDP's 25 MiB buckets of fp32 gradients
+    k = Case(c=c, m=m, workers=w, elem_bytes=2, grad_accum=setting["grad_accum"], buckets=buckets,
+             sync_every=a.sync_every, s_sync_every=a.s_sync_every, fragments=a.fragments,
+             fragment_delay=a.fragment_delay, latency_s=lat)
+    return k, {"params": params, "tokens_per_gpu_per_update": tokens, "flops_per_token": fpt}
+
+
+def summarize(k: Case, params: int | None, gpu_gib: float | None) -> dict:
+    t = bounds(k)
+    mem = {n: memory_bytes(n, k.workers, k.elem_bytes, k.fragments) for n in METHODS}
+    gib = {n: mem[n] * params / 2**30 for n in METHODS} if params else None
+    fits = [n for n in METHODS if not (gib and gpu_gib) or gib[n] <= gpu_gib]
+    return {"case": asdict(k), "time_s": t, "speedup": {n: t["ddp"] / v for n, v in t.items()},
+            "bytes_per_param": mem, "gib_per_gpu": gib, "fits": fits,
+            "winner_follow_ddp": winner(t, mem, [n for n in FOLLOW_DDP if n in fits]),
+            "winner_all": winner(t, mem, fits)}
+
+
+# ----------------------------------------------------------------------- output
+
+
+def assumptions(a) -> list[str]:
+    return [
+        "Bounds are seconds per ddp-sized batch (one update; diloco: one inner step), from ddp's compute C and "
+        "comm M per update; comm time is taken to scale with the bytes (the latency part, where given, does not).",
+        "ddp: C + M. dpu, wp: max(C, M). acco: max(C, 2M) (two full rounds per update).",
+        f"acco-int8 (estimate_comm: int8): max(C, M_est + M), M_est = M x (1 + 4/{INT8_BLOCK}) / e (int8 + an fp32 "
+        "scale per block, e = 4 bytes in fp32, 2 in bf16: 0.2505 M / 0.501 M), with the micro-batches split "
+        "between the rounds by their durations (issue 20 item 4, not built yet); acco-int8-even: "
+        "max(C/2, M_est) + max(C/2, M), the even split today's engine runs with a fixed batch.",
+        f"torch-ddp: C + max(0, M - M/B - {BACKWARD_SHARE:.2f} C/k) + M/B + (M/2)(4/e): DDP's all-reduce (ddp's bytes) "
+        "overlaps only the last of k micro-batches' backward (2/3 of its compute), the last of B buckets cannot "
+        "overlap, then ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a round of 4-byte elements).",
+        "diloco: C + M/H (the whole model all-reduced every H inner steps, blocking). streaming-diloco: "
+        "C + F max(0, M/F - tau C) / H (F fragments, each all-reduce overlapping tau inner steps). Per inner "
+        "step; not counted: the extra samples diloco needs to reach ddp's loss (1.10-1.31x, BENCHMARKS §5.1).",
+        "With accumulation (§5 race) the overlapped methods never wait: their samples/s bound is (C + M) / C.",
+        "Memory: docs/algorithm.md's bytes per parameter (model-sized + shard-sized / W), activations excluded; "
+        "acco-int8 adds 2 + 4/W.",
+        f"Paper settings: C = tokens per GPU per update x FLOPs per token / (peak x MFU), peak {a.peak_tflops:g} "
+        f"TFLOP/s (A100 dense bf16), MFU {a.mfu:g}, FLOPs per token 6N + 12 L d T (acco.models.flops_per_token); "
+        f"M = 2 (W-1)/W x P x 2 bytes (bf16) / bus bandwidth + 2 (W-1) x {a.latency_us:g} us, the bus bandwidth "
+        "being the link rate (the ring's slowest link, between nodes); ddp's micro-batches per update as "
+        "train/ddp.yaml (2) and ddp-ft.yaml (4); torch-ddp B = fp32 gradients / 25 MiB; diloco "
+        f"H {a.sync_every}, streaming H {a.s_sync_every}, F {a.fragments}, tau {a.fragment_delay}; a method "
+        f"fits when its state is at most {a.gpu_gib:g} GiB per GPU (A100 80 GB).",
+        "Winner: the fastest bound (within 1%: the one needing less memory) among the methods that fit; "
+        "'follows ddp' keeps to ddp, torch-ddp and acco (dpu and wp are one update stale and end 27-30% above "
+        "ddp's loss; diloco takes local steps).",
+    ]
+
+
+LEGEND = ("acco-int8 splits an update's micro-batches between the rounds by their durations (issue 20 item 4, "
+          "not built yet); acco-int8-even is what the engine runs today with a fixed batch.")
+
+
+def _f(x, d=2, suffix=""):
+    return "-" if x is None else f"{x:.{d}f}{suffix}"
+
+
+def _table(header, rows) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + \
+        ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def _summary_table(rows: list[tuple[str, dict]], show_gib: bool) -> list[str]:
+    header = ["setting", "ddp C s", "ddp M s", "comm %", "ddp s/update"] + \
+        [f"{n} vs ddp" for n in METHODS[1:]] + ["fastest, follows ddp", "fastest of all"]
+    out = []
+    for label, s in rows:
+        c, m = s["case"]["c"], s["case"]["m"]
+        def name(n, s=s):
+            return "-" if n is None else f"{n} ({_f(s['speedup'][n])}x" + (
+                f", {_f(s['gib_per_gpu'][n], 1)} GiB)" if show_gib and s["gib_per_gpu"] else ")")
+        out.append([label, _f(c, 3), _f(m, 3), _f(100 * m / (c + m), 0), _f(c + m, 3)]
+                   + [_f(s["speedup"][n], 2, "x") + ("" if n in s["fits"] else " (no fit)") for n in METHODS[1:]]
+                   + [name(s["winner_follow_ddp"]), name(s["winner_all"])])
+    return _table(header, out)
+
+
+def build(a) -> dict:
+    extra = []
+    for p in a.bench or []:
+        extra += from_bench_json(Path(p))
+    result = {"assumptions": assumptions(a), "check": check_rows(extra), "paper": [], "user": None}
+    for setting in PAPER:
+        for gbit in a.gbits:
+            k, info = paper_case(setting, gbit, a)
+            s = summarize(k, info["params"], a.gpu_gib)
+            result["paper"].append({"setting": setting["name"], "gbit": gbit, **info, **s})
+    if a.compute_s is not None or a.comm_s is not None:
+        if a.compute_s is None or a.comm_s is None or a.compute_s <= 0 or a.comm_s < 0:
+            raise BenchError("--compute-s and --comm-s go together (ddp's seconds per update, compute > 0)")
+        k = Case(c=a.compute_s, m=a.comm_s, workers=a.workers, elem_bytes=2 if a.dtype == "bf16" else 4,
+                 grad_accum=a.grad_accum, buckets=a.buckets or (math.ceil(a.params * 4 / (25 * 2**20))
+                                                                if a.params else 1),
+                 sync_every=a.sync_every, s_sync_every=a.s_sync_every, fragments=a.fragments,
+                 fragment_delay=a.fragment_delay)
+        result["user"] = summarize(k, int(a.params) if a.params else None, a.gpu_gib if a.params else None)
+    return result
+
+
+def markdown(r: dict) -> str:
+    lines = ["# acco-bench map: where each method wins", ""]
+    if r["user"]:
+        u = r["user"]
+        lines += ["## Your figures", ""]
+        gib = u["gib_per_gpu"]
+        unit, scale = ("GiB", 1) if gib and max(gib.values()) >= 1 else ("MiB", 1024)
+        rows = [[n, _f(u["time_s"][n], 3), _f(u["speedup"][n], 2, "x"), _f(u["bytes_per_param"][n], 2),
+                 _f(gib[n] * scale, 1) if gib else "-", "yes" if n in u["fits"] else "no"] for n in METHODS]
+        lines += _table(["method", "bound s/update", "vs ddp", "bytes/param", f"{unit}/GPU", "fits"], rows)
+        lines += ["", f"Fastest that follows ddp: **{u['winner_follow_ddp']}**; fastest of all: "
+                      f"**{u['winner_all']}**. {LEGEND}", ""]
+    lines += ["## Bounds against the measured speedups (BENCHMARKS.md)", "",
+              "Each cell: measured speedup over ddp / bound = measured as a share of the bound.", ""]
+    names = [n for n in METHODS if any(n in row["methods"] for row in r["check"])]
+    rows = [[row["source"], row["link"], _f(row["c"], 3), _f(row["m"], 3)]
+            + [(f"{_f(x['measured'])} / {_f(x['bound'])} = **{_f(x['ratio'])}**" if (x := row["methods"].get(n))
+                else "") for n in names] for row in r["check"]]
+    lines += _table(["source", "link", "ddp C s", "ddp M s"] + names, rows) + [""]
+    ratios = {n: [row["methods"][n]["ratio"] for row in r["check"] if n in row["methods"]] for n in names}
+    lines += ["Measured / bound, range over the rows: " + "; ".join(
+        f"{n} {min(v):.2f}-{max(v):.2f}" for n, v in ratios.items() if v) + ".", ""]
+    lines += ["## The paper's settings (computed)", "", "Speedup bound over ddp per update; the winners with "
+              f"their speedup and state per GPU. {LEGEND}", ""]
+    lines += _summary_table([(f"{p['setting']}, {p['gbit']:g} Gbit/s", p) for p in r["paper"]], True) + [""]
+    lines += ["State per GPU (GiB, activations excluded):", ""]
+    seen = {}
+    for p in r["paper"]:
+        seen.setdefault(p["setting"], p)
+    lines += _table(["method"] + [f"{s} ({p['params'] / 1e6:.0f}M params)" for s, p in seen.items()],
+                    [[n] + [_f(p["gib_per_gpu"][n], 2) + ("" if n in p["fits"] else " (no fit)")
+                            for p in seen.values()] for n in METHODS]) + [""]
+    lines += ["## Assumptions", ""] + [f"- {x}" for x in r["assumptions"]]
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--compute-s", type=float, default=None, help="your ddp's compute per update, seconds (C)")
+    p.add_argument("--comm-s", type=float, default=None, help="your ddp's comm round per update, seconds (M)")
+    p.add_argument("--bench", action="append", default=None, metavar="PATH",
+                   help="a bench.json (acco-bench cluster) or sweep.json (sweep): its C, M and measured speedups "
+                        "join the check table (repeatable)")
+    p.add_argument("--workers", type=int, default=8, help="W, with --compute-s (default 8)")
+    p.add_argument("--params", type=float, default=None, help="parameters, with --compute-s: GiB per GPU")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training precision (default bf16)")
+    p.add_argument("--grad-accum", type=int, default=2, help="ddp's micro-batches per worker per update")
+    p.add_argument("--buckets", type=int, default=None,
+                   help="torch-ddp's DDP buckets (default: fp32 gradients / 25 MiB, or 1 without --params)")
+    p.add_argument("--sync-every", type=int, default=10, help="diloco's H (inner steps per sync)")
+    p.add_argument("--streaming-sync-every", dest="s_sync_every", type=int, default=20, help="streaming-diloco's H")
+    p.add_argument("--fragments", type=int, default=4, help="streaming-diloco's F")
+    p.add_argument("--fragment-delay", type=int, default=1, help="streaming-diloco's tau, inner steps")
+    p.add_argument("--peak-tflops", type=float, default=312.0, help="paper settings: peak FLOP/s (A100 bf16)")
+    p.add_argument("--mfu", type=float, default=0.4, help="paper settings: model FLOPs utilisation")
+    p.add_argument("--gbits", default="100,200,400", help="paper settings: link rates, Gbit/s")
+    p.add_argument("--latency-us", type=float, default=10.0, help="paper settings: latency per ring step, us")
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, GiB: a method fits below it")
+    p.add_argument("--out", default=None, help="also write map.md and map.json there")
+
+
+def run(a) -> int:
+    try:
+        a.gbits = [float(x) for x in str(a.gbits).split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--gbits takes comma-separated numbers, got {a.gbits!r}") from None
+    if a.workers < 1 or a.grad_accum < 1 or a.sync_every < 1 or a.fragments < 1 or not 0 < a.mfu <= 1:
+        raise BenchError("--workers, --grad-accum, --sync-every, --fragments must be >= 1 and 0 < --mfu <= 1")
+    r = build(a)
+    md = markdown(r)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "map.md").write_text(md)
+        (out / "map.json").write_text(json.dumps(r, indent=2) + "\n")
+        print(f"[acco-bench] wrote {out}/map.md and map.json")
+    return 0
