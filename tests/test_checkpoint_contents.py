@@ -136,7 +136,7 @@ def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict
             "dropped": state.get("dropped_micro_batches", 0),
             "samples": summary["samples"],
             "budget": resumed_budget,
-            "losses": (train_losses(ref), train_losses(resumed)) if rank == 0 else None,
+            "losses": (train_losses(ref), train_losses(resumed)) if rank == 0 and fixed else None,
         }
     return {"runs": found, "torch-ddp shard": _torch_ddp_shard()}
 
