@@ -185,11 +185,16 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     validate_job(compose([*base, "launch.nproc=2", "train.resume_from_checkpoint=latest"]), world_size=2)
 
 
-def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference):
+def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference, capsys):
+    """The CLI's own path (acco.cli.run), in-process with one worker: the validation pass finds the
+    budget done, and the job says so and returns 0 before any worker starts."""
+    from acco.cli import run
+    from acco.config import compose
+
     before = {p: p.stat().st_mtime_ns for p in reference.rglob("*")}
-    proc = cli(reference, "train.save_step=4", "train.resume_from_checkpoint=latest")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == (
+    overrides = [f"train.output_dir={reference}", f"train.cache_dir={reference.parent / 'cache'}", *RUN]
+    assert run(compose(["launch.nproc=1", *overrides, "train.save_step=4", "train.resume_from_checkpoint=latest"])) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "checkpoint-12 already completed the budget of 96 micro-batches (update 12, 96 micro-batches); "
         "nothing to do (raise train.nb_steps_tot to train further)"
     )

@@ -202,11 +202,11 @@ STALL_IN_SETUP = """
 
     out = Path(sys.argv[1])
     if os.environ["SLURM_PROCID"] == "1":
-        time.sleep(5)  # starts after the collective timeout: the rendezvous must wait for it
+        time.sleep(3)  # starts after the collective timeout: the rendezvous must wait for it
     rank, world, _, _ = init_distributed(timeout_s=2)
     (out / f"pid{rank}").write_text(str(os.getpid()))
     if rank == 1:
-        time.sleep(4)  # slow one-off work, but alive: the others wait for it
+        time.sleep(3)  # slow one-off work (longer than the timeout), but alive: the others wait for it
     every_rank_at("setup")
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # stalls (srun would not stop the others either)
