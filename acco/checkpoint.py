@@ -60,7 +60,7 @@ from acco.launch.process_group import after_rank0, wait_on_store
 SAVE_TIMEOUT_S = 3600.0
 META_KEYS = ("step", "samples", "method", "world_size", "numel")
 # Train settings a resume may change, but rarely should: each difference gets a warning.
-RESUME_KEYS = ("n_grad_accumulation", "learning_rate", "nb_steps_tot")
+RESUME_KEYS = ("n_grad_accumulation", "estimate_micro_batches", "learning_rate", "nb_steps_tot")
 # Settings that decide which samples the data position points at: a resume must keep them
 # (batch_size may change only with the world size, where the position is converted by samples).
 DATA_KEYS = ("seed", "max_length", "batch_size")

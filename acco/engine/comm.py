@@ -131,6 +131,8 @@ class CommRound:
             self.int8 = quantize.Int8EstimateComm(self.world_size, self.layout.rank, self.layout.shard_numel,
                                                   device, group, block=quantize.BLOCK)  # (read now: tests set it)
             self.params = flat.params
+        k = cfg.n_grad_accumulation  # acco: (an update's micro-batches, its estimate payload's) per worker
+        self.split = (2 * k, 2 * k - (cfg.estimate_micro_batches or k))
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
@@ -175,9 +177,10 @@ class CommRound:
         weight = sum(row[WEIGHT] for row in per_worker)
         micro_batches = [int(row[MICRO_BATCHES]) for row in per_worker]
         total_micro_batches = sum(micro_batches)  # the payload's, over all workers
-        # An estimate round estimates the update that follows it, which adds as many micro-batches
-        # again (exactly so with a fixed batch): during warm-up it takes that update's LR, not a smaller one.
-        update_micro_batches = total_micro_batches if is_update else 2 * total_micro_batches
+        # An estimate round estimates the update that follows it, which adds the micro-batches computed
+        # during the estimate round: e per worker to the payload's 2k - e (estimate_micro_batches; k to k
+        # by default), exactly so with a fixed batch. During warm-up it takes that update's LR, not a smaller one.
+        update_micro_batches = total_micro_batches if is_update else total_micro_batches * self.split[0] // self.split[1]
         lr = learning_rate(self.cfg, self.samples, update_micro_batches)
         grad_norm = float("nan")
         if weight > 0:

@@ -83,6 +83,13 @@ class EngineSettings:
     and its all-gather as the int8 delta theta~_{t+1} - theta_t: a quarter of its bytes in fp32, half
     in bf16. The update round, which commits, stays exact (docs/algorithm.md, "The cheap estimate
     round"). Other methods have no estimate round: "full" only."""
+    estimate_micro_batches: int | None = None
+    """acco: micro-batches a worker computes while the estimate round runs (e, an integer in
+    [1, 2 n_grad_accumulation - 1]); the update round, and the warm start before the first round,
+    take the rest of the update's 2 n_grad_accumulation, so the committed batch is unchanged. A
+    short estimate round (estimate_comm=int8) then hides less computation and the long update round
+    more. null: n_grad_accumulation, the even split. With accumulate_while_waiting both are minima
+    (docs/algorithm.md, "The cheap estimate round")."""
     grad_accum_dtype: str = "bf16"
     """Where a worker sums its micro-batches' gradients in mixed precision: "bf16" (in the bf16
     gradient buffer itself: one rounding per micro-batch) or "fp32" (a separate fp32 accumulator,
@@ -139,6 +146,7 @@ class EngineConfig(EngineSettings):
         if self.estimate_comm != "full" and self.method != "acco":
             raise ConfigError(f"estimate_comm={self.estimate_comm} applies to acco's estimate round only; "
                               f"method {self.method} has none (estimate_comm=full)")
+        self._validate_split()
         check_max_grad_norm(self.max_grad_norm)
         if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
             raise ConfigError(f"grad_accum_dtype must be one of {', '.join(GRAD_ACCUM_DTYPES)}, got {self.grad_accum_dtype!r}")
@@ -148,6 +156,15 @@ class EngineConfig(EngineSettings):
         if not 0 < self.bucket_cap_mb < math.inf:
             raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
         self._validate_local_sgd()
+
+    def _validate_split(self) -> None:
+        e, most = self.estimate_micro_batches, 2 * int(self.n_grad_accumulation) - 1
+        if e is not None and self.method != "acco":
+            raise ConfigError(f"estimate_micro_batches applies to acco's estimate round only; method {self.method} "
+                              "has none (estimate_micro_batches=null)")
+        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= most):
+            raise ConfigError(f"estimate_micro_batches must be an integer in [1, 2 n_grad_accumulation - 1 = {most}] "
+                              f"or null (n_grad_accumulation), got {e!r}")
 
     def _validate_local_sgd(self) -> None:
         for name in ("sync_every", "num_fragments"):

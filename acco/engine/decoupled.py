@@ -194,6 +194,9 @@ class DecoupledEngine:
         # n_grad_accumulation counts a worker's micro-batches per round; a sequential update takes
         # every round's share at once (acco k matches ddp 2k).
         micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
+        # Computed while each kind of round runs: acco's split, e (estimate_micro_batches) and 2k - e.
+        e = cfg.estimate_micro_batches or cfg.n_grad_accumulation
+        during = {RoundKind.ESTIMATE: e, RoundKind.UPDATE: micro_batches_per_update - e * (len(round_kinds) - 1)}
 
         def finished() -> bool:
             return self.comm.samples >= cfg.nb_steps_tot or self._exhausted
@@ -208,17 +211,17 @@ class DecoupledEngine:
                 self.finish()
                 return
 
-        # Warm start: the first payload is computed with nothing to overlap (unless a checkpoint
-        # restored the accumulator that the last round filled).
+        # Warm start: the first payload, as many as the last round kind computes, with nothing to
+        # overlap (unless a checkpoint restored the accumulator that the last round filled).
         compute_s = 0.0
         if not self._resume_overlap:
-            compute_s = self._accumulate(batches, loss_fn, cfg.n_grad_accumulation)
+            compute_s = self._accumulate(batches, loss_fn, during[round_kinds[-1]])
         self._resume_overlap = False
         self._in_overlap = True
         wait_s = comm_s = 0.0
         for kind in itertools.cycle(round_kinds):
             handle = self._launch(kind)
-            compute_s += self._accumulate(batches, loss_fn, cfg.n_grad_accumulation, handle)
+            compute_s += self._accumulate(batches, loss_fn, during[kind], handle)
             start = time.perf_counter()
             result: RoundResult = handle.result()
             wait_s += time.perf_counter() - start
