@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test demo lint clean
+.PHONY: install test test-slow demo lint clean
 
 install: $(STAMP)
 
@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
+# test: the library, under 5 minutes on 2 cores; test-slow: the acco-bench runs that launch whole
+# training jobs (tests marked slow), several minutes more. CI (.ci/run) runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 demo: $(STAMP)
 	$(PY) -m acco_bench.demo

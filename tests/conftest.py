@@ -7,6 +7,14 @@ from data_helpers import byte_tokenizer
 from acco.data import load_tokenizer, synthetic_corpus
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: an acco-bench run that launches whole training jobs, a minute or so each: "
+        "`make test` leaves them out, `make test-slow` runs them",
+    )
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind():
     """A test that trains in this process (DecoupledTrainer with world size 1) creates the

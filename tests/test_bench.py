@@ -56,6 +56,7 @@ def _check_bench(out: Path, methods: list[str], kind: str) -> dict:
     return bench
 
 
+@pytest.mark.slow
 def test_cluster_loopback(tmp_path):
     out = tmp_path / "cluster"
     code = main(["cluster", "--loopback", "--methods", "ddp,acco", "--out", str(out), *TINY])
@@ -67,6 +68,7 @@ def test_cluster_loopback(tmp_path):
 
 
 @needs_netns
+@pytest.mark.slow
 def test_sweep_on_namespaces(tmp_path):
     """Two sweep points on emulated hosts: one shaped, one unshaped; nothing left behind. (One
     method per point keeps the test short; the comparisons are checked on loopback above.)"""
@@ -87,6 +89,7 @@ def test_sweep_on_namespaces(tmp_path):
     assert namespaces.list_namespaces(f"{namespaces.DEFAULT_PREFIX}{os.getpid()}-") == []
 
 
+@pytest.mark.slow
 def test_convergence_one_seed(tmp_path):
     out = tmp_path / "conv"
     code = main(["convergence", "--data", "synthetic", "--seeds", "0", "--methods", "ddp,acco",
@@ -107,6 +110,7 @@ def test_convergence_one_seed(tmp_path):
     assert "| acco |" in md and "Update closeness" in md
 
 
+@pytest.mark.slow
 def test_lr_sweep_and_its_reference_check(tmp_path):
     """Two learning rates, ddp and the lean acco variant; the plain reference (no engine code)
     gives the engine's training losses update by update."""
@@ -290,6 +294,7 @@ def test_batch_size_settings_keep_the_samples():
         batch_size_settings(s, 3)
 
 
+@pytest.mark.slow
 def test_convergence_at_small_batch_sizes(tmp_path):
     out = tmp_path / "bs"
     code = main(["convergence", "--data", "synthetic", "--seeds", "0", "--methods", "ddp,acco", "--eval-step", "2",

@@ -3,6 +3,7 @@ of the next micro-batch, and a pretrained model loaded in its own dtype."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from acco.launch.process_group import NCCL_MIN_TIMEOUT_S, backend_settings
@@ -78,6 +79,7 @@ def test_a_pretrained_model_loads_in_its_own_dtype_and_the_master_keeps_every_bi
     engine.close()
 
 
+@pytest.mark.slow
 def test_bench_gpu_nproc_2_runs_its_processes_and_skips_without_the_gpus(tmp_path):
     import argparse
     import json

@@ -162,6 +162,7 @@ def _check_race(out: Path, methods: list[str], kind: str) -> dict:
     return bench
 
 
+@pytest.mark.slow
 def test_race_on_loopback(tmp_path):
     out = tmp_path / "race"
     assert main(["race", "--loopback", "--methods", "acco,ddp", "--out", str(out), *TINY]) == 0
@@ -173,6 +174,7 @@ def test_race_on_loopback(tmp_path):
 
 
 @pytest.mark.skipif(namespaces.netns_unavailable_reason() is not None, reason="no network namespaces")
+@pytest.mark.slow
 def test_race_on_namespaces_counts_the_bytes_on_the_links(tmp_path):
     out = tmp_path / "race"
     assert main(["race", "--methods", "ddp,acco", "--bandwidth", "1000mbit", "--out", str(out), *TINY]) == 0
