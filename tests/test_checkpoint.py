@@ -185,12 +185,14 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     validate_job(compose([*base, "launch.nproc=2", "train.resume_from_checkpoint=latest"]), world_size=2)
 
 
-def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference, capsys):
+def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference, capsys, monkeypatch):
     """The CLI's own path (acco.cli.run), in-process with one worker: the validation pass finds the
     budget done, and the job says so and returns 0 before any worker starts."""
     from acco.cli import run
     from acco.config import compose
 
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):  # run() sets them
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
     before = {p: p.stat().st_mtime_ns for p in reference.rglob("*")}
     overrides = [f"train.output_dir={reference}", f"train.cache_dir={reference.parent / 'cache'}", *RUN]
     assert run(compose(["launch.nproc=1", *overrides, "train.save_step=4", "train.resume_from_checkpoint=latest"])) == 0
