@@ -12,7 +12,8 @@ import statistics
 from pathlib import Path
 
 from acco_bench import BenchError
-from acco_bench.settings import BenchSettings, base_method
+from acco_bench.acco_bound import acco_formula, acco_update_time, method_acco_spec
+from acco_bench.settings import BenchSettings
 
 COMM_MEASURES = {
     "ddp": "time inside the comm round (reduce-scatter, optimizer step, all-gather), computation waiting",
@@ -193,7 +194,7 @@ def _running_mean(xs: list[float], k: int = 3) -> list[float]:
     return [statistics.fmean(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
 
 
-def add_comparisons(methods: dict) -> dict:
+def add_comparisons(methods: dict, settings: BenchSettings | None = None) -> dict:
     """Speedups of every method over ddp and torch-ddp (ratios of the same run), and the overlap
     bounds computed from ddp's own compute C and comm M.
 
@@ -201,9 +202,15 @@ def add_comparisons(methods: dict) -> dict:
     - ``speedup_samples_vs_X`` = samples/s(method) / samples/s(X) (what to compare when the batch
       per update varies, with ``--accumulate-while-waiting`` or a slow worker);
     - ``ideal_overlap`` = (C+M)/max(C,M): the bound for a method that overlaps one comm round per
-      update (dpu, wp); ``ideal_acco`` = (C+M)/max(C,2M): acco runs TWO rounds per update (an
-      estimate round and an update round, each moving the whole gradient and parameter vector),
-      so its bound is lower once M > C/2.
+      update (dpu, wp); ``ideal_acco`` = (C+M)/max(C,2M): plain acco's, TWO full rounds per update
+      (an estimate round and an update round, each moving the whole gradient and parameter vector),
+      so its bound is lower once M > C/2;
+    - every acco variant's own bound, from the overrides its workers ran with (``settings``; None:
+      the defaults): ``bound_speedup`` = (C+M) / ``acco_update_time`` (its estimate round in full or
+      int8, its split of the update's micro-batches), ``fraction_of_bound`` = its measured speedup
+      over ddp (per update; samples/s with accumulate_while_waiting) / ``bound_speedup``, with
+      ``bound_formula``, ``bound_terms`` and ``bound_spec`` (M's latency part unknown: taken as 0,
+      so an int8 estimate round's bound is optimistic).
     """
     out = {"bounds": {}}
     ddp = methods.get("ddp")
@@ -241,8 +248,16 @@ def add_comparisons(methods: dict) -> dict:
             if res.get("samples_per_s") and base.get("samples_per_s"):
                 res[f"speedup_samples_vs_{ref}"] = res["samples_per_s"] / base["samples_per_s"]
         b = out["bounds"]
+        spec = method_acco_spec(settings or BenchSettings(), name)
         if b and res.get("speedup_step_vs_ddp"):
             res["fraction_of_ideal_overlap"] = res["speedup_step_vs_ddp"] / b["ideal_overlap"]
-            if base_method(name) == "acco":
+            if spec and spec["estimate_comm"] == "full" and spec["split"] is None:  # plain acco's two full rounds
                 res["fraction_of_ideal_acco"] = res["speedup_step_vs_ddp"] / b["ideal_acco"]
+        if b and spec:
+            c, m = b["ddp_compute_s"], b["ddp_comm_s"]
+            res["bound_speedup"] = (c + m) / acco_update_time(c, m, **spec)
+            res["bound_formula"], res["bound_terms"] = acco_formula(spec)
+            res["bound_spec"] = spec
+            measured = res.get("speedup_samples_vs_ddp" if spec["accumulate"] else "speedup_step_vs_ddp")
+            res["fraction_of_bound"] = measured / res["bound_speedup"] if measured else None
     return out

@@ -271,7 +271,7 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
                         f"{res['compute_s_per_update']:.3f} s, comm {res['comm_s_per_update']:.3f} s, "
                         f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} samples/s{busy}")
         methods = {m: combine_repeats(rs) for m, rs in runs.items()}
-        comparisons = add_comparisons(methods)
+        comparisons = add_comparisons(methods, settings)
         bench = {
             "config": {**settings.describe(), "network": net.describe(),
                        "machine": machine_description(), "worker_command": worker_command()},
@@ -311,7 +311,7 @@ def rerender(out: Path) -> dict:
             results.append(res)
         methods[name] = combine_repeats(results)
     bench["methods"] = methods
-    bench.update(add_comparisons(methods))
+    bench.update(add_comparisons(methods, settings))
     (out / "bench.json").write_text(json.dumps(bench, indent=2, default=str) + "\n")
     report.write_bench_report(bench, out)
     return bench

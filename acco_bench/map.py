@@ -11,7 +11,8 @@ compute, and its comm round, a ring reduce-scatter + all-gather of the whole mod
 3. computed for the user's own C and M (``--compute-s``, ``--comm-s``, or ``--bench`` a
    ``bench.json`` / ``sweep.json`` of ``acco-bench cluster`` / ``sweep``).
 
-The formulas are ``bounds``; the assumptions are written into the output (``assumptions``).
+The formulas are ``bounds`` (acco's, every variant's, ``acco_bench.acco_bound.acco_update_time``,
+which ``acco-bench cluster`` uses too); the assumptions are written into the output (``assumptions``).
 Memory per worker is docs/algorithm.md's table ("Memory per worker"), bytes per parameter.
 """
 
@@ -23,20 +24,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from acco_bench import BenchError
+from acco_bench.acco_bound import INT8_BLOCK, acco_update_time, bench_settings, method_acco_spec
 from acco_bench.settings import base_method
 
-INT8_BLOCK = 2048  # acco/engine/quantize.py: int8 elements + one fp32 scale per block of 2048
 BACKWARD_SHARE = 2 / 3  # backward's share of a micro-batch's compute (2 of the 6 N FLOPs per token are forward)
 METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco", "acco-int8", "acco-int8-even", "diloco", "streaming-diloco")
 # methods whose committed update is the exact mean of the gradients of ddp's batch (acco: half of
 # them at the estimate); dpu/wp are one update stale, diloco takes local steps
 FOLLOW_DDP = ("ddp", "torch-ddp", "acco", "acco-int8", "acco-int8-even")
-
-
-def int8_ratio(elem_bytes: int) -> float:
-    """Bytes of the int8 estimate round over the full round's: 1 byte per element + a 4-byte scale
-    per 2048-element block, against ``elem_bytes`` (4 in fp32, 2 in bf16)."""
-    return (1 + 4 / INT8_BLOCK) / elem_bytes
 
 
 @dataclass
@@ -60,8 +55,7 @@ class Case:
 def bounds(k: Case) -> dict[str, float]:
     """Lower bounds on seconds per ddp-sized batch (one update; for diloco one inner step)."""
     c, m = k.c, k.m
-    r = int8_ratio(k.elem_bytes)
-    m_est = r * (m - k.latency_s) + k.latency_s  # the int8 estimate round
+    int8 = dict(estimate_comm="int8", elem_bytes=k.elem_bytes, latency_s=k.latency_s)  # the int8 estimate round
     # torch-ddp: DDP's all-reduce (ddp's bytes, M) overlaps the backward of the last micro-batch
     # only (the others run under no_sync), its last bucket starts when backward ends; then
     # ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a ring round of 4-byte elements)
@@ -73,9 +67,10 @@ def bounds(k: Case) -> dict[str, float]:
         "torch-ddp": c + max(0.0, m - last - hidden) + last + bcast,
         "dpu": max(c, m),
         "wp": max(c, m),
-        "acco": max(c, 2 * m),
-        "acco-int8": max(c, m_est + m),  # micro-batches split between the rounds by their durations
-        "acco-int8-even": max(c / 2, m_est) + max(c / 2, m),  # half the batch in each round
+        "acco": acco_update_time(c, m),  # two full rounds: max(C, 2M)
+        # micro-batches split between the rounds by their durations: max(C, M_est + M)
+        "acco-int8": acco_update_time(c, m, split="auto", **int8),
+        "acco-int8-even": acco_update_time(c, m, **int8),  # half the batch in each round
         "diloco": c + m / k.sync_every,
         "streaming-diloco": c + k.fragments * max(0.0, m / k.fragments - k.fragment_delay * c) / k.s_sync_every,
     }
@@ -144,6 +139,8 @@ def check_rows(extra: list[dict] | None = None) -> list[dict]:
     for meas in MEASURED + (extra or []):
         k = Case(c=meas["c"], m=meas["m"], **meas["case"])
         b = speedups(k)
+        for n, spec in (meas.get("acco") or {}).items():  # a bench's acco variants: each its own bound
+            b[n] = (k.c + k.m) / acco_update_time(k.c, k.m, latency_s=k.latency_s, **spec)
         rows.append({"source": meas["source"], "link": meas["link"], "c": k.c, "m": k.m,
                      "methods": {n: {"measured": s, "bound": b[n], "ratio": s / b[n]}
                                  for n, s in meas["speedup"].items()}})
@@ -160,7 +157,7 @@ def from_bench_json(path: Path) -> list[dict]:
     points = data.get("points") or [{"label": (cfg.get("network") or {}).get("label", Path(path).parent.name),
                                      "bounds": data.get("bounds") or {}, "methods": data.get("methods") or {}}]
     acc = bool(cfg.get("accumulate_while_waiting"))
-    int8 = any("estimate_comm=int8" in str(o) for o in cfg.get("extra") or ())
+    settings, plain = bench_settings(cfg), bench_settings({**cfg, "extra": ()})
     key = "speedup_samples_vs_ddp" if acc else "speedup_step_vs_ddp"
     case = dict(workers=int(cfg.get("hosts", 2)), elem_bytes=2 if cfg.get("mixed_precision") else 4,
                 grad_accum=int(cfg.get("grad_accum", 4)), accumulate=acc)
@@ -170,11 +167,16 @@ def from_bench_json(path: Path) -> list[dict]:
         if b.get("ddp_compute_s") is None or b.get("ddp_comm_s") is None:
             raise BenchError(f"--bench {path}: no ddp compute/comm figures (run it with ddp among --methods)")
         by_h: dict[tuple, dict] = {(): {}}  # diloco variants (diloco-h20) get a row with their own H
+        specs = {}  # acco and its variants: their own bound from the overrides their workers got
         for name, r in (p.get("methods") or {}).items():
             base, h = base_method(name), name.rpartition("-h")[2]
-            base = "acco-int8-even" if base == "acco" and int8 and not acc else base
             if base not in METHODS or base == "ddp" or not isinstance(r, dict) or not r.get(key):
                 continue
+            if base == "acco":
+                spec = method_acco_spec(settings, name)
+                split = {None: "even", "auto": "auto"}.get(spec["split"], f"{spec['split']}/{spec['micro_batches']}")
+                base = name if spec == method_acco_spec(plain, name) else f"{name} [{spec['estimate_comm']}, {split}]"
+                specs[base] = spec
             hk = (("sync_every" if base == "diloco" else "s_sync_every", int(h)),) \
                 if name != base and "diloco" in base and h.isdigit() else ()
             by_h.setdefault(hk, {})[base] = r[key]
@@ -182,7 +184,7 @@ def from_bench_json(path: Path) -> list[dict]:
             if sp:
                 rows.append(dict(source=str(path) + "".join(f" ({'diloco' if n == 'sync_every' else 'streaming'} H {v})" for n, v in hk),
                                  link=str(p.get("label")), c=b["ddp_compute_s"], m=b["ddp_comm_s"],
-                                 case={**case, **dict(hk)}, speedup=sp))
+                                 case={**case, **dict(hk)}, speedup=sp, acco=specs))
     return rows
 
 
@@ -249,7 +251,9 @@ def assumptions(a) -> list[str]:
         f"acco-int8 (estimate_comm: int8): max(C, M_est + M), M_est = M x (1 + 4/{INT8_BLOCK}) / e (int8 + an fp32 "
         "scale per block, e = 4 bytes in fp32, 2 in bf16: 0.2505 M / 0.501 M), with the micro-batches split "
         "between the rounds by their durations (issue 20 item 4, not built yet); acco-int8-even: "
-        "max(C/2, M_est) + max(C/2, M), the even split today's engine runs with a fixed batch.",
+        "max(C/2, M_est) + max(C/2, M), the even split today's engine runs with a fixed batch; with e of the 2k "
+        "micro-batches per update during the estimate round (estimate_micro_batches): max(eC/2k, M_est) + "
+        "max((2k-e)C/2k, M). A --bench run's acco variants each get the bound of the overrides they ran with.",
         f"torch-ddp: C + max(0, M - M/B - {BACKWARD_SHARE:.2f} C/k) + M/B + (M/2)(4/e): DDP's all-reduce (ddp's bytes) "
         "overlaps only the last of k micro-batches' backward (2/3 of its compute), the last of B buckets cannot "
         "overlap, then ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a round of 4-byte elements).",
@@ -336,7 +340,8 @@ def markdown(r: dict) -> str:
                       f"**{u['winner_all']}**. {LEGEND}", ""]
     lines += ["## Bounds against the measured speedups (BENCHMARKS.md)", "",
               "Each cell: measured speedup over ddp / bound = measured as a share of the bound.", ""]
-    names = [n for n in METHODS if any(n in row["methods"] for row in r["check"])]
+    names = list(dict.fromkeys(n for n in (*METHODS, *(n for row in r["check"] for n in row["methods"]))
+                               if any(n in row["methods"] for row in r["check"])))
     rows = [[row["source"], row["link"], _f(row["c"], 3), _f(row["m"], 3)]
             + [(f"{_f(x['measured'])} / {_f(x['bound'])} = **{_f(x['ratio'])}**" if (x := row["methods"].get(n))
                 else "") for n in names] for row in r["check"]]
