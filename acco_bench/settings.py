@@ -17,9 +17,11 @@ VARIANTS = {
     "acco-paper": ("acco", ("train.acco_estimate=paper",)),
     "acco-lean": ("acco", ("train.acco_estimate=lean",)),
     # The cheap estimate round (estimate_comm int8), with the even split and with one micro-batch
-    # per worker while the estimate round runs (the rest during the update round).
+    # per worker while the estimate round runs (the rest during the update round) ...
     "acco-int8": ("acco", ("train.estimate_comm=int8",)),
     "acco-int8-e1": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=1")),
+    # ... and with the split picked from the rounds' measured durations
+    "acco-int8-auto": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto")),
     # DiLoCo's sync period H (inner steps), for the sweep; streaming: 4 fragments, tau 1.
     **{f"diloco-h{h}": ("diloco", (f"train.sync_every={h}",)) for h in (5, 10, 20, 50)},
     **{f"streaming-diloco-h{h}": ("streaming-diloco", (f"train.sync_every={h}", "train.num_fragments=4",

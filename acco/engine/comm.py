@@ -49,9 +49,14 @@ from acco.engine.optim import ShardedAdamW, learning_rate
 # Layout of the per-worker statistics vector that the compute side fills for each payload.
 WEIGHT, LOSS, MICRO_BATCHES, EXHAUSTED = range(4)
 N_STATS = 4
-# The round sends one more: the L2 norm of this worker's reduced (summed) gradient shard.
+# The round sends two more: the L2 norm of this worker's reduced (summed) gradient shard, and
+# (acco, estimate_micro_batches=auto) the split this worker proposes: the proposals travel with
+# the statistics, so every worker takes the same one (the largest) with no collective of its own.
 SHARD_NORM = N_STATS
-N_SENT = N_STATS + 1
+SPLIT_PROPOSAL = N_STATS + 1
+N_SENT = N_STATS + 2
+# auto split: weight of the newest update's round durations in their running average
+SPLIT_SMOOTHING = 0.25
 
 
 class RoundKind(enum.Enum):
@@ -89,7 +94,7 @@ class RoundResult:
     step: int  # committed updates (update rounds that applied a gradient) so far, after this round
     exhausted: bool  # some worker ran out of data
     weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
-    busy_s: float  # wall time of the round, collectives and optimizer
+    busy_s: float  # wall time of the round, collectives and optimizer (on CUDA: its side stream's span)
     grad_norm: float  # global L2 norm of the averaged gradient, before clipping (nan: clipping off)
 
 
@@ -131,8 +136,7 @@ class CommRound:
             self.int8 = quantize.Int8EstimateComm(self.world_size, self.layout.rank, self.layout.shard_numel,
                                                   device, group, block=quantize.BLOCK)  # (read now: tests set it)
             self.params = flat.params
-        k = cfg.n_grad_accumulation  # acco: (an update's micro-batches, its estimate payload's) per worker
-        self.split = (2 * k, 2 * k - (cfg.estimate_micro_batches or k))
+        self._init_split(cfg)
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
@@ -164,6 +168,8 @@ class CommRound:
         if not quantized and self.summed_grad_shard is not self.grad_shard:
             self.grad_shard.copy_(self.summed_grad_shard)
         self.stats_sent[:N_STATS].copy_(stats)
+        if self.split_auto:
+            self.stats_sent[SPLIT_PROPOSAL] = self.split_proposal
         if self.max_grad_norm:  # one pass over the shard; padding is zero, so the shards' squared
             # norms add up to the whole gradient's squared norm
             torch.linalg.vector_norm(self.grad_shard, out=self.shard_norm)
@@ -177,10 +183,13 @@ class CommRound:
         weight = sum(row[WEIGHT] for row in per_worker)
         micro_batches = [int(row[MICRO_BATCHES]) for row in per_worker]
         total_micro_batches = sum(micro_batches)  # the payload's, over all workers
+        if self.split_auto and is_update:  # every worker reads the same rows: the same split
+            self.next_split_e = int(max(row[SPLIT_PROPOSAL] for row in per_worker))
         # An estimate round estimates the update that follows it, which adds the micro-batches computed
         # during the estimate round: e per worker to the payload's 2k - e (estimate_micro_batches; k to k
         # by default), exactly so with a fixed batch. During warm-up it takes that update's LR, not a smaller one.
-        update_micro_batches = total_micro_batches if is_update else total_micro_batches * self.split[0] // self.split[1]
+        update = 2 * self.cfg.n_grad_accumulation
+        update_micro_batches = total_micro_batches if is_update else total_micro_batches * update // (update - self.split_e)
         lr = learning_rate(self.cfg, self.samples, update_micro_batches)
         grad_norm = float("nan")
         if weight > 0:
@@ -240,6 +249,54 @@ class CommRound:
             grad_norm=grad_norm,
         )
 
+    # ---- acco's split of an update's 2k micro-batches per worker between its two rounds ----------
+
+    def _init_split(self, cfg: EngineConfig) -> None:
+        """``split_e``: micro-batches per worker computed while an estimate round runs (the
+        update round's 2k - split_e before it made that round's payload). With
+        ``estimate_micro_batches: auto`` it starts from the rounds' bytes and follows their
+        measured durations: ``note_round`` (compute side) updates this worker's proposal, the next
+        update round carries every worker's (``next_split_e``: the largest) and ``adopt_split``
+        takes it when an update round is launched, the one place where the payload in hand and the
+        micro-batches still to compute add up to 2k whatever the new split is."""
+        k2, e = 2 * cfg.n_grad_accumulation, cfg.estimate_micro_batches
+        self.split_auto = cfg.method == "acco" and e == "auto"
+        self.split_share = 0.5  # the estimate round's share of an update's comm time, averaged
+        if self.split_auto and self.int8 is not None:  # until measured: the share of the bytes
+            n = self.layout.shard_numel
+            ratio = quantize.row_bytes(n) / (n * self.new_param_shard.element_size())
+            self.split_share = ratio / (1 + ratio)
+        self._estimate_s = None
+        self.split_proposal = self._proposal()
+        self.split_e = self.next_split_e = self.split_proposal if self.split_auto else (e or k2 // 2)
+
+    def _proposal(self) -> int:
+        k2 = 2 * self.cfg.n_grad_accumulation
+        return min(max(int(k2 * self.split_share + 0.5), 1), k2 - 1)
+
+    def note_round(self, result: RoundResult) -> None:
+        """Compute side, between rounds: a finished round's duration (auto split only)."""
+        if not self.split_auto:
+            return
+        if result.kind is RoundKind.ESTIMATE:
+            self._estimate_s = result.busy_s
+        elif self._estimate_s is not None and self._estimate_s + result.busy_s > 0:
+            share = self._estimate_s / (self._estimate_s + result.busy_s)
+            self.split_share += SPLIT_SMOOTHING * (share - self.split_share)
+            self.split_proposal = self._proposal()
+
+    def adopt_split(self) -> None:
+        """Compute side, before an update round's launch: the split the last update round agreed."""
+        self.split_e = self.next_split_e
+
+    def split_state(self) -> dict:
+        return {"e": self.split_e, "next": self.next_split_e, "share": self.split_share,
+                "proposal": self.split_proposal}
+
+    def load_split_state(self, state: dict) -> None:
+        self.split_e, self.next_split_e = int(state["e"]), int(state["next"])
+        self.split_share, self.split_proposal = float(state["share"]), int(state["proposal"])
+
 
 class BackgroundComm:
     """Runs comm rounds on one background thread; on CUDA also on a side stream.
@@ -267,10 +324,16 @@ class BackgroundComm:
         def on_side_stream() -> RoundResult:
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(payload_ready)
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(self.stream)
                 result = round_fn()
-                done = torch.cuda.Event(blocking=True)  # the comm thread sleeps, it does not spin a core
+                # the comm thread sleeps, it does not spin a core
+                done = torch.cuda.Event(enable_timing=True, blocking=True)
                 done.record(self.stream)
             done.synchronize()
+            # The round's span on its stream, from its payload being ready to its last kernel
+            # (the host's part alone would miss the kernels still queued).
+            result.busy_s = started.elapsed_time(done) / 1000
             return result
 
         return self.executor.submit(on_side_stream)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
 # Methods with no per-update collective: local steps, and every sync_every of them an outer step.
@@ -83,12 +84,14 @@ class EngineSettings:
     and its all-gather as the int8 delta theta~_{t+1} - theta_t: a quarter of its bytes in fp32, half
     in bf16. The update round, which commits, stays exact (docs/algorithm.md, "The cheap estimate
     round"). Other methods have no estimate round: "full" only."""
-    estimate_micro_batches: int | None = None
+    estimate_micro_batches: Any = None
     """acco: micro-batches a worker computes while the estimate round runs (e, an integer in
     [1, 2 n_grad_accumulation - 1]); the update round, and the warm start before the first round,
     take the rest of the update's 2 n_grad_accumulation, so the committed batch is unchanged. A
     short estimate round (estimate_comm=int8) then hides less computation and the long update round
-    more. null: n_grad_accumulation, the even split. With accumulate_while_waiting both are minima
+    more. "auto": e = 2k M_est / (M_est + M_upd) from the rounds' measured durations, agreed by every
+    worker (the largest proposal) and changed only where the committed batch stays 2k. null:
+    n_grad_accumulation, the even split. With accumulate_while_waiting both are minima
     (docs/algorithm.md, "The cheap estimate round")."""
     grad_accum_dtype: str = "bf16"
     """Where a worker sums its micro-batches' gradients in mixed precision: "bf16" (in the bf16
@@ -162,9 +165,9 @@ class EngineConfig(EngineSettings):
         if e is not None and self.method != "acco":
             raise ConfigError(f"estimate_micro_batches applies to acco's estimate round only; method {self.method} "
                               "has none (estimate_micro_batches=null)")
-        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= most):
-            raise ConfigError(f"estimate_micro_batches must be an integer in [1, 2 n_grad_accumulation - 1 = {most}] "
-                              f"or null (n_grad_accumulation), got {e!r}")
+        if e not in (None, "auto") and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= most):
+            raise ConfigError(f"estimate_micro_batches must be an integer in [1, 2 n_grad_accumulation - 1 = {most}], "
+                              f"auto, or null (n_grad_accumulation), got {e!r}")
 
     def _validate_local_sgd(self) -> None:
         for name in ("sync_every", "num_fragments"):

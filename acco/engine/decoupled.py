@@ -194,9 +194,11 @@ class DecoupledEngine:
         # n_grad_accumulation counts a worker's micro-batches per round; a sequential update takes
         # every round's share at once (acco k matches ddp 2k).
         micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
-        # Computed while each kind of round runs: acco's split, e (estimate_micro_batches) and 2k - e.
-        e = cfg.estimate_micro_batches or cfg.n_grad_accumulation
-        during = {RoundKind.ESTIMATE: e, RoundKind.UPDATE: micro_batches_per_update - e * (len(round_kinds) - 1)}
+
+        def during(kind: RoundKind) -> int:
+            """Computed while a round of `kind` runs: acco's split, e and 2k - e (CommRound.split_e)."""
+            e = self.comm.split_e
+            return e if kind is RoundKind.ESTIMATE else micro_batches_per_update - e * (len(round_kinds) - 1)
 
         def finished() -> bool:
             return self.comm.samples >= cfg.nb_steps_tot or self._exhausted
@@ -215,16 +217,19 @@ class DecoupledEngine:
         # overlap (unless a checkpoint restored the accumulator that the last round filled).
         compute_s = 0.0
         if not self._resume_overlap:
-            compute_s = self._accumulate(batches, loss_fn, during[round_kinds[-1]])
+            compute_s = self._accumulate(batches, loss_fn, during(round_kinds[-1]))
         self._resume_overlap = False
         self._in_overlap = True
         wait_s = comm_s = 0.0
         for kind in itertools.cycle(round_kinds):
+            if kind is RoundKind.UPDATE:
+                self.comm.adopt_split()
             handle = self._launch(kind)
-            compute_s += self._accumulate(batches, loss_fn, during[kind], handle)
+            compute_s += self._accumulate(batches, loss_fn, during(kind), handle)
             start = time.perf_counter()
             result: RoundResult = handle.result()
             wait_s += time.perf_counter() - start
+            self.comm.note_round(result)
             comm_s += result.busy_s
             self._swap_in(kind)
             if kind is RoundKind.ESTIMATE:  # its update round completes the update
@@ -322,6 +327,7 @@ class DecoupledEngine:
             "dropped_micro_batches": dropped,
             # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
             "estimate_error": self.comm.estimate_error,
+            "split": self.comm.split_state(),  # acco: the accumulator's payload was computed with 2k - e
         }
 
     def load_state_dict(self, state: dict, old_state: Callable[[int], dict] | None = None) -> bool:
@@ -360,6 +366,8 @@ class DecoupledEngine:
         self._predicting = predicted is not None
         if not exact:
             return False
+        if state.get("split") is not None:
+            self.comm.load_split_state(state["split"])
         if self.comm.estimate_error is not None:  # older checkpoints and other estimates: none
             saved = state.get("estimate_error")
             self.comm.estimate_error.copy_(saved) if saved is not None else self.comm.estimate_error.zero_()
