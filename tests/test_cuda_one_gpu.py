@@ -190,6 +190,39 @@ def test_every_method_on_one_rank_equals_its_reference_in_fp32(on, one_thread):
         assert not torch.allclose(finals[a], finals[b], atol=1e-4), (a, b)
 
 
+def _acco_int8_auto(device):
+    """acco with the int8 estimate round and the split from measured round durations; each round's
+    duration as the compute side notes it (on the GPU: its side stream's span, timed by events)."""
+    from acco.engine import build_engine
+
+    k2 = 2 * N * 2
+    cfg = config(method="acco", n_grad_accumulation=k2 // 2, nb_steps_tot=k2 * UPDATES, estimate_comm="int8",
+                 estimate_micro_batches="auto")
+    model = make_model("mlp").to(device)
+    engine = build_engine(model, cfg)
+    noted, note = [], engine.comm.note_round
+
+    def noting(result):
+        noted.append((result.kind.value, result.busy_s))
+        note(result)
+
+    engine.comm.note_round = noting
+    records = list(engine.run(_mlp_batches(device), loss_fn))
+    split = engine.comm.split_e
+    engine.close()
+    theta = parameters_to_vector(model.parameters()).detach().float().cpu()
+    return k2, [r.micro_batches for r in records], noted, split, theta
+
+
+@pytest.mark.parametrize("on", ON)
+def test_acco_int8_with_the_auto_split_times_its_rounds(on, one_thread):
+    k2, micro_batches, noted, split, theta = run_one_rank(on, _acco_int8_auto)
+    assert micro_batches == [[k2]] * UPDATES  # the committed batch, whatever the split
+    assert [kind for kind, _ in noted] == ["estimate round", "update round"] * UPDATES
+    assert all(0 < s < 60 for _, s in noted), noted  # every round measured
+    assert 1 <= split <= k2 - 1 and bool(torch.isfinite(theta).all())
+
+
 # --------------------------------------------------------------------------- bf16: GPT-Neo learns
 
 
