@@ -84,9 +84,11 @@ class RunLog:
             "wait_s": record.wait_s,
             "comm_s": record.comm_s,
             "micro_batches": record.micro_batches,
+            "estimate_micro_batches": record.estimate_micro_batches,  # acco's split (None: other methods)
         }
         self._worker.write(
-            json.dumps({k: line[k] for k in ("step", "compute_s", "wait_s", "comm_s", "micro_batches")}) + "\n"
+            json.dumps({k: line[k] for k in ("step", "compute_s", "wait_s", "comm_s", "micro_batches",
+                                                 "estimate_micro_batches")}) + "\n"
         )
         self._worker.flush()
         if self.rank != 0:
@@ -97,6 +99,8 @@ class RunLog:
             self._tb.add_scalar(f"train/{key}", getattr(record, key), record.samples)
         if line["grad_norm"] is not None:  # None with clipping off
             self._tb.add_scalar("train/grad_norm", record.grad_norm, record.samples)
+        if record.estimate_micro_batches is not None:
+            self._tb.add_scalar("train/estimate_micro_batches", record.estimate_micro_batches, record.samples)
         tokens_per_s = line["tokens"] / max(record.wall_time, 1e-9)
         self._tb.add_scalar("train/tokens_per_s", tokens_per_s, record.samples)
         if self._bar is not None:

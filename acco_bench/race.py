@@ -34,6 +34,7 @@ in summary.json.
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import statistics
@@ -178,6 +179,9 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         "compute_s_per_update": median("compute_s"),
         "comm_s_per_update": median("comm_s"),
         "wait_s_per_update": median("wait_s"),
+        # acco: e per worker while the estimate round runs, per update (auto moves it)
+        "estimate_micro_batches": dict(sorted(collections.Counter(
+            r["estimate_micro_batches"] for r in timers if r.get("estimate_micro_batches") is not None).items())),
         "eval_interval": eval_interval(curve),
         "eval_curve": curve,
         "harness_wall_s": wall,

@@ -103,6 +103,7 @@ def test_split_counts_and_updates_equal_the_reference():
         assert [(kind_, mb) for kind_, mb, _ in rounds] == \
             [(RoundKind.ESTIMATE, [2 * K - e] * WORLD), (RoundKind.UPDATE, [2 * K] * WORLD)] * UPDATES, (i, rounds)
         assert [r.micro_batches for r in records] == [[2 * K] * WORLD] * UPDATES
+        assert [r.estimate_micro_batches for r in records] == [e] * UPDATES  # logged with each update
         # each estimate round took the LR of the update that follows it (the warm-up is still on)
         lrs = [lr for _, _, lr in rounds]
         assert lrs[0::2] == lrs[1::2] and lrs[-1] < cfg.learning_rate, lrs
@@ -226,6 +227,7 @@ def test_auto_split_follows_the_rounds_durations_and_keeps_the_batch():
     params, records, rounds = results[0]
     # the committed batch is 2k per worker in every update, whatever the split
     assert [r.micro_batches for r in records] == [[2 * AUTO_K] * WORLD] * AUTO_UPDATES
+    assert [r.estimate_micro_batches for r in records] == splits[1:]  # each update logs its split
     # each estimate round's payload was computed while the last update round ran: 2k - that round's e
     assert [mb for kind_, mb, _ in rounds[0::2]] == [[2 * AUTO_K - e] * WORLD for e in splits[:-1]], rounds
     assert all(kind_ is RoundKind.ESTIMATE for kind_, _, _ in rounds[0::2])

@@ -231,6 +231,9 @@ class UpdateRecord:
     # Global L2 norm of this update's averaged gradient, before clipping (as Hugging Face logs it;
     # nan with clipping off, which then costs nothing).
     grad_norm: float = float("nan")
+    # acco: the split in effect, e of the 2k micro-batches per worker computed while an estimate
+    # round runs (estimate_micro_batches; it moves with auto); None for the other methods.
+    estimate_micro_batches: int | None = None
 
     @property
     def batch_micro_batches(self) -> int:

@@ -255,6 +255,7 @@ class DecoupledEngine:
             wall_time=self._wall(),
             weight=result.weight,
             grad_norm=result.grad_norm,
+            estimate_micro_batches=self.comm.split_e if self._in_overlap and self.cfg.method == "acco" else None,
         )
 
     def _wall(self) -> float:
