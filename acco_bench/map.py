@@ -250,8 +250,8 @@ def assumptions(a) -> list[str]:
         "ddp: C + M. dpu, wp: max(C, M). acco: max(C, 2M) (two full rounds per update).",
         f"acco-int8 (estimate_comm: int8): max(C, M_est + M), M_est = M x (1 + 4/{INT8_BLOCK}) / e (int8 + an fp32 "
         "scale per block, e = 4 bytes in fp32, 2 in bf16: 0.2505 M / 0.501 M), with the micro-batches split "
-        "between the rounds by their durations (issue 20 item 4, not built yet); acco-int8-even: "
-        "max(C/2, M_est) + max(C/2, M), the even split today's engine runs with a fixed batch; with e of the 2k "
+        "between the rounds by their durations (estimate_micro_batches: auto); acco-int8-even: "
+        "max(C/2, M_est) + max(C/2, M), the even split (estimate_micro_batches: null) with a fixed batch; with e of the 2k "
         "micro-batches per update during the estimate round (estimate_micro_batches): max(eC/2k, M_est) + "
         "max((2k-e)C/2k, M). A --bench run's acco variants each get the bound of the overrides they ran with.",
         f"torch-ddp: C + max(0, M - M/B - {BACKWARD_SHARE:.2f} C/k) + M/B + (M/2)(4/e): DDP's all-reduce (ddp's bytes) "
@@ -276,8 +276,8 @@ def assumptions(a) -> list[str]:
     ]
 
 
-LEGEND = ("acco-int8 splits an update's micro-batches between the rounds by their durations (issue 20 item 4, "
-          "not built yet); acco-int8-even is what the engine runs today with a fixed batch.")
+LEGEND = ("acco-int8 splits an update's micro-batches between the rounds by their durations "
+          "(estimate_micro_batches: auto); acco-int8-even is the even split (the default, null) with a fixed batch.")
 
 
 def _f(x, d=2, suffix=""):
