@@ -3,14 +3,18 @@ engine against a plain reference that quantizes the estimate round alone, with t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_distributed
 from engine_helpers import Reference, assert_close, config, loss_fn, make_model, stream
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine import ConfigError, EngineConfig, build_engine, collectives
 from acco.engine import quantize as qz
-from acco.engine.comm import RoundKind
+from acco.engine.comm import N_SENT, RoundKind
 
 BLOCK = 64  # the engine tests' block: several per shard, the last one short (the toy models have ~500 parameters)
 
@@ -92,37 +96,73 @@ def _engine_order(model) -> torch.Tensor:
     return torch.cat([idx for big, idx in spans if big] + [idx for big, idx in spans if not big])
 
 
-def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None):
+def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None, dtype=torch.float32):
     """acco with the estimate round quantized as the engine does it, written out: the estimate's
     gradient is each worker's own sum, quantized shard by shard (blocks per shard) and summed in
     fp32; theta~ = theta_t + dequantized (theta~_exact - theta_t); the update round commits
     Opt(theta_t, exact mean of g~_t + g_t). ``bounds``: a list that receives, per estimate round,
     the largest error / bound ratio of the gradient and of the gathered estimate; ``estimates``:
     a list that receives (theta~ as gathered, theta~ before the all-gather's quantization, each
-    element's quantum)."""
+    element's quantum).
+
+    ``dtype`` bf16 (mixed precision) rounds where the engine does: gradients at bf16(theta), each
+    worker's added up micro-batch by micro-batch in bf16 (grad_accum_dtype bf16; the update's payload
+    goes on from the estimate's), the update round's sum in bf16 in the ring's order, and theta~ =
+    bf16(bf16(theta_t) + dequantized (theta~_exact - bf16(theta_t))): the delta against the parameters
+    every worker holds, not the fp32 master. The master, the trial step and the error stay fp32."""
+    lowp = dtype != torch.float32
     counts = [cfg.n_grad_accumulation] * world
     ref = Reference(kind, cfg, world, counts)
     order = _engine_order(ref.model)
     numel = order.numel()
     shard = -(-numel // world)
 
-    def shards(v):  # [W, S] in the engine's order, zero-padded
-        out = torch.zeros(world * shard)
+    def shards(v):  # [W, S] in the engine's order, zero-padded, in v's dtype
+        out = torch.zeros(world * shard, dtype=v.dtype)
         out[:numel] = v[order]
         return out.view(world, shard)
 
     def back(u):
-        v = torch.empty(numel)
+        v = torch.empty(numel, dtype=u.dtype)
         v[order] = u.reshape(-1)[:numel]
         return v
 
-    def per_worker_grads(theta):
+    def per_worker_grads(theta, running=None):
+        """Each worker's sum of its next micro-batches' gradients at theta (bf16: added one by one to
+        its ``running`` sum, in bf16)."""
         chunk = ref.next_chunk()
+        if not lowp:
+            sums, start = [], 0
+            for n in counts:
+                sums.append(ref.grad_sum(theta, chunk[start : start + n])[0])
+                start += n
+            return sums
+        probe = copy.deepcopy(ref.model).to(dtype)
+        params = list(probe.parameters())
+        vector_to_parameters(theta.to(dtype), params)
         sums, start = [], 0
-        for n in counts:
-            sums.append(ref.grad_sum(theta, chunk[start : start + n])[0])
+        for w, n in enumerate(counts):
+            total = None if running is None else running[w]
+            for x, y in chunk[start : start + n]:
+                probe.zero_grad()
+                loss_fn(probe, (x.to(dtype), y.to(dtype))).backward()
+                g = parameters_to_vector([p.grad for p in params])
+                total = g if total is None else total + g
+            sums.append(total)
             start += n
         return sums
+
+    def ring_sum(payloads):
+        """The update round's reduce-scatter in the payloads' dtype: chunk c is summed along the ring
+        from worker c + 1 to worker c (collectives.reduce_scatter)."""
+        out = torch.empty(world, shard, dtype=payloads[0].dtype)
+        rows = [shards(p) for p in payloads]
+        for c in range(world):
+            acc = rows[(c + 1) % world][c]
+            for j in range(2, world + 1):
+                acc = acc + rows[(c + j) % world][c]
+            out[c] = acc
+        return back(out)
 
     def reduce_scatter(grads):
         total, bound = torch.zeros(world, shard), torch.zeros(world, shard)
@@ -131,19 +171,21 @@ def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None
                 q, s = qz.fake_quantize(row, block)
                 total[r] += q
                 bound[r] += qz.error_bound(s, shard, block)
-        exact = shards(sum(grads))
+        exact = shards(sum(g.float() for g in grads))
         if bounds is not None:
             bounds.append(("grad", float(((total - exact).abs() / bound.clamp_min(1e-30)).max())))
         return back(total)
 
     def gather_delta(estimate, theta):
-        out, base, quantum = torch.empty(world, shard), shards(theta), torch.empty(world, shard)
-        for r, row in enumerate(shards(estimate) - base):
+        # the base: the parameters every worker holds during the round, theta_t in the model's dtype
+        out, base, quantum = torch.empty(world, shard), shards(theta.to(dtype)), torch.empty(world, shard)
+        for r, row in enumerate(shards(estimate) - base):  # fp32
             q, s = qz.fake_quantize(row, block)
-            out[r] = base[r] + q
+            out[r] = (base[r] + q).to(dtype)  # (held in fp32: bf16 values are exact there)
             quantum[r] = s.repeat_interleave(block)[:shard]
-            if bounds is not None:
-                ratio = (out[r] - shards(estimate)[r]).abs() / (qz.error_bound(s, shard, block) + 1e-7)
+            if bounds is not None:  # bf16: and theta~'s own rounding, at most 2^-8 |theta~|
+                bound = qz.error_bound(s, shard, block) + (2.0**-8 * out[r].abs() if lowp else 0) + 1e-7
+                ratio = (out[r] - shards(estimate)[r]).abs() / bound
                 bounds.append(("estimate", float(ratio.max())))
         return back(out), back(quantum)
 
@@ -159,18 +201,21 @@ def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None
         theta_est, quantum = gather_delta(exact, theta)
         if estimates is not None:
             estimates.append((theta_est, exact, quantum))
-        g, _ = ref.grad_sum(theta, ref.next_chunk())  # g_t at theta_t, exact
-        theta = ref.commit(theta, sum(g_est) + g, n_est + sum(counts))
+        if lowp:  # g_t at theta_t, on top of g~_t in each worker's bf16 payload; summed in bf16
+            total = ring_sum(per_worker_grads(theta, running=g_est)).float()
+        else:
+            g, _ = ref.grad_sum(theta, ref.next_chunk())  # g_t at theta_t, exact
+            total = sum(g_est) + g
+        theta = ref.commit(theta, total, n_est + sum(counts))
         error = exact - theta
         g_est = per_worker_grads(theta_est)
     return theta
 
 
 def _train(rank, world, kind, cfgs, block):
-    """Every rank: train with each config; final parameters, records and the bytes this rank sent per
-    round, by kind (the all-to-all and the ring's sends; the statistics' small all-gather apart)."""
-    import torch.distributed as dist
-
+    """Every rank: train with each config; final parameters, records, the bytes this rank sent per
+    round, by kind (the all-to-all and the ring's sends; the statistics' small all-gather apart),
+    each theta~ and this rank's fp32 master shard."""
     qz.BLOCK = block
     sent = {"bytes": 0}
     if world > 1:
@@ -202,17 +247,20 @@ def _train(rank, world, kind, cfgs, block):
             return result
 
         engine.comm.run = counted
-        records = list(engine.run(stream(kind, rank, world), loss_fn))
+        dtype = engine.flat.dtype  # bf16 in mixed precision: the batches too
+        records = list(engine.run(([t.to(dtype) for t in b] for b in stream(kind, rank, world)), loss_fn))
         engine.close()
-        out.append((torch.nn.utils.parameters_to_vector(model.parameters()).detach(), records, rounds, estimates))
+        out.append((parameters_to_vector(model.parameters()).detach(), records, rounds, estimates,
+                    engine.comm.optimizer.master.clone()))
     return out
 
 
-def _configs(updates, world):
+def _configs(updates, world, **kw):
     k = 2
-    int8 = config(method="acco", n_grad_accumulation=k, nb_steps_tot=2 * k * world * updates, estimate_comm="int8")
+    int8 = config(method="acco", n_grad_accumulation=k, nb_steps_tot=2 * k * world * updates, estimate_comm="int8",
+                  **kw)
     return [int8, config(method="acco", n_grad_accumulation=k, nb_steps_tot=int8.nb_steps_tot,
-                         acco_estimate="paper", estimate_comm="int8")]
+                         acco_estimate="paper", estimate_comm="int8", **kw)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -227,7 +275,7 @@ def test_engine_equals_the_quantized_reference(world):
     numel = sum(p.numel() for p in make_model(kind).parameters())
     shard = -(-numel // world)
     order = _engine_order(make_model(kind))
-    for cfg, (params, records, rounds, estimates) in zip(cfgs, results[0]):
+    for cfg, (params, records, rounds, estimates, _) in zip(cfgs, results[0]):
         bounds, ref_estimates = [], []
         expected = reference_int8(kind, cfg, world, updates, BLOCK, bounds, ref_estimates)
         assert len(records) == updates
@@ -255,3 +303,146 @@ def test_engine_equals_the_quantized_reference(world):
         assert (params - exact).abs().max() > 1e-6
     for r in range(1, world):  # every worker holds the same parameters
         torch.testing.assert_close(results[r][0][0], results[0][0][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_engine_in_bf16_equals_the_quantized_reference(world):
+    """Mixed precision rounds in places fp32 does not: the payload is bf16, and theta~'s delta is taken
+    against the bf16 parameters every worker holds, not against the fp32 master (whose delta the
+    others, adding it to their bf16 copy, would get wrong by up to half a bf16 step)."""
+    kind, updates = "mlp", 5
+    cfgs = _configs(updates, world, use_mixed_precision=True)
+    run = _train(0, 1, kind, cfgs, BLOCK) if world == 1 else None
+    results = [run] if world == 1 else run_distributed(_train, world, kind, cfgs, BLOCK)
+    qz.BLOCK = 2048  # (the in-process run set it)
+    order = _engine_order(make_model(kind))
+    to_reference, numel, shard = torch.argsort(order), order.numel(), -(-order.numel() // world)
+    for i, cfg in enumerate(cfgs):
+        params, records, rounds, estimates, _ = results[0][i]
+        master = torch.cat([results[r][i][4] for r in range(world)])[:numel][to_reference]
+        bounds, ref_estimates = [], []
+        expected = reference_int8(kind, cfg, world, updates, BLOCK, bounds, ref_estimates, dtype=torch.bfloat16)
+        assert len(records) == updates
+        # the committed fp32 master is the reference's, and the model holds it rounded to bf16
+        assert_close(master, expected, f"int8 estimate in bf16, {cfg.acco_estimate}, W={world}")
+        assert params.dtype == torch.bfloat16 and torch.equal(params, master.bfloat16())
+        # each bf16 theta~ is the reference's, but for the rare element that float noise in the master
+        # moves by one quantum or one bf16 step; unquantized, nearly every element differs
+        assert len(estimates) == len(ref_estimates) == updates
+        for t, (got, (want, unquantized, quantum)) in enumerate(zip(estimates, ref_estimates)):
+            assert got.dtype == torch.bfloat16
+            got = got.float()[to_reference]
+            diff = (got - want).abs()
+            assert (diff <= 1.01 * quantum + 2.0**-7 * want.abs() + 1e-6).all(), t
+            assert int((diff > 0).sum()) <= max(2, numel // 100), (t, int((diff > 0).sum()))
+            assert int(((got - unquantized).abs() > 1e-6).sum()) > numel // 2, t
+        # the gradient's and theta~'s errors within their bounds (theta~'s with its bf16 rounding)
+        assert bounds and max(ratio for _, ratio in bounds) <= 1.0, bounds
+        # bytes per round: the estimate's int8 collectives as in fp32, the update's in 2-byte elements
+        est = 2 * (world - 1) * qz.row_bytes(shard, BLOCK)
+        assert rounds == [(RoundKind.ESTIMATE, est), (RoundKind.UPDATE, 2 * (world - 1) * shard * 2)] * updates
+    for r in range(1, world):  # every worker holds the same parameters
+        torch.testing.assert_close(results[r][0][0], results[0][0][0], rtol=0, atol=0)
+
+
+# ---- the native collectives' path (nccl), run on gloo ------------------------------------------
+
+_COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier",
+                "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+                "all_gather_object", "broadcast_object_list")  # fmt: skip
+
+
+def _describe(name, args, kw, rank):
+    """(name, per tensor argument (dtype, numel, contiguous), the all-to-all's split sizes, whether a
+    gather's input is the output's own slice ``rank``, whether an all-to-all's buffers overlap)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    splits, aliased, overlap = None, None, None
+    if name == "all_to_all_single":
+        splits = (kw.get("output_split_sizes", args[2] if len(args) > 2 else None),
+                  kw.get("input_split_sizes", args[3] if len(args) > 3 else None))
+        (o, i), span = tensors[:2], lambda t: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        overlap = span(o)[0] < span(i)[1] and span(i)[0] < span(o)[1]
+    if name in ("all_gather_single", "all_gather_into_tensor"):
+        o, i = tensors[:2]
+        aliased = i.data_ptr() == o.data_ptr() + rank * i.numel() * i.element_size()
+    return name, tuple((t.dtype, t.numel(), t.is_contiguous()) for t in tensors), splits, aliased, overlap
+
+
+def _native_path(rank, world, cfg, block):
+    """Every rank: train with collectives.uses_ring as on gloo (the p2p ring), then patched to say no
+    (the native collectives nccl takes); final parameters and, per round, its kind and every
+    torch.distributed call it issued."""
+    qz.BLOCK = block
+    state = {"calls": None, "depth": 0}
+
+    def wrap(name, fn):
+        def recorded(*args, **kw):
+            if state["calls"] is None or state["depth"]:  # outside a round, or called by a recorded one
+                return fn(*args, **kw)
+            state["calls"].append(_describe(name, args, kw, rank))
+            state["depth"] += 1
+            try:
+                return fn(*args, **kw)
+            finally:
+                state["depth"] -= 1
+
+        return recorded
+
+    for name in _COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+    out, ring = [], collectives.uses_ring
+    for native in (False, True):
+        collectives.uses_ring = (lambda *a, **k: False) if native else ring
+        model = make_model("mlp")
+        engine = build_engine(model, cfg)
+        rounds, run = [], engine.comm.run
+
+        def recorded_round(payload, stats, new_params, kind, *args, run=run, rounds=rounds):
+            rounds.append((kind, []))
+            state["calls"] = rounds[-1][1]
+            try:
+                return run(payload, stats, new_params, kind, *args)
+            finally:
+                state["calls"] = None
+
+        engine.comm.run = recorded_round
+        list(engine.run(stream("mlp", rank, world), loss_fn))
+        engine.close()
+        out.append((parameters_to_vector(model.parameters()).detach(), rounds))
+    collectives.uses_ring = ring
+    return out
+
+
+def test_native_collectives_path_as_on_nccl():
+    """On nccl collectives.all_gather calls the native all-gather, not gloo's ring: pinned on gloo by
+    patching uses_ring. The estimate round must then issue one all-to-all of int8 with equal splits
+    (contiguous, send and receive apart: nccl has no in-place all-to-all), the statistics'
+    all-gather and one int8 all-gather whose input is this rank's own row of the output (nccl's
+    in-place all-gather), nothing else; and train as the ring does."""
+    world, updates = 2, 3
+    cfg = _configs(updates, world)[0]
+    results = run_distributed(_native_path, world, cfg, BLOCK)
+    shard = -(-sum(p.numel() for p in make_model("mlp").parameters()) // world)
+    row = qz.row_bytes(shard, BLOCK)
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    i8, f32, f64 = torch.int8, torch.float32, torch.float64
+    # (name, (dtype, numel, contiguous) per tensor, all-to-all splits, input is own slice, buffers overlap)
+    a2a = ("all_to_all_single", ((i8, world * row, True), (i8, world * row, True)), (None, None), None, False)
+    stats = (gather, ((f64, world * N_SENT, True), (f64, N_SENT, True)), None, False, None)
+    estimate = [a2a, stats, (gather, ((i8, world * row, True), (i8, row, True)), None, True, None)]
+    update = [(scatter, ((f32, shard, True), (f32, world * shard, True)), None, None, None), stats,
+              (gather, ((f32, world * shard, True), (f32, shard, True)), None, False, None)]
+    for rank, ((ring_params, ring_rounds), (params, rounds)) in enumerate(results):
+        assert [kind for kind, _ in rounds] == [RoundKind.ESTIMATE, RoundKind.UPDATE] * updates
+        for t, (kind, calls) in enumerate(rounds):
+            assert calls == (estimate if kind is RoundKind.ESTIMATE else update), (rank, t, calls)
+        # the ring's estimate rounds instead: the same all-to-all and statistics, then the int8 rows by p2p
+        for kind, calls in ring_rounds[::2]:
+            assert kind is RoundKind.ESTIMATE and calls[:2] == estimate[:2]
+            assert [c[:2] for c in calls[2:]] == [("irecv", ((i8, row, True),)), ("isend", ((i8, row, True),))]
+        # the same training (every sum at W = 2 is one addition, whichever collective makes it), on every rank
+        assert torch.equal(params, ring_params) and torch.equal(params, results[0][1][0])
+    assert_close(results[0][1][0], reference_int8("mlp", cfg, world, updates, BLOCK), "int8, native collectives")
