@@ -131,6 +131,10 @@ MEASURED = [  # ddp's C, M (s per update) and every method's measured speedup ov
          speedup={n: round(s / t / (3840 / 39.5), 2) for n, s, t in (
              ("torch-ddp", 3840, 48.8), ("acco", 7736, 46.1), ("diloco", 4480, 27.9),
              ("streaming-diloco", 4224, 22.8))}),
+    # §5.0 cluster, 100 Mbit/s, fixed batch: acco's int8 estimate round, even split, 1 of 4, by durations
+    dict(source="§5.0 cluster (int8 estimate)", link="100mbit", c=0.420, m=0.296, case=_SEC1,
+         acco={"acco-int8-e1": dict(estimate_comm="int8", split=1, micro_batches=4)},
+         speedup={"acco": 1.17, "acco-int8-even": 1.34, "acco-int8-e1": 1.56, "acco-int8": 1.59}),
 ]
 
 
