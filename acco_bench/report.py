@@ -321,6 +321,7 @@ def plot_convergence(conv: dict, out: Path) -> list[str]:
     if not curves:
         return []
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = colors_for(curves)
     for m, by_seed in curves.items():
         # align seeds on the eval points they share
         series = [s for s in by_seed.values() if s]
@@ -331,9 +332,9 @@ def plot_convergence(conv: dict, out: Path) -> list[str]:
             continue
         vals = [[dict(s)[x] for s in series] for x in common]
         mean = [sum(v) / len(v) for v in vals]
-        ax.plot(common, mean, label=m, color=COLORS.get(m), marker=".")
+        ax.plot(common, mean, label=m, color=colors[m], marker=".")
         if len(series) > 1:
-            ax.fill_between(common, [min(v) for v in vals], [max(v) for v in vals], color=COLORS.get(m), alpha=0.15)
+            ax.fill_between(common, [min(v) for v in vals], [max(v) for v in vals], color=colors[m], alpha=0.15)
     ax.set_xlabel("samples (sequences over all workers)")
     ax.set_ylabel("eval loss")
     ax.set_title("eval loss against samples (mean over seeds, band: min-max)")
@@ -415,10 +416,11 @@ def plot_lr_sweep(sweep: dict, out: Path) -> list[str]:
     plt = pyplot()
     table = sweep["summary"]["table"]
     fig, (ax, rax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = colors_for(table)  # variants (acco-int8, ...) get colors of their own
     for m, by_ratio in sweep["summary"].get("ratio_to_ddp", {}).items():
         points = sorted((float(lr), r) for lr, r in by_ratio.items() if r is not None)
         if points:
-            rax.plot([x for x, _ in points], [r for _, r in points], marker="o", label=m, color=COLORS.get(m))
+            rax.plot([x for x, _ in points], [r for _, r in points], marker="o", label=m, color=colors.get(m))
     rax.axhline(1.0, color=COLORS["ddp"], lw=1)
     rax.axhline(1.03, color="grey", ls="--", lw=1, label="ddp + 3%")
     rax.set_xscale("log")
@@ -432,8 +434,8 @@ def plot_lr_sweep(sweep: dict, out: Path) -> list[str]:
         if not points:
             continue
         xs = [x for x, _ in points]
-        ax.plot(xs, [s["mean"] for _, s in points], marker="o", label=m, color=COLORS.get(m))
-        ax.fill_between(xs, [s["min"] for _, s in points], [s["max"] for _, s in points], color=COLORS.get(m), alpha=0.15)
+        ax.plot(xs, [s["mean"] for _, s in points], marker="o", label=m, color=colors[m])
+        ax.fill_between(xs, [s["min"] for _, s in points], [s["max"] for _, s in points], color=colors[m], alpha=0.15)
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final eval loss")
