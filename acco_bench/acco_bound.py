@@ -70,29 +70,17 @@ def acco_formula(spec: dict) -> tuple[str, str]:
     return f, terms
 
 
-def _value(v: str):
-    v = v.strip()
-    if v.lower() in ("null", "none", "~", ""):
-        return None
-    if v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    return int(v) if v.lstrip("-").isdigit() else v
-
-
 def acco_spec(overrides) -> dict:
     """``acco_update_time``'s arguments (but C, M, latency) from an acco worker's Hydra overrides,
-    the last of a key winning as in Hydra: estimate_comm, estimate_micro_batches (the split),
-    n_grad_accumulation (k per round: 2k per update), use_mixed_precision (bf16 on the wire: 2 bytes
-    per element, else 4), accumulate_while_waiting; unset: the train config's defaults."""
-    o = {"estimate_comm": "full", "estimate_micro_batches": None, "n_grad_accumulation": 1,
-         "use_mixed_precision": True, "accumulate_while_waiting": True}  # acco/conf/train/{base,acco}.yaml
-    for item in overrides:
-        key, _, v = str(item).lstrip("+").partition("=")
-        if key.startswith("train.") and key[6:] in o:
-            o[key[6:]] = _value(v)
-    return {"estimate_comm": o["estimate_comm"], "split": o["estimate_micro_batches"],
-            "micro_batches": 2 * int(o["n_grad_accumulation"]), "elem_bytes": 2 if o["use_mixed_precision"] else 4,
-            "accumulate": bool(o["accumulate_while_waiting"])}
+    composed as the worker composes them (``acco.config.compose``): estimate_comm,
+    estimate_micro_batches (the split), n_grad_accumulation (k per round: 2k per update),
+    use_mixed_precision (bf16 on the wire: 2 bytes per element, else 4), accumulate_while_waiting."""
+    from acco.config import compose
+
+    t = compose(list(overrides)).train
+    return {"estimate_comm": t.estimate_comm, "split": t.estimate_micro_batches,
+            "micro_batches": 2 * int(t.n_grad_accumulation), "elem_bytes": 2 if t.use_mixed_precision else 4,
+            "accumulate": bool(t.accumulate_while_waiting)}
 
 
 def bench_settings(cfg: dict) -> BenchSettings:
