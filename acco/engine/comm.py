@@ -290,12 +290,12 @@ class CommRound:
         self.split_e = self.next_split_e
 
     def split_state(self) -> dict:
-        return {"e": self.split_e, "next": self.next_split_e, "share": self.split_share,
-                "proposal": self.split_proposal}
+        return {"e": self.split_e, "next": self.next_split_e, "share": self.split_share}
 
     def load_split_state(self, state: dict) -> None:
         self.split_e, self.next_split_e = int(state["e"]), int(state["next"])
-        self.split_share, self.split_proposal = float(state["share"]), int(state["proposal"])
+        self.split_share = float(state["share"])
+        self.split_proposal = self._proposal()
 
 
 class BackgroundComm:
