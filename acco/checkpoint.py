@@ -54,6 +54,7 @@ import torch.distributed as dist
 from acco.config import AlreadyCompleted
 from acco.engine import CheckpointError
 from acco.engine.comm import MICRO_BATCHES
+from acco.engine.device import device_ops
 from acco.launch.process_group import after_rank0, wait_on_store
 
 # How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
@@ -350,8 +351,9 @@ def save_run(engine, position, record, args: dict, rank: int, world_size: int, d
     if back:
         data = rewind(data, back)
     worker = {"engine": state, "data": data, "rng": torch.get_rng_state()}
-    if device.type == "cuda":
-        worker["cuda_rng"] = torch.cuda.get_rng_state(device)
+    device_rng = device_ops(device).rng_state()
+    if device_rng is not None:
+        worker["cuda_rng"] = device_rng
     meta = {"step": record.step, "samples": record.samples, "method": args["method_name"], "world_size": world_size,
             "numel": state["numel"], "wall_time": record.wall_time, "train": args}  # fmt: skip
     return save(args["output_dir"], record.step, worker, meta, rank, world_size, save_model, args["save_total_limit"])
@@ -379,6 +381,6 @@ def resume_run(engine, position, folder: Path, meta: dict, rank: int, world_size
     engine.load_state_dict(mine["engine"])
     position.load_state_dict(mine["data"])
     torch.set_rng_state(mine["rng"])
-    if device.type == "cuda" and "cuda_rng" in mine:
-        torch.cuda.set_rng_state(mine["cuda_rng"], device)
+    if "cuda_rng" in mine:
+        device_ops(device).set_rng_state(mine["cuda_rng"])
     return True

@@ -15,16 +15,7 @@ import time
 from pathlib import Path
 
 from acco.engine import UpdateRecord
-
-
-def peak_memory_mb(device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+from acco.engine.device import device_ops
 
 
 class RunLog:
@@ -176,7 +167,8 @@ class RunLog:
             # How close the run came to the overlap bound max(compute, comm) per update.
             "overlap_efficiency": max(compute, comm) / step_time if step_time > 0 else 0.0,
             "idle_fraction": sum(r.wait_s for r in recs) / wall if wall > 0 else 0.0,
-            "peak_mem_mb": peak_memory_mb(device),
+            # peak_gpu_mem_mb (the allocator's, on a GPU) or peak_rss_mb (the process's, on the CPU)
+            **dict([device_ops(device).peak_memory()]),
             "micro_batches_per_update_by_worker": by_worker,
         }
         summary.update(extra or {})

@@ -29,6 +29,7 @@ from acco.data.errors import DataError
 from acco.data.loader import Rows, eval_batches, split_train_eval
 from acco.data.prepare import collate, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
+from acco.engine.device import device_ops
 from acco.launch.process_group import after_rank0, every_rank_at, init_distributed
 from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
@@ -53,8 +54,9 @@ class _OnDevice:
     def __init__(self, stream, device: torch.device, slowdown: float = 1.0, prefetch: bool | None = None):
         self.stream, self.device, self.slowdown = stream, device, slowdown
         self._last = None
-        self.prefetch = device.type == "cuda" if prefetch is None else prefetch
-        self.copy_stream = torch.cuda.Stream(device) if self.prefetch and device.type == "cuda" else None
+        self.ops = device_ops(device)
+        self.prefetch = self.ops.streams if prefetch is None else prefetch
+        self.copy_stream = self.ops.new_stream() if self.prefetch else None
         self._next = _NONE  # the prefetched (micro-batch, copy done) pair; None once the stream ended
 
     @property
@@ -70,18 +72,16 @@ class _OnDevice:
         moved: dict[int, torch.Tensor] = {}
         for v in batch.values():
             if id(v) not in moved:
-                moved[id(v)] = (v.pin_memory() if self.device.type == "cuda" else v).to(self.device, non_blocking=True)
+                moved[id(v)] = self.ops.to_device(v)
         return {k: moved[id(v)] for k, v in batch.items()}
 
     def _fetch(self):
         batch = next(self.stream, _NONE)
         if batch is _NONE:
             return None
-        if self.copy_stream is None:
-            return self._move(batch), None
-        with torch.cuda.stream(self.copy_stream):
+        with self.ops.use_stream(self.copy_stream):
             moved = self._move(batch)
-            done = torch.cuda.Event()
+            done = self.ops.event()
             done.record(self.copy_stream)
         return moved, done
 
@@ -100,14 +100,12 @@ class _OnDevice:
         self._next = self._fetch()  # its copy overlaps the compute of `current`
         self._last = time.perf_counter()
         batch, done = current
-        if done is None:
-            return batch
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.ops.current_stream()
         compute.wait_event(done)
         for t in {id(t): t for t in batch.values()}.values():
             # made on the copy stream, used on the compute stream: the allocator must not hand
             # the memory out again before the compute stream is done with it
-            t.record_stream(compute)
+            self.ops.record_stream(t, compute)
         return batch
 
 
@@ -126,9 +124,7 @@ _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A
 
 
 def _peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = device_ops(device).name()
     return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
 
 
@@ -334,8 +330,16 @@ class DecoupledTrainer:
         if self.engine is not None:
             self.engine.quiesce()  # before the all-reduce below
         committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
-        # Training's precision context (torch-ddp: fp32 parameters under bf16 autocast).
-        precision = self.engine.compute_context() if self.engine is not None else contextlib.nullcontext()
+        # Training's precision context (torch-ddp: fp32 parameters under bf16 autocast). Before
+        # train() no engine has cast the parameters to the training dtype yet (they are in their
+        # load dtype): bf16 autocast in mixed precision, as torch-ddp trains (flash_attention_2,
+        # chosen at build time for mixed precision on CUDA, refuses fp32 inputs).
+        if self.engine is not None:
+            precision = self.engine.compute_context()
+        elif self.args.use_mixed_precision:
+            precision = torch.autocast(self.device.type, dtype=torch.bfloat16)
+        else:
+            precision = contextlib.nullcontext()
         was_training = self.model.training
         self.model.eval()
         with committed, precision:

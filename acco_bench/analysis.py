@@ -154,7 +154,8 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
         "wait_s_per_update": wait,
         "overlap_efficiency": eff,
         "final_eval_loss": final_eval,
-        "peak_mem_mb": summary.get("peak_mem_mb"),
+        "peak_rss_mb": summary.get("peak_rss_mb"),  # the CPU's peak resident memory, per process
+        "peak_gpu_mem_mb": summary.get("peak_gpu_mem_mb"),  # the GPU allocator's peak
         "micro_batches_per_update_by_worker": mb_by_worker,
         "samples_per_s_by_worker": per_worker_sps,
         "timers_by_worker": per_worker_timers,

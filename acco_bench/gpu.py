@@ -376,7 +376,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
             return 2
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
-            r["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            r["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         result["variants"][variant] = r
         mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
         say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
@@ -386,8 +386,8 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         if a in v and b in v:
             result[f"ratio_{a}_over_{b}"] = v[a]["tokens_per_s"] / v[b]["tokens_per_s"]
     for a in list(v):  # what checkpointing saves: peak memory with it over without
-        if a + "-gc" in v and v[a].get("peak_mem_mb"):
-            result[f"ratio_{a}-gc_over_{a}_peak_mem"] = v[a + "-gc"]["peak_mem_mb"] / v[a]["peak_mem_mb"]
+        if a + "-gc" in v and v[a].get("peak_gpu_mem_mb"):
+            result[f"ratio_{a}-gc_over_{a}_peak_gpu_mem"] = v[a + "-gc"]["peak_gpu_mem_mb"] / v[a]["peak_gpu_mem_mb"]
     if device.type == "cuda" and not args.no_stream_check:
         ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
         result["stream_check"] = stream_check(args, device, vocab, pool, ms)
@@ -412,7 +412,7 @@ def gpu_markdown(r: dict) -> str:
              f"{fmt(r['flops_per_token'] / 1e6, 1)} MFLOP per token, peak {r['peak_bf16_tflops']} TFLOP/s, "
              f"torch {r['torch']} (CUDA {r['cuda']}).", ""]
     rows = [[k, fmt(v["tokens_per_s"], 0), fmt(100 * v["mfu"], 1, "%") if v.get("mfu") is not None else "-",
-             fmt(v["step_time_s"]), fmt(v.get("peak_mem_mb"), 0)] for k, v in r["variants"].items()]
+             fmt(v["step_time_s"]), fmt(v.get("peak_gpu_mem_mb"), 0)] for k, v in r["variants"].items()]
     lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB"], rows))
     for key, val in r.items():
         if key.startswith("ratio_"):

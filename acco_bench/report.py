@@ -68,11 +68,11 @@ def bench_table(bench: dict) -> str:
             fmt(r.get("speedup_samples_vs_ddp"), 2, "x"),
             fmt(r.get("micro_batches_per_update_by_worker")), fmt(r.get("final_eval_loss"), 4),
             fmt(r.get("time_to_target_loss_s"), 1),
-            fmt(r.get("peak_mem_mb"), 0), fmt((r.get("load") or {}).get("other_cpu_cores"), 2),
+            fmt(r.get("peak_gpu_mem_mb") or r.get("peak_rss_mb"), 0), fmt((r.get("load") or {}).get("other_cpu_cores"), 2),
         ])
     return md_table(["method", "step s", "compute s", "comm s", "overlap eff.", "samples/s", "tokens/s",
                      "speedup vs ddp (step)", "vs torch-ddp (step)", "vs ddp (samples/s)",
-                     "micro-batches/update by worker", "final eval loss", "s to target loss", "peak MB",
+                     "micro-batches/update by worker", "final eval loss", "s to target loss", "peak MiB (GPU allocator on a GPU, else RSS)",
                      "other load (cores)"], rows)
 
 

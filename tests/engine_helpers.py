@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import fake_cuda
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,9 +80,15 @@ def config(**kw) -> EngineConfig:
     return EngineConfig(**base)
 
 
-def run_engine(rank, world, kind, cfgs, delay_s=0.0, measure=None):
+def run_engine(rank, world, kind, cfgs, delay_s=0.0, measure=None, device="host"):
     """Runs on every rank: train a fresh model with each config, return final params and records
-    (and `measure(engine, model)`, taken before the engine closes, when given)."""
+    (and `measure(engine, model)`, taken before the engine closes, when given); `device`
+    "fake-cuda" runs the engines' GPU paths on the CPU (tests/fake_cuda.py)."""
+    with fake_cuda.maybe_installed(device):
+        return _run_engine(rank, world, kind, cfgs, delay_s, measure)
+
+
+def _run_engine(rank, world, kind, cfgs, delay_s, measure):
     out = []
     for cfg in cfgs:
         if isinstance(cfg, list):  # per-rank configs

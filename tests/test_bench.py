@@ -31,7 +31,7 @@ TINY = [
     "--override", "data.n_docs=300", "--override", "model.vocab_size=512",
 ]
 FIELDS = ("step_time_s", "samples_per_s", "tokens_per_s", "compute_s_per_update", "comm_s_per_update",
-          "overlap_efficiency", "final_eval_loss", "peak_mem_mb", "micro_batches_per_update_by_worker")
+          "overlap_efficiency", "final_eval_loss", "peak_rss_mb", "micro_batches_per_update_by_worker")
 
 
 def _check_bench(out: Path, methods: list[str], kind: str) -> dict:
@@ -249,7 +249,7 @@ def test_metrics_and_comparisons_from_timers(tmp_path):
     for rank, (c, m) in enumerate(((0.6, 0.4), (0.5, 0.45))):
         rows = [{"step": s, "compute_s": c, "wait_s": m, "comm_s": m, "micro_batches": [2, 2]} for s in range(1, 6)]
         (run / "workers" / f"rank{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (run / "summary.json").write_text(json.dumps({"final_eval_loss": 2.5, "peak_mem_mb": 10.0}))
+    (run / "summary.json").write_text(json.dumps({"final_eval_loss": 2.5, "peak_rss_mb": 10.0}))
     res = method_metrics(run, settings)
     assert res["step_time_s"] == pytest.approx(1.0)
     assert res["compute_s_per_update"] == pytest.approx(0.6)  # the slowest worker
@@ -258,6 +258,8 @@ def test_metrics_and_comparisons_from_timers(tmp_path):
     assert res["samples_per_s"] == pytest.approx(16.0)  # 4 micro-batches of 4 sequences per second
     assert res["tokens_per_s"] == pytest.approx(16.0 * 8)
     assert res["micro_batches_per_update_by_worker"] == [2, 2]
+    # the CPU's process memory under its own name, never read as the GPU's
+    assert res["peak_rss_mb"] == 10.0 and res["peak_gpu_mem_mb"] is None
     methods = {"ddp": dict(res), "acco": dict(res, step_time_s=0.5, samples_per_s=32.0)}
     out = add_comparisons(methods)
     assert out["bounds"]["ideal_overlap"] == pytest.approx(1.0 / 0.6)

@@ -21,14 +21,17 @@ checks the tests themselves; the GPU variants skip with their reason where there
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
 import math
 import os
 import tempfile
+import threading
 from datetime import timedelta
 
+import fake_cuda
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,7 +63,9 @@ def _why_no_gpu() -> str | None:
 
 NO_GPU = _why_no_gpu()
 needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
-ON = [pytest.param("cpu", id="gloo-cpu"), pytest.param("cuda", id="nccl-gpu", marks=needs_gpu)]
+# fake-cuda: the GPU's code paths (streams, events, prefetch) on the CPU, CUDA's rules checked (tests/fake_cuda.py)
+ON = [pytest.param("cpu", id="gloo-cpu"), pytest.param("fake-cuda", id="fake-cuda"),
+      pytest.param("cuda", id="nccl-gpu", marks=needs_gpu)]
 
 
 @pytest.fixture
@@ -87,7 +92,8 @@ def _in_group(device_type: str, fn, args):
         device = torch.device("cpu")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
-        return fn(device, *args)
+        with fake_cuda.maybe_installed(device_type):
+            return fn(device, *args)
     finally:
         gc.collect()  # DDP's reducer holds the group: free it while the group is whole
         dist.destroy_process_group()
@@ -99,27 +105,65 @@ def _entry(_: int, device_type: str, fn, args, path: str) -> None:
 
 def run_one_rank(device_type: str, fn, *args):
     """fn(device, *args) on one rank: on the GPU in a process of its own (a CUDA or NCCL failure
-    cannot take pytest down), on the CPU in this one."""
-    if device_type == "cpu":
-        return _in_group("cpu", fn, args)
+    cannot take pytest down), on the CPU (or the fake GPU) in this one."""
+    if device_type != "cuda":
+        return _in_group(device_type, fn, args)
     with tempfile.TemporaryDirectory() as out_dir:
         path = os.path.join(out_dir, "rank0.pt")
         mp.start_processes(_entry, args=("cuda", fn, args, path), nprocs=1, start_method="spawn")
         return torch.load(path, weights_only=False)
 
 
+# torch.distributed's collectives that acco's rounds call, by the name a test expects (torch 2.13
+# renamed *_tensor / *_into_tensor to *_single)
+ISSUED = {"reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+          "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+          "all_to_all_single": "all_to_all"}  # fmt: skip
+
+
+@contextlib.contextmanager
+def issued():
+    """The set of (thread, collective) that torch.distributed saw issued inside (thread: "main"
+    or "comm", the round's background thread)."""
+    seen, originals = set(), {name: getattr(dist, name) for name in ISSUED if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            main = threading.current_thread() is threading.main_thread()
+            seen.add(("main" if main else "comm", ISSUED[name]))
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+# What each method's rounds issue at world size 1 where the collectives are the backend's own (NCCL,
+# and the fake GPU's): ddp runs its rounds on the main thread, the overlapped methods on the comm
+# thread. torch-ddp's all-reduce is DDP's reducer, in C++: not seen here.
+ROUND_COLLECTIVES = {m: {("main" if m == "ddp" else "comm", c) for c in ("reduce_scatter", "all_gather")}
+                     for m in METHODS if m != "torch-ddp"}  # fmt: skip
+
+
 def _train(device, build, cfgs, batches, loss):
-    """Train a fresh model per config; its final parameters (fp32, CPU) and its records."""
+    """Train a fresh model per config; its final parameters (fp32, CPU), its records and the
+    collectives it issued."""
     from acco.engine import build_engine
 
     out = []
     for cfg in cfgs:
         model = build().to(device)
-        engine = build_engine(model, cfg)
-        records = list(engine.run(batches(device), loss))
-        engine.close()
+        with issued() as seen:
+            engine = build_engine(model, cfg)
+            records = list(engine.run(batches(device), loss))
+            engine.close()
         theta = parameters_to_vector(model.parameters()).detach().float().cpu()
-        out.append((cfg.method, theta, [(r.loss, r.micro_batches, r.samples) for r in records]))
+        out.append((cfg.method, theta, [(r.loss, r.micro_batches, r.samples) for r in records], seen))
     return out
 
 
@@ -173,9 +217,9 @@ def expected(cfg) -> tuple[torch.Tensor, list[float]]:
 def test_every_method_on_one_rank_equals_its_reference_in_fp32(on, one_thread):
     results = run_one_rank(on, _every_method_fp32)
     cfgs = method_configs()
-    assert {method for method, _, _ in results} == set(METHODS)
+    assert {method for method, *_ in results} == set(METHODS)
     finals = {}
-    for cfg, (method, theta, records) in zip(cfgs, results):
+    for cfg, (method, theta, records, seen) in zip(cfgs, results):
         name = f"{method} ({cfg.acco_estimate})" if method == "acco" else method
         want, losses = expected(cfg)
         assert len(records) == len(losses), name
@@ -185,6 +229,8 @@ def test_every_method_on_one_rank_equals_its_reference_in_fp32(on, one_thread):
             assert [mb for _, mb, _ in records] == [[2 * cfg.n_grad_accumulation if method == "acco"
                                                      else cfg.n_grad_accumulation]] * UPDATES, name  # fmt: skip
         finals[name] = theta
+        if on != "cpu":  # NCCL's own collectives, issued on one rank too (gloo's ring copies instead)
+            assert ROUND_COLLECTIVES.get(method, set()) <= seen, (name, seen)
     # The methods differ from each other: the comparisons above are not vacuous.
     for a, b in (("ddp", "dpu"), ("dpu", "wp"), ("acco (paper)", "acco (lean)"), ("diloco", "streaming-diloco")):
         assert not torch.allclose(finals[a], finals[b], atol=1e-4), (a, b)
@@ -202,21 +248,23 @@ def _acco_int8_auto(device):
     engine = build_engine(model, cfg)
     noted, note = [], engine.comm.note_round
 
-    def noting(result):
-        noted.append((result.kind.value, result.busy_s))
-        note(result)
+    def noting(kind, busy_s):
+        noted.append((kind.value, busy_s))
+        note(kind, busy_s)
 
     engine.comm.note_round = noting
-    records = list(engine.run(_mlp_batches(device), loss_fn))
+    with issued() as seen:
+        records = list(engine.run(_mlp_batches(device), loss_fn))
     split = engine.comm.split_e
     engine.close()
     theta = parameters_to_vector(model.parameters()).detach().float().cpu()
-    return k2, [r.micro_batches for r in records], noted, split, theta
+    return k2, [r.micro_batches for r in records], noted, split, theta, seen
 
 
 @pytest.mark.parametrize("on", ON)
 def test_acco_int8_with_the_auto_split_times_its_rounds(on, one_thread):
-    k2, micro_batches, noted, split, theta = run_one_rank(on, _acco_int8_auto)
+    k2, micro_batches, noted, split, theta, seen = run_one_rank(on, _acco_int8_auto)
+    assert ("comm", "all_to_all") in seen  # the estimate round's int8 all-to-all, also on one rank
     assert micro_batches == [[k2]] * UPDATES  # the committed batch, whatever the split
     assert [kind for kind, _ in noted] == ["estimate round", "update round"] * UPDATES
     assert all(0 < s < 60 for _, s in noted), noted  # every round measured
@@ -259,8 +307,8 @@ def _every_method_bf16(device):
 @pytest.mark.parametrize("on", ON)
 def test_every_method_trains_gpt_neo_in_bf16_with_a_falling_loss(on, one_thread):
     results = run_one_rank(on, _every_method_bf16)
-    assert [method for method, _, _ in results] == list(METHODS)
-    for method, theta, records in results:
+    assert [method for method, *_ in results] == list(METHODS)
+    for method, theta, records, _ in results:
         losses = [loss for loss, _, _ in records]
         assert records[-1][2] == MICRO_BATCHES, method
         assert all(math.isfinite(x) for x in losses) and bool(torch.isfinite(theta).all()), method
@@ -307,15 +355,15 @@ def test_gpt_neo_125m_memory_and_throughput_against_a_plain_fused_adamw_loop(tmp
     assert list(v) == variants
     for name, r in v.items():
         assert r["gradient_checkpointing"] is name.endswith("-gc"), name
-        assert r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0 and math.isfinite(r["final_loss"]), name
+        assert r["tokens_per_s"] > 0 and r["peak_gpu_mem_mb"] > 0 and math.isfinite(r["final_loss"]), name
         if result["peak_bf16_tflops"]:  # a device of the table (or --peak-tflops)
             assert 0 < r["mfu"] < 1, (name, r["mfu"])
     assert v["plain-bf16"]["fused_adamw"] and v["plain-autocast"]["fused_adamw"]
     # Checkpointing keeps one activation per layer instead of all of them: the plain loop's peak,
     # weights and optimizer state included, falls by a fifth at least; the engine saves about as much.
-    saved_plain = v["plain-bf16"]["peak_mem_mb"] - v["plain-bf16-gc"]["peak_mem_mb"]
-    saved_engine = v["engine-acco"]["peak_mem_mb"] - v["engine-acco-gc"]["peak_mem_mb"]
-    assert saved_plain > 0.2 * v["plain-bf16"]["peak_mem_mb"], v
+    saved_plain = v["plain-bf16"]["peak_gpu_mem_mb"] - v["plain-bf16-gc"]["peak_gpu_mem_mb"]
+    saved_engine = v["engine-acco"]["peak_gpu_mem_mb"] - v["engine-acco-gc"]["peak_gpu_mem_mb"]
+    assert saved_plain > 0.2 * v["plain-bf16"]["peak_gpu_mem_mb"], v
     assert saved_engine > 0.5 * saved_plain, (saved_engine, saved_plain)
     # The engine at world size 1 (acco: two rounds per update on the comm thread) against the plain
     # loop on the same model and batches: its overhead must stay well below the plain loop's time.
@@ -336,6 +384,7 @@ def test_init_distributed_asks_for_high_priority_nccl_streams_before_the_group(m
         monkeypatch.delenv(key)
     monkeypatch.setattr(pg, "dist_env", lambda: None)  # no launcher: a one-process group
     monkeypatch.setattr(pg, "_device_for", lambda local_rank, use_cuda: torch.device("cpu"))
+    monkeypatch.setattr(pg, "_check_gpu_for", lambda backend: None)  # as if a GPU were visible
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: seen.append((backend, os.environ.get("TORCH_NCCL_HIGH_PRIORITY"))))

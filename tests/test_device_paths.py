@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_cuda import DEVICES, maybe_installed
 
 from acco.launch.process_group import NCCL_MIN_TIMEOUT_S, backend_settings
 from acco.trainer import _OnDevice, _Rewound
@@ -27,21 +28,28 @@ def counted(n: int, log: list):
         yield {"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 3)}
 
 
-def test_prefetch_reads_one_ahead_and_hands_out_every_micro_batch_in_order():
-    read: list[int] = []
-    stream = _OnDevice(counted(4, read), torch.device("cpu"), prefetch=True)
-    assert stream.ahead == 0 and read == []  # nothing is read before the first request
-    got = []
-    for batch in stream:
-        got.append(int(batch["input_ids"][0, 0]))
-        assert batch["labels"] is batch["input_ids"]  # sent once
-        assert torch.equal(batch["attention_mask"], torch.ones(2, 3))
-        # the next one was read while this one is handed out (none after the last)
-        assert read == list(range(min(len(got) + 1, 4)))
-        assert stream.ahead == (1 if len(got) < 4 else 0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_reads_one_ahead_and_hands_out_every_micro_batch_in_order(device):
+    """fake-cuda: the copies run on a copy stream, the compute stream waits for each and takes it
+    over (record_stream) before it reads it; the fake fails any use that skips either."""
+    with maybe_installed(device) as fake:
+        read: list[int] = []
+        stream = _OnDevice(counted(4, read), torch.device("cpu"), prefetch=True)
+        assert stream.ahead == 0 and read == []  # nothing is read before the first request
+        got = []
+        for batch in stream:
+            got.append(int(batch["input_ids"][0, 0]))
+            assert batch["labels"] is batch["input_ids"]  # sent once
+            assert torch.equal(batch["attention_mask"], torch.ones(2, 3))
+            # the next one was read while this one is handed out (none after the last)
+            assert read == list(range(min(len(got) + 1, 4)))
+            assert stream.ahead == (1 if len(got) < 4 else 0)
+        assert _OnDevice(counted(1, []), torch.device("cpu")).prefetch == (fake is not None)  # by default: where streams are
     assert got == [0, 1, 2, 3] and stream.ahead == 0
+    if fake is not None:  # two distinct tensors per micro-batch, each handed over to the compute stream
+        assert fake.counts["handovers"] == 8 and fake.counts["waits"] == 4
     # on the CPU by default nothing is read ahead
-    read.clear()
+    read = []
     plain = _OnDevice(counted(3, read), torch.device("cpu"))
     assert int(next(plain)["input_ids"][0, 0]) == 0 and read == [0] and plain.ahead == 0
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from engine_helpers import assert_close, config, loss_fn, make_model, reference_diloco, run_engine, stream
+from fake_cuda import DEVICES, maybe_installed
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
@@ -24,15 +25,15 @@ from acco.engine.flat import FlatParams
 
 
 # Budgets that are not a multiple of a sync cycle: the end-of-run synchronisation is exercised too.
-@pytest.mark.parametrize("kind,world", [("mlp", 2), ("block", 3)])
-def test_diloco_and_streaming_equal_their_reference(kind, world):
+@pytest.mark.parametrize("kind,world,device", [("mlp", 2, "host"), ("block", 3, "host"), ("mlp", 2, "fake-cuda")])
+def test_diloco_and_streaming_equal_their_reference(kind, world, device):
     n = 2
     cfgs = [
         config(method="diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 10, sync_every=3, max_grad_norm=0.5),
         config(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 11, sync_every=4,
                num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5, outer_momentum=0.8),
     ]  # fmt: skip
-    results = run_distributed(run_engine, world, kind, cfgs)
+    results = run_distributed(run_engine, world, kind, cfgs, 0.0, None, device)
     for rank_result in results[1:]:  # the final model is the global one, the same everywhere
         for (theta, _), (theta0, _) in zip(rank_result, results[0]):
             assert torch.equal(theta, theta0)
@@ -47,12 +48,24 @@ def test_diloco_and_streaming_equal_their_reference(kind, world):
     assert not torch.allclose(finals[0], finals[1], atol=1e-4)
 
 
-def test_pseudo_gradient_is_global_minus_local_with_a_fake_all_reduce():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pseudo_gradient_is_global_minus_local_with_a_fake_all_reduce(device):
     """One worker, the all-reduce replaced by a fake that records the wire and adds a second
     worker's pseudo-gradient: the outer step with lr 1 and no momentum lands exactly on the
     average of the two workers' local parameters (a flipped sign lands far from it)."""
     cfg = config(method="diloco", n_grad_accumulation=1, nb_steps_tot=2, sync_every=2, outer_lr=1.0,
                  outer_momentum=0.0, learning_rate=0.05)  # fmt: skip
+    with maybe_installed(device):
+        engine, records, sent, theta0, other = _pseudo_gradient_run(cfg)
+    assert len(records) == 2 and len(sent) == 1
+    wire, local = sent[0]
+    assert (local - theta0).abs().max() > 1e-3  # the inner steps moved it
+    torch.testing.assert_close(wire, theta0 - local, rtol=0, atol=0)  # worker 0 sent global - local
+    torch.testing.assert_close(engine.global_params, (local + other) / 2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(engine.flat.params, engine.global_params, rtol=0, atol=0)  # the model holds it
+
+
+def _pseudo_gradient_run(cfg):
     model = make_model("mlp")
     engine = DiLoCoEngine(model, cfg)
     theta0 = engine.global_params.clone()
@@ -64,17 +77,12 @@ def test_pseudo_gradient_is_global_minus_local_with_a_fake_all_reduce():
         sent.append((engine.wire[:n].clone(), engine.local.clone()))
         # as if a second worker's pseudo-gradient were summed in and the sum divided by two
         engine.wire[:n] = (engine.wire[:n] + theta0 - other) / 2
-        return 0.0, False
+        return False
 
     engine._all_reduce = fake_all_reduce
     records = list(engine.run(stream("mlp", 0, 1), loss_fn))
     engine.close()
-    assert len(records) == 2 and len(sent) == 1
-    wire, local = sent[0]
-    assert (local - theta0).abs().max() > 1e-3  # the inner steps moved it
-    torch.testing.assert_close(wire, theta0 - local, rtol=0, atol=0)  # worker 0 sent global - local
-    torch.testing.assert_close(engine.global_params, (local + other) / 2, rtol=0, atol=1e-6)
-    torch.testing.assert_close(engine.flat.params, engine.global_params, rtol=0, atol=0)  # the model holds it
+    return engine, records, sent, theta0, other
 
 
 def test_fragments_are_runs_of_layers_of_about_equal_size():
@@ -101,19 +109,25 @@ def test_fragments_are_runs_of_layers_of_about_equal_size():
         fragment_slices(flat, model, 30)
 
 
-def test_checkpoint_resume_is_exact_with_an_all_reduce_in_flight():
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_resume_is_exact_with_an_all_reduce_in_flight(device):
     world, n = 2, 1
     cfg = config(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=world * 14, sync_every=4,
                  num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.25)  # fmt: skip
     # Fragments sync at offsets 2 and 4 of every 4 steps: fragment 0's all-reduce is launched at step 6
     # and applied at step 7, so the checkpoint after step 6 is taken with it in flight.
-    results = run_distributed(_resume_run, world, cfg, 6)
+    results = run_distributed(_resume_run, world, cfg, 6, device)
     for straight, resumed, in_flight in results:
         assert in_flight
         assert torch.equal(straight, resumed)
 
 
-def _resume_run(rank, world, cfg, stop_at):
+def _resume_run(rank, world, cfg, stop_at, device):
+    with maybe_installed(device):
+        return _resume_runs(rank, world, cfg, stop_at)
+
+
+def _resume_runs(rank, world, cfg, stop_at):
     straight_model = make_model("block")
     engine = build_engine(straight_model, cfg)
     list(engine.run(stream("block", rank, world), loss_fn))
@@ -152,7 +166,12 @@ def test_bad_settings_are_refused_with_one_line(kw, message):
         EngineConfig(**kw)
 
 
-def _bf16_run(rank, world):
+def _bf16_run(rank, world, device):
+    with maybe_installed(device):
+        return _bf16_train(rank, world)
+
+
+def _bf16_train(rank, world):
     cfg = config(method="streaming-diloco", n_grad_accumulation=1, nb_steps_tot=world * 8, sync_every=4,
                  num_fragments=2, fragment_sync_delay=1, use_mixed_precision=True)  # fmt: skip
     model = make_model("mlp")
@@ -162,8 +181,9 @@ def _bf16_run(rank, world):
     return engine.wire.dtype, engine.local.dtype, engine.flat.params.clone(), engine.global_params.clone(), records
 
 
-def test_mixed_precision_sends_bf16_and_keeps_fp32_state():
-    results = run_distributed(_bf16_run, 2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_precision_sends_bf16_and_keeps_fp32_state(device):
+    results = run_distributed(_bf16_run, 2, device)
     wire, local, params, global_params, records = results[0]
     assert wire == torch.bfloat16 and local == torch.float32 and params.dtype == torch.bfloat16
     assert torch.equal(params, global_params.to(torch.bfloat16))  # the final model is the global one
@@ -171,13 +191,23 @@ def test_mixed_precision_sends_bf16_and_keeps_fp32_state():
     assert all(math.isfinite(r.loss) for r in records) and records[-1].samples == 16
 
 
-def test_a_steps_record_is_read_once_the_next_steps_micro_batches_are_queued():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_steps_record_is_read_once_the_next_steps_micro_batches_are_queued(device):
     """No host read drains the GPU at every inner step: the record of step t is read (a pinned copy
     and an event) after step t + 1's micro-batches are queued behind it; the last step's at once.
     On the CPU the order is what can be pinned: loss_fn calls before each record."""
     n, steps = 2, 5
     cfg = config(method="diloco", n_grad_accumulation=n, nb_steps_tot=n * steps, sync_every=2)
-    engine = DiLoCoEngine(make_model("mlp"), cfg)
+    with maybe_installed(device) as fake:
+        engine = DiLoCoEngine(make_model("mlp"), cfg)
+        reads, seen = _counted_reads(engine, n, steps)
+    assert reads == [(t + 1) * n for t in range(1, steps)] + [steps * n]  # micro-batches computed at each read
+    assert seen == [(t, n) for t in range(1, steps)] + [(steps, 0)]  # what a checkpoint's data position rewinds
+    if fake is not None:  # the host sleeps on a blocking event (no spin), recorded behind the step's copy
+        assert engine.stats_ready.blocking and engine.stats_ready.completed
+
+
+def _counted_reads(engine, n, steps):
     calls = []
 
     def counting_loss(model, batch):
@@ -188,5 +218,4 @@ def test_a_steps_record_is_read_once_the_next_steps_micro_batches_are_queued():
     engine._read_stats = lambda k: (reads.append(len(calls)), read(k))[1]
     seen = [(record.step, engine.computed_ahead) for record in engine.run(stream("mlp", 0, 1), counting_loss)]
     engine.close()
-    assert reads == [(t + 1) * n for t in range(1, steps)] + [steps * n]  # micro-batches computed at each read
-    assert seen == [(t, n) for t in range(1, steps)] + [(steps, 0)]  # what a checkpoint's data position rewinds
+    return reads, seen

@@ -17,8 +17,10 @@ from engine_helpers import Reference, assert_close, config, reference_acco, refe
 
 # max_grad_norm between the gradient norms these runs see (mlp 0.39-0.55, block 0.63-0.92
 # unclipped), so that some updates are clipped and others not, acco's estimates included.
-@pytest.mark.parametrize("kind,world,clip", [("mlp", 2, 0.45), ("block", 3, 0.7)])
-def test_methods_equal_their_references(kind, world, clip):
+# fake-cuda: the engines' GPU paths (comm stream, events, timing) on the CPU, CUDA's rules checked
+@pytest.mark.parametrize("kind,world,clip,device", [("mlp", 2, 0.45, "host"), ("block", 3, 0.7, "host"),
+                                                    ("mlp", 2, 0.45, "fake-cuda")])
+def test_methods_equal_their_references(kind, world, clip, device):
     n, updates = 2, 6
     budget_ddp = n * world * updates
     cfgs = [
@@ -31,7 +33,7 @@ def test_methods_equal_their_references(kind, world, clip):
         config(method="dpu", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
         config(method="wp", n_grad_accumulation=n, nb_steps_tot=budget_ddp, max_grad_norm=clip),
     ]
-    results = run_distributed(run_engine, world, kind, cfgs)
+    results = run_distributed(run_engine, world, kind, cfgs, 0.0, None, device)
     (ddp, ddp_rec), (tddp, tddp_rec), (acco, acco_rec), (lean, _), (dpu, dpu_rec), (wp, wp_rec) = results[0]
     for rank_result in results[1:]:  # every worker ends with the same parameters
         for (theta, _), (theta0, _) in zip(rank_result, results[0]):

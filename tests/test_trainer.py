@@ -147,6 +147,7 @@ def test_single_process_trainer_with_omegaconf_args_and_processing_class(tmp_pat
     before = trainer.evaluate()["eval_loss"]
     summary = trainer.train()
     assert summary["world_size"] == 1 and summary["updates"] == 12
+    assert summary["peak_rss_mb"] > 0 and "peak_gpu_mem_mb" not in summary  # the CPU's memory, named so
     assert summary["final_eval_loss"] < before
 
 

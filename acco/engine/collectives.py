@@ -92,6 +92,12 @@ def _check(output: torch.Tensor, input: torch.Tensor, world: int, scatter: bool)
                          f"{small.numel()}")
 
 
+def _copy(output: torch.Tensor, input: torch.Tensor) -> None:
+    """One rank's collective: the output is the input (in place when they are one memory)."""
+    if output.data_ptr() != input.data_ptr():
+        output.view(-1).copy_(input.view(-1))
+
+
 def _ring_peers(group, rank: int, world: int) -> tuple[int, int]:
     """Global ranks of the next and previous group ranks (p2p calls take global ranks)."""
     nxt, prv = (rank + 1) % world, (rank - 1) % world
@@ -125,17 +131,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> Non
     ``input`` is not modified; ``output`` may be a view of ``input``'s own slice. Same semantics
     as ``dist.reduce_scatter_tensor(output, input, op=SUM, group=group)``.
     """
+    if not dist.is_initialized():  # one process, no group: the sum is its own input
+        _check(output, input, 1, scatter=True)
+        return _copy(output, input)
     if dist.get_rank(group) < 0:  # not a member, as torch's collectives do
         return
     world = dist.get_world_size(group)
     _check(output, input, world, scatter=True)
-    if world == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.view(-1).copy_(input.view(-1))
-        return
-    if not uses_ring(group, input.device):
+    if not uses_ring(group, input.device):  # NCCL: also on one rank (its communicator copies)
         _native("reduce_scatter_single", "reduce_scatter_tensor")(output, input, group=group)
         return
+    if world == 1:
+        return _copy(output, input)
     out, inp = _flat(output, "output"), _flat(input, "input")
     rank, n = dist.get_rank(group), out.numel()
     if n == 0:
@@ -162,17 +169,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     lands in slice ``r``): the inverse of :func:`reduce_scatter`, with the semantics of
     ``dist.all_gather_into_tensor(output, input, group=group)``. ``input`` may be a view of
     ``output``'s own slice (in-place all-gather)."""
+    if not dist.is_initialized():
+        _check(output, input, 1, scatter=False)
+        return _copy(output, input)
     if dist.get_rank(group) < 0:
         return
     world = dist.get_world_size(group)
     _check(output, input, world, scatter=False)
-    if world == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.view(-1).copy_(input.view(-1))
-        return
     if not uses_ring(group, input.device):
         _native("all_gather_single", "all_gather_into_tensor")(output, input, group=group)
         return
+    if world == 1:
+        return _copy(output, input)
     out, inp = _flat(output, "output"), _flat(input, "input")
     rank, n = dist.get_rank(group), inp.numel()
     if n == 0:
@@ -189,4 +197,6 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
 
 def all_gather_small(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """torch's own all-gather into one tensor, for a few numbers (latency-bound: one call, no ring)."""
+    if not dist.is_initialized():
+        return _copy(output, input)
     _native("all_gather_single", "all_gather_into_tensor")(output, input, group=group)

@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import enum
 import math
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from acco.engine import collectives, progress, quantize
 from acco.engine.config import EngineConfig
+from acco.engine.device import device_ops
 from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
 
@@ -57,6 +58,8 @@ SPLIT_PROPOSAL = N_STATS + 1
 N_SENT = N_STATS + 2
 # auto split: weight of the newest update's round durations in their running average
 SPLIT_SMOOTHING = 0.25
+
+T = TypeVar("T")
 
 
 class RoundKind(enum.Enum):
@@ -94,7 +97,6 @@ class RoundResult:
     step: int  # committed updates (update rounds that applied a gradient) so far, after this round
     exhausted: bool  # some worker ran out of data
     weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
-    busy_s: float  # wall time of the round, collectives and optimizer (on CUDA: its side stream's span)
     grad_norm: float  # global L2 norm of the averaged gradient, before clipping (nan: clipping off)
 
 
@@ -152,19 +154,17 @@ class CommRound:
         `predict` (wp's overlapped update rounds): `new_params` receives the prediction
         2 theta_{t+1} - theta_t, computed on the fp32 master shard and cast once; theta_{t+1}
         itself stays in the master shards."""
-        start = time.perf_counter()
         is_update = kind is RoundKind.UPDATE
         # If this round times out, the ranks that never marked it are the ones that stopped.
         progress.mark(f"update {self.step + 1} ({kind.value})")
         quantized = self.int8 is not None and not is_update
         estimate = None  # int8: the fp32 shard of theta~_{t+1}
         # The ring first: when a peer has died or stalled, its error names the ring neighbours.
+        # Every collective is issued at world size 1 too (NCCL runs a one-rank communicator).
         if quantized:  # straight into the fp32 shard
             self.int8.reduce_scatter(payload, self.grad_shard)
-        elif self.world_size > 1:
-            collectives.reduce_scatter(self.summed_grad_shard, payload, group=self.group)
         else:
-            self.summed_grad_shard.copy_(payload[: self.layout.shard_numel])
+            collectives.reduce_scatter(self.summed_grad_shard, payload, group=self.group)
         if not quantized and self.summed_grad_shard is not self.grad_shard:
             self.grad_shard.copy_(self.summed_grad_shard)
         self.stats_sent[:N_STATS].copy_(stats)
@@ -174,10 +174,7 @@ class CommRound:
             # norms add up to the whole gradient's squared norm
             torch.linalg.vector_norm(self.grad_shard, out=self.shard_norm)
             self.stats_sent[SHARD_NORM].copy_(self.shard_norm)
-        if self.world_size > 1:
-            collectives.all_gather_small(self.stats_all, self.stats_sent, group=self.group)
-        else:
-            self.stats_all.copy_(self.stats_sent)
+        collectives.all_gather_small(self.stats_all, self.stats_sent, group=self.group)
         # The only host read of a round: the comm side waits here, the compute side never does.
         per_worker = self.stats_all.view(self.world_size, N_SENT).tolist()
         weight = sum(row[WEIGHT] for row in per_worker)
@@ -232,10 +229,8 @@ class CommRound:
             self.delay_hook()
         if quantized:
             self.int8.all_gather_delta(new_params, estimate, self.params)
-        elif self.world_size > 1:
-            collectives.all_gather(new_params, self.new_param_shard, group=self.group)
         else:
-            new_params[: self.layout.shard_numel].copy_(self.new_param_shard)
+            collectives.all_gather(new_params, self.new_param_shard, group=self.group)
         return RoundResult(
             kind=kind,
             lr=lr,
@@ -244,7 +239,6 @@ class CommRound:
             samples=self.samples,
             step=self.step,
             exhausted=any(row[EXHAUSTED] > 0 for row in per_worker),
-            busy_s=time.perf_counter() - start,
             weight=weight,
             grad_norm=grad_norm,
         )
@@ -274,14 +268,14 @@ class CommRound:
         k2 = 2 * self.cfg.n_grad_accumulation
         return min(max(int(k2 * self.split_share + 0.5), 1), k2 - 1)
 
-    def note_round(self, result: RoundResult) -> None:
+    def note_round(self, kind: RoundKind, busy_s: float) -> None:
         """Compute side, between rounds: a finished round's duration (auto split only)."""
         if not self.split_auto:
             return
-        if result.kind is RoundKind.ESTIMATE:
-            self._estimate_s = result.busy_s
-        elif self._estimate_s is not None and self._estimate_s + result.busy_s > 0:
-            share = self._estimate_s / (self._estimate_s + result.busy_s)
+        if kind is RoundKind.ESTIMATE:
+            self._estimate_s = busy_s
+        elif self._estimate_s is not None and self._estimate_s + busy_s > 0:
+            share = self._estimate_s / (self._estimate_s + busy_s)
             self.split_share += SPLIT_SMOOTHING * (share - self.split_share)
             self.split_proposal = self._proposal()
 
@@ -298,8 +292,18 @@ class CommRound:
         self.split_proposal = self._proposal()
 
 
+@dataclass
+class Timed(Generic[T]):
+    """What `BackgroundComm` hands back, on every device: the round's value and its busy seconds,
+    the span on the comm stream from its payload being ready to its last kernel (on the CPU, the
+    host clock's span of the round's work)."""
+
+    value: T
+    busy_s: float
+
+
 class BackgroundComm:
-    """Runs comm rounds on one background thread; on CUDA also on a side stream.
+    """Runs comm rounds on one background thread and its own stream (acco/engine/device.py).
 
     The compute stream only records an event for the comm stream to wait on: no host sync on the
     compute side. The comm thread waits for its own stream's work (a blocking event) before
@@ -307,36 +311,30 @@ class BackgroundComm:
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
+        self.ops = device_ops(device)
         # High priority (lower is higher): the round's kernels go first when both streams have
         # work queued, so a round is not held up behind the next micro-batch's compute.
-        self.stream = torch.cuda.Stream(device=device, priority=-1) if self.cuda else None
-        init = (lambda: torch.cuda.set_device(device)) if self.cuda else None
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-comm", initializer=init)
+        self.stream = self.ops.new_stream(priority=-1)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-comm", initializer=self.ops.bind_thread)
 
-    def submit(self, round_fn: Callable[[], RoundResult]) -> Future:
-        if not self.cuda:
-            return self.executor.submit(round_fn)
-        payload_ready = torch.cuda.Event()
-        payload_ready.record(torch.cuda.current_stream(self.device))
+    def submit(self, round_fn: Callable[[], T]) -> Future[Timed[T]]:
+        payload_ready = self.ops.event()
+        payload_ready.record(self.ops.current_stream())
 
-        def on_side_stream() -> RoundResult:
-            with torch.cuda.stream(self.stream):
+        def on_comm_stream() -> Timed[T]:
+            with self.ops.use_stream(self.stream):
                 self.stream.wait_event(payload_ready)
-                started = torch.cuda.Event(enable_timing=True)
+                started = self.ops.event(enable_timing=True)
                 started.record(self.stream)
-                result = round_fn()
+                value = round_fn()
                 # the comm thread sleeps, it does not spin a core
-                done = torch.cuda.Event(enable_timing=True, blocking=True)
+                done = self.ops.event(enable_timing=True, blocking=True)
                 done.record(self.stream)
             done.synchronize()
-            # The round's span on its stream, from its payload being ready to its last kernel
-            # (the host's part alone would miss the kernels still queued).
-            result.busy_s = started.elapsed_time(done) / 1000
-            return result
+            # The round's span on its stream (the host's part alone would miss the kernels still queued).
+            return Timed(value, started.elapsed_time(done) / 1000)
 
-        return self.executor.submit(on_side_stream)
+        return self.executor.submit(on_comm_stream)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)

@@ -39,6 +39,7 @@ from acco.engine.comm import (
     new_stats,
 )
 from acco.engine.config import EngineConfig, UpdateRecord
+from acco.engine.device import device_ops
 from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout, broadcast_module, world_of
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
@@ -99,7 +100,8 @@ class DecoupledEngine:
         self.wp = cfg.method == "wp"
         self._predicting = False  # wp: the model holds the prediction, not the committed parameters
         self._prediction_stashed = False  # inside committed_params: the prediction waits in `payload`
-        self._inflight: list[torch.cuda.Event] = []
+        self.ops = device_ops(self.device)
+        self._inflight: list = []  # events behind the last micro-batches queued
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
         self._in_overlap = False  # past the warm start: the accumulator is part of the state
         self.wall_time_offset = 0.0
@@ -112,15 +114,14 @@ class DecoupledEngine:
         if self.accumulator is not self.flat.grads:
             self.accumulator.add_(self.flat.grads)
             self.flat.grads.zero_()
-        if self.device.type == "cuda":
-            # Bound how far the host runs ahead of the GPU (at most `lead` micro-batches queued),
-            # so that "is the round done yet?" is asked at the pace of real computation. A
-            # blocking event: the host sleeps in the wait instead of spinning a core.
-            event = torch.cuda.Event(blocking=True)
-            event.record()
-            self._inflight.append(event)
-            while len(self._inflight) > lead:
-                self._inflight.pop(0).synchronize()
+        # Bound how far the host runs ahead of the GPU (at most `lead` micro-batches queued), so
+        # that "is the round done yet?" is asked at the pace of real computation. A blocking
+        # event: the host sleeps in the wait instead of spinning a core (on the CPU: no wait).
+        event = self.ops.event(blocking=True)
+        event.record(self.ops.current_stream())
+        self._inflight.append(event)
+        while len(self._inflight) > lead:
+            self._inflight.pop(0).synchronize()
 
     def _accumulate(self, batches: Iterator, loss_fn: LossFn, minimum: int, round_in_flight=None) -> float:
         """Compute micro-batches into the accumulator; returns the seconds spent."""
@@ -153,10 +154,10 @@ class DecoupledEngine:
             self.flat.grads.copy_(self.accumulator)
             self.accumulator.zero_()
         result = self.comm.run(self.flat.grads, self.stats, self.flat.params, RoundKind.UPDATE)
-        wait_s = time.perf_counter() - start
+        wait_s = time.perf_counter() - start  # the round, run here: waited for in full
         self.flat.grads.zero_()
         self.stats.zero_()
-        return self._record(result, compute_s, wait_s, result.busy_s)
+        return self._record(result, compute_s, wait_s, wait_s)
 
     # ---- overlapped rounds -----------------------------------------------------------------
 
@@ -227,10 +228,11 @@ class DecoupledEngine:
             handle = self._launch(kind)
             compute_s += self._accumulate(batches, loss_fn, during(kind), handle)
             start = time.perf_counter()
-            result: RoundResult = handle.result()
+            timed = handle.result()
             wait_s += time.perf_counter() - start
-            self.comm.note_round(result)
-            comm_s += result.busy_s
+            result: RoundResult = timed.value
+            self.comm.note_round(kind, timed.busy_s)
+            comm_s += timed.busy_s
             self._swap_in(kind)
             if kind is RoundKind.ESTIMATE:  # its update round completes the update
                 continue
@@ -397,10 +399,7 @@ class DecoupledEngine:
         """`out` (a full padded vector in the model's dtype) = every worker's `shard`, gathered, as
         the update round does it."""
         self.comm.new_param_shard.copy_(shard)
-        if self.world_size > 1:
-            collectives.all_gather(out, self.comm.new_param_shard, group=self.group)
-        else:
-            out[: self.flat.layout.shard_numel].copy_(self.comm.new_param_shard)
+        collectives.all_gather(out, self.comm.new_param_shard, group=self.group)
 
     def _prediction(self) -> torch.Tensor:
         """wp: the full vector of the predicted parameters, wherever it is now."""

@@ -39,6 +39,7 @@ from acco.engine import collectives, progress
 from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
 from acco.engine.decoupled import CheckpointError, LossFn
+from acco.engine.device import device_ops
 from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate
 
@@ -112,9 +113,10 @@ class DiLoCoEngine:
         # An inner step's loss sum, weight and norm, copied to the host behind the step's work and
         # read once the next step's micro-batches are queued: the GPU never drains for a record.
         self.step_stats = torch.zeros(3, dtype=torch.float64, device=self.device)
-        cuda = self.device.type == "cuda"
-        self.host_stats = torch.zeros(3, dtype=torch.float64, pin_memory=cuda)
-        self.stats_ready = torch.cuda.Event() if cuda else None
+        self.ops = device_ops(self.device)
+        self.host_stats = self.ops.host_buffer(3, dtype=torch.float64)
+        # blocking: the host sleeps in `_read_stats`' wait instead of spinning a core
+        self.stats_ready = self.ops.event(blocking=True)
         self.computed_ahead = 0  # the next step's micro-batches, computed before this step's record
         self.background = BackgroundComm(self.device)
         self.pending: tuple[int, Future] | None = None  # the fragment whose all-reduce is in flight
@@ -165,8 +167,7 @@ class DiLoCoEngine:
         self.step_stats[1].copy_(self.stats[WEIGHT])
         self.step_stats[2].copy_(norm)
         self.host_stats.copy_(self.step_stats, non_blocking=True)
-        if self.stats_ready is not None:
-            self.stats_ready.record()
+        self.stats_ready.record(self.ops.current_stream())
         self.flat.grads.zero_()
         self.stats.zero_()
         self.step += 1
@@ -176,8 +177,7 @@ class DiLoCoEngine:
     def _read_stats(self, n: int) -> tuple[float, float]:
         """The last step's (gradient norm before clipping, loss weight) on the host; waits for that
         step alone (the next one's micro-batches may already be queued behind it)."""
-        if self.stats_ready is not None:
-            self.stats_ready.synchronize()
+        self.stats_ready.synchronize()
         loss_sum, weight, norm = self.host_stats.tolist()
         if n:
             self._last_loss = loss_sum / weight
@@ -198,24 +198,23 @@ class DiLoCoEngine:
         step = self.step
         self.pending = (i, self.background.submit(lambda: self._all_reduce(i, step, n, m)))
 
-    def _all_reduce(self, i: int, step: int, n: int, m: int) -> tuple[float, bool]:
+    def _all_reduce(self, i: int, step: int, n: int, m: int) -> bool:
         """On the comm thread: sum the first `m` wire elements over the workers in place (a
-        bandwidth-optimal reduce-scatter then all-gather); returns its busy seconds and whether
-        some worker ran out of data (element `n`), read here so that the compute side never waits."""
-        start = time.perf_counter()
+        bandwidth-optimal reduce-scatter then all-gather, issued at world size 1 too); returns
+        whether some worker ran out of data (element `n`), read here so that the compute side never
+        waits."""
         progress.mark(f"update {step} (all-reduce of fragment {i})")
-        if self.world_size > 1:
-            shard = self.wire_shard[: m // self.world_size]
-            collectives.reduce_scatter(shard, self.wire[:m], group=self.group)
-            collectives.all_gather(self.wire[:m], shard, group=self.group)
-        return time.perf_counter() - start, bool(self.wire[n] > 0)
+        shard = self.wire_shard[: m // self.world_size]
+        collectives.reduce_scatter(shard, self.wire[:m], group=self.group)
+        collectives.all_gather(self.wire[:m], shard, group=self.group)
+        return bool(self.wire[n] > 0)
 
     def _land(self) -> tuple[float, float]:
         """Wait for the all-reduce in flight and keep its fp32 average; (wait_s, busy_s)."""
         i, future = self.pending
         start = time.perf_counter()
-        busy, exhausted = future.result()
-        wait = time.perf_counter() - start
+        timed = future.result()
+        wait, busy, exhausted = time.perf_counter() - start, timed.busy_s, timed.value
         n = sum(s.stop - s.start for s in self.fragments[i])
         torch.div(self.wire[:n], self.world_size, out=self.averaged[:n])
         if exhausted:  # some worker ran out of data: this sync is the last

@@ -125,13 +125,14 @@ class Int8EstimateComm:
         rows = payload.view(self.world, self.n)
         for r in range(self.world):
             quantize_(rows[r], self.send.data[r], self.send.scales[r], self.work, self.block)
-        recv = self.send
-        if self.world > 1:
+        # issued at world size 1 too (NCCL runs a one-rank communicator); no group: a copy
+        if dist.is_initialized():
             dist.all_to_all_single(self.recv.raw, self.send.raw, group=self.group)
-            recv = self.recv
+        else:
+            self.recv.raw.copy_(self.send.raw)
         for w in range(self.world):
             target = out if w == 0 else self.work
-            dequantize_(recv.data[w], recv.scales[w], target, self.block)
+            dequantize_(self.recv.data[w], self.recv.scales[w], target, self.block)
             if w:
                 out.add_(self.work)
 
@@ -144,8 +145,7 @@ class Int8EstimateComm:
         torch.sub(estimate, base[self.rank], out=self.work)
         buf = self.recv
         quantize_(self.work, buf.data[self.rank], buf.scales[self.rank], self.work, self.block)
-        if self.world > 1:
-            collectives.all_gather(buf.raw.view(-1), buf.raw[self.rank], group=self.group)
+        collectives.all_gather(buf.raw.view(-1), buf.raw[self.rank], group=self.group)
         for w in range(self.world):
             dequantize_(buf.data[w], buf.scales[w], self.work, self.block)
             torch.add(base[w], self.work, out=out[w])

@@ -249,10 +249,7 @@ class TorchDDPEngine:
             raise CheckpointError(f"checkpoint holds {state['numel']:,} parameters, the model has a different size")
         flat = torch.empty(layout.padded_numel, dtype=self._dtype(), device=self.device)
         shard = state["params_shard"].to(self.device)
-        if self.world_size > 1:
-            collectives.all_gather(flat, shard, group=self.group)
-        else:
-            flat.copy_(shard)
+        collectives.all_gather(flat, shard, group=self.group)
         with torch.no_grad():
             for p, saved in zip(params, flat[: layout.numel].split([p.numel() for p in params])):
                 p.copy_(saved.view_as(p))

@@ -37,12 +37,47 @@ _heartbeat = {"timeout_s": 30.0, "generation": 0}
 
 
 
+def _no_gpu_reason() -> str | None:
+    """Why no CUDA device can be used here (a CPU-only torch, or none visible), or None."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return None
+    if torch.version.cuda is None:
+        return "this torch is a CPU-only build"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+    return f"torch (built for CUDA {torch.version.cuda}) sees no CUDA device{where}"
+
+
+def _nccl_only(backend: str) -> bool:
+    """Whether `backend` ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl", ...) is NCCL with no backend
+    for CPU tensors: such a group cannot work without a GPU."""
+    backend = backend.lower().replace(" ", "")
+    if ":" in backend:
+        mapping = dict(item.split(":", 1) for item in backend.split(",") if ":" in item)
+        return "cpu" not in mapping and "nccl" in mapping.values()
+    return backend == "nccl"
+
+
+def _check_gpu_for(backend: str) -> None:
+    """One InputError line when `backend` needs a GPU and none is visible: before any process
+    group is made (NCCL would otherwise fail at its first collective, or cuda:local_rank % 0)."""
+    reason = _no_gpu_reason() if _nccl_only(backend) else None
+    if reason is not None:
+        from acco.config import InputError
+
+        raise InputError(f"backend {backend} needs a CUDA GPU and none is visible ({reason}): use gloo on the CPU")
+
+
 def _device_for(local_rank: int, use_cuda: bool):
     import torch
 
     if not use_cuda:
         return torch.device("cpu")
     n = torch.cuda.device_count()
+    if n == 0:  # torch.cuda.is_available() said yes, yet no device is visible
+        _check_gpu_for("nccl")
     # with one visible GPU per task (srun --gpus-per-task=1) every local rank sees cuda:0
     device = torch.device("cuda", local_rank if local_rank < n else local_rank % n)
     torch.cuda.set_device(device)
@@ -74,22 +109,26 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
       so that collectives work unchanged with world_size 1.
     Collectives time out after ``timeout_s`` seconds instead of torch's 30 minutes (NCCL: at least
     ``NCCL_MIN_TIMEOUT_S``, see ``backend_settings``).
+    NCCL with no backend for CPU tensors (asked for, or the existing group's) where no GPU is
+    visible is one ``InputError`` line, raised before any group, rendezvous or heartbeat.
     """
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
+        # get_backend() is "undefined" when the user let torch pick, or "cpu:gloo,cuda:nccl"
+        backend_name = str(dist.get_backend())
+        _check_gpu_for(backend_name)  # the user's group: NCCL alone, with no GPU here
         start_heartbeat(timeout_s)
         env = dist_env()
         local_rank = env["local_rank"] if env else 0
-        # get_backend() is "undefined" when the user let torch pick, or "cpu:gloo,cuda:nccl"
-        backend_name = str(dist.get_backend())
         use_cuda = torch.cuda.is_available() and ("nccl" in backend_name or backend_name == "undefined")
         return rank, world, local_rank, _device_for(local_rank, use_cuda)
 
     use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
     backend = backend or ("nccl" if use_cuda else "gloo")
+    _check_gpu_for(backend)  # before the environment, the rendezvous and the group
     collective_timeout_s, env_defaults = backend_settings(backend, timeout_s)
     for key, value in env_defaults.items():
         os.environ.setdefault(key, value)
