@@ -102,11 +102,22 @@ def test_resharding_refuses_another_method_or_model():
         build_engine(nn.Linear(7, 3), EngineConfig(method="acco")).load_state_dict(older[0], older.__getitem__)
 
 
+# With accumulate_while_waiting an update takes as many micro-batches as its rounds' time allows, so
+# a budget of micro-batches may end before update 2 on one machine and after it on another (a
+# budget of 16 gave no checkpoint-2 on a fast one). The timed runs are counted in updates instead:
+# their micro-batch budget is far out of reach, and the evaluation after update TIMED_UPDATES always
+# stops them (stop_at_eval_loss above any loss), so checkpoint-2 is always written mid-run.
+TIMED_UPDATES = 3
+OUT_OF_REACH = 1000  # micro-batches over all workers (finite: a run that failed to stop ends soon)
+TIMED_RESUMED = 8  # micro-batches the resumed timed runs train past their checkpoint (at least one update)
+
+
 def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict:
     """Each method trained through DecoupledTrainer on 2 workers, then resumed from its
     checkpoint-2 on the same world size, from other initial weights, to the end of the budget:
     with a fixed batch 48 micro-batches (the runs cross epochs) and exactly; with
-    accumulate_while_waiting 16, resumed to 24 (from its warm start, not exactly)."""
+    accumulate_while_waiting TIMED_UPDATES updates, resumed to TIMED_RESUMED micro-batches past
+    its checkpoint (from its warm start, not exactly)."""
     from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
     from acco.trainer import DecoupledTrainer
@@ -114,14 +125,19 @@ def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict
     found = {}
     for method, fixed in SAVED:
         ref, resumed = Path(root) / f"{method}-{fixed}" / "reference", Path(root) / f"{method}-{fixed}" / "resumed"
-        budget, resumed_budget = (48, 48) if fixed else (16, 24)
-        args = tiny_args(method, ref, nb_steps_tot=budget, accumulate_while_waiting=not fixed)
+        if fixed:
+            args = tiny_args(method, ref, nb_steps_tot=48)
+        else:
+            args = tiny_args(method, ref, nb_steps_tot=OUT_OF_REACH, accumulate_while_waiting=True, eval=True,
+                             eval_step=TIMED_UPDATES, max_eval_batches=1, stop_at_eval_loss=1e30)  # fmt: skip
         torch.manual_seed(0)
         model = tiny_model()
         numel = sum(p.numel() for p in model.parameters())
-        DecoupledTrainer(model=model, train_dataset=tiny_data(), args=args).train()
+        reference = DecoupledTrainer(model=model, train_dataset=tiny_data(), eval_dataset=None if fixed else tiny_data(),
+                                     args=args).train()  # fmt: skip
         folder = ref / "checkpoint-2"  # mid-run
         state = checkpoint.load_worker(folder, rank, world_size)["engine"]
+        resumed_budget = 48 if fixed else checkpoint.load_meta(folder)["samples"] + TIMED_RESUMED
         torch.manual_seed(1)  # other initial weights: the checkpoint must bring everything back
         args = tiny_args(method, resumed, nb_steps_tot=resumed_budget, accumulate_while_waiting=not fixed)
         summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
@@ -136,6 +152,8 @@ def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict
             "dropped": state.get("dropped_micro_batches", 0),
             "samples": summary["samples"],
             "budget": resumed_budget,
+            "resumed": not summary.get("nothing_to_do", False),
+            "updates": reference["updates"],  # the reference run's
             "losses": (train_losses(ref), train_losses(resumed)) if rank == 0 and fixed else None,
         }
     return {"runs": found, "torch-ddp shard": _torch_ddp_shard()}
@@ -164,7 +182,10 @@ def test_resume_is_exact_for_every_method(saved, method):
 def test_no_rank_file_holds_the_parameter_vector_and_the_accumulator_only_for_a_fixed_batch(saved):
     assert set(saved) == set(SAVED)
     for (method, fixed), got in saved.items():
-        assert got["samples"] >= got["budget"], (method, fixed)  # resumed (exactly, or from its warm start) to the budget
+        # the timed runs stopped after TIMED_UPDATES updates, whatever the micro-batches per update
+        assert got["updates"] == (48 // (8 if method.startswith("acco") else 4) if fixed else TIMED_UPDATES), got
+        # resumed (exactly, or from its warm start) and trained to the budget
+        assert got["resumed"] and got["samples"] >= got["budget"], (method, fixed)
         # a fixed batch resumes exactly with the accumulator that an overlapped method holds
         assert got["accumulator"] == (fixed and method in OVERLAPPED), (method, fixed)
         if method in UNSHARDED:  # every worker's state is its own (test_diloco: what a resume reads again)

@@ -102,6 +102,13 @@ class Recorder:
         return wrapped
 
 
+# Every run stops at its first evaluation (update 4, stop_at_eval_loss above any loss), and its
+# budget of micro-batches is far out of reach: acco, accumulating while it waits, takes as many per
+# update as its rounds' time allows, so a budget of 48 could run out before update 4. Finite, so
+# that a run that failed to stop ends (and fails the test) within seconds.
+OUT_OF_REACH = 1000
+
+
 def _train_every_method(rank, world, out_dir, methods):
     from omegaconf import OmegaConf
 
@@ -121,7 +128,7 @@ def _train_every_method(rank, world, out_dir, methods):
             recorder.context = name
             model = build_model({**OmegaConf.load(TINY), "num_layers": 2}, vocab_size=len(tokenizer), max_length=16)
             args = dict(method_name=method, batch_size=2, n_grad_accumulation=1, learning_rate=1e-3,
-                        nb_steps_tot=world * 24, max_length=16, eval_step=4, save_step=2, max_eval_batches=2,
+                        nb_steps_tot=OUT_OF_REACH, max_length=16, eval_step=4, save_step=2, max_eval_batches=2,
                         stop_at_eval_loss=100.0, output_dir=f"{out_dir}/{name}", cache_dir=f"{out_dir}/cache",
                         log_step=1, accumulate_while_waiting=method == "acco", sync_every=4,
                         num_fragments=2 if method == "streaming-diloco" else 1,

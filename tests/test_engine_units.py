@@ -192,10 +192,14 @@ def test_overlap_is_real():
     t = timings["ddp"]
     assert t["step"] / (t["compute"] + t["comm"]) > 0.9, t
     # Same micro-batches per update and a comm round about as long as the compute: dpu takes
-    # max(C, M) where ddp takes C + M, about 0.5 of it (0.8 leaves room for the compute that a
-    # concurrent round slows on 2 shared cores). (acco runs two rounds per update, so its gain
-    # over ddp depends on the ratio of a round's compute to its comm; its bound is checked above.)
-    assert timings["dpu"]["step"] < 0.8 * timings["ddp"]["step"], timings
+    # max(C, M) where ddp takes C + M (checked above), about 0.5 of it (0.8 leaves room for the
+    # compute that a concurrent round slows on 2 shared cores). Against dpu's own C + M, timed in
+    # the same updates: ddp's step, timed in another run, is another machine's when a second job
+    # comes or goes between the two (dpu / ddp ranged 0.43-0.71 beside a second test run; dpu's
+    # step / its own C + M 0.57-0.67). (acco runs two rounds per update, so its gain over ddp
+    # depends on the ratio of a round's compute to its comm; its bound is checked above.)
+    t = timings["dpu"]
+    assert t["step"] < 0.8 * (t["compute"] + t["comm"]), t
 
 
 def _timed_methods(rank, world):

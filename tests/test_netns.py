@@ -97,7 +97,7 @@ def test_parse_time():
 
 PING_PONG = textwrap.dedent(
     """
-    import socket, statistics, sys, time
+    import socket, sys, time
     role, addr = sys.argv[1], sys.argv[2]
     if role == "server":
         s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -110,7 +110,7 @@ PING_PONG = textwrap.dedent(
         rtts = []
         for _ in range(30):
             t = time.perf_counter(); s.sendall(b"p"); s.recv(64); rtts.append(time.perf_counter() - t)
-        print(statistics.median(rtts), flush=True)
+        print(min(rtts), flush=True)
     """
 )
 
@@ -131,7 +131,11 @@ def _rtt(cluster: EmulatedCluster, src: int, dst: int) -> float:
                     reason="neither netem nor TUN devices: latency cannot be emulated here")
 def test_latency_is_emulated_between_every_pair():
     """Every packet crosses one delayed link, so a ping-pong's round trip takes twice the latency,
-    between any two of three hosts; the delay line (where it is used) dies with the cluster."""
+    between any two of three hosts; the delay line (where it is used) dies with the cluster. The
+    fastest of 30 round trips: a busy machine only adds to a round trip (the processes, and the
+    delay line's, wait for a core; beside a second test run the median of 30 reached 15.9 ms of the
+    16 ms bound, the slowest 29 ms), while the fastest (10.3-10.5 ms there) still tells one delayed
+    link from two."""
     with EmulatedCluster(3, bandwidth="100mbit", latency="5ms") as cluster:
         assert cluster.latency_emulated
         prefix = cluster.run_prefix

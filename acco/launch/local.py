@@ -155,17 +155,33 @@ def launch_local(
     procs: list[subprocess.Popen] = []
     gates: list[int] = []  # write ends of the workers' start gates
 
+    signalled: set[int] = set()  # the workers that a forwarded signal has reached
+
     def on_signal(signum, _frame):  # forward; no locks taken here
         signals_received.append(signum)
         for p in procs:
             if p.returncode is None:
                 _signal_group(p, signum if len(signals_received) == 1 else signal.SIGKILL)
+                signalled.add(p.pid)
 
     previous = {}
     result, forwarded = 0, False
+
+    def forward_signals() -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, on_signal)
+
     try:
         preexec = _parent_death_signal_setter()
+        if check is None:
+            # Before the first worker starts: a signal that arrives once a worker runs (however
+            # soon, and however long this process then waits for a core) is forwarded, not the
+            # end of the launcher alone.
+            forward_signals()
         for rank in range(nproc):
+            if signals_received:  # no more workers: the loop below returns 128 + signal number
+                break
             env, fds = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), ()
             if check is not None:
                 read_end, write_end = os.pipe()
@@ -178,17 +194,18 @@ def launch_local(
                     os.close(fd)
         if check is not None:
             check()  # a Ctrl-C here is a KeyboardInterrupt: the finally below stops the workers
+            forward_signals()
             for fd in gates:
                 os.write(fd, b"go")
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, on_signal)
         # waiter threads only once every fork is done (preexec_fn and threads do not mix)
         for rank, p in enumerate(procs):
             threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True).start()
-        running = nproc
-        while running:
+        running = len(procs)
+        while running or signals_received:
             if signals_received:
+                for p in procs:  # one that the signal came before (it arrived while the worker started)
+                    if p.pid not in signalled and p.returncode is None:
+                        _signal_group(p, signals_received[0])
                 result, forwarded = 128 + signals_received[0], True
                 break
             try:
@@ -210,7 +227,10 @@ def launch_local(
                             failed[rank] = code
                 line, result = _root_cause(failed, report_dir, procs)
                 alive = sum(p.returncode is None for p in procs)
-                print(f"acco.launch: {line}; stopping the other {alive} worker(s)", file=sys.stderr, flush=True)
+                # one write of the whole line: the workers write to the same stderr, and print()
+                # writes the newline separately where stderr is unbuffered (PYTHONUNBUFFERED=1)
+                sys.stderr.write(f"acco.launch: {line}; stopping the other {alive} worker(s)\n")
+                sys.stderr.flush()
                 break
         return result
     finally:
