@@ -246,16 +246,16 @@ def _acco_int8_auto(device):
                  estimate_micro_batches="auto")
     model = make_model("mlp").to(device)
     engine = build_engine(model, cfg)
-    noted, note = [], engine.comm.note_round
+    noted, note = [], engine.split.note_round
 
     def noting(kind, busy_s):
         noted.append((kind.value, busy_s))
         note(kind, busy_s)
 
-    engine.comm.note_round = noting
+    engine.split.note_round = noting
     with issued() as seen:
         records = list(engine.run(_mlp_batches(device), loss_fn))
-    split = engine.comm.split_e
+    split = engine.split.e
     engine.close()
     theta = parameters_to_vector(model.parameters()).detach().float().cpu()
     return k2, [r.micro_batches for r in records], noted, split, theta, seen

@@ -188,7 +188,7 @@ def _train_auto(rank, world, kind, cfg, stop=None):
     def build():
         model = make_model(kind)
         engine = build_engine(model, cfg)
-        run, note = engine.comm.run, engine.comm.note_round
+        run, note = engine.comm.run, engine.split.note_round
 
         def recorded(payload, stats, new_params, round_kind, *args):
             result = run(payload, stats, new_params, round_kind, *args)
@@ -197,7 +197,7 @@ def _train_auto(rank, world, kind, cfg, stop=None):
 
         engine.comm.run = recorded
         # the compute side notes each round's duration as given, not as timed
-        engine.comm.note_round = lambda kind, busy_s: note(kind, DURATIONS[rank][kind is RoundKind.UPDATE])
+        engine.split.note_round = lambda kind, busy_s: note(kind, DURATIONS[rank][kind is RoundKind.UPDATE])
         return model, engine
 
     rounds, data = [], stream(kind, rank, world)
@@ -256,9 +256,9 @@ def test_auto_split_starts_from_the_bytes_of_an_int8_estimate_round():
     model = make_model("mlp")
     engine = build_engine(model, config(method="acco", n_grad_accumulation=AUTO_K, estimate_micro_batches="auto",
                                         estimate_comm="int8"))
-    assert engine.comm.split_e == round(2 * AUTO_K * 0.2) == 2
+    assert engine.split.e == round(2 * AUTO_K * 0.2) == 2
     engine.close()
     engine = build_engine(make_model("mlp"), config(method="acco", n_grad_accumulation=AUTO_K,
                                                     estimate_micro_batches="auto"))
-    assert engine.comm.split_e == AUTO_K  # a full estimate round: the even split until measured
+    assert engine.split.e == AUTO_K  # a full estimate round: the even split until measured
     engine.close()

@@ -15,26 +15,38 @@ parent of local workers) then never pays for importing torch.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from acco.engine.config import LOCAL_SGD_METHODS, METHODS, ConfigError, EngineConfig, UpdateRecord
+from acco.engine.config import (
+    LOCAL_SGD_METHODS,
+    METHODS,
+    CheckpointError,
+    ConfigError,
+    EngineConfig,
+    UpdateRecord,
+)
 
 if TYPE_CHECKING:
-    from acco.engine.decoupled import CheckpointError, DecoupledEngine, LossFn
+    from collections.abc import Callable, Iterable, Iterator
+    from contextlib import AbstractContextManager
+
+    from torch import nn
+
+    from acco.engine.decoupled import DecoupledEngine, LossFn
 
 __all__ = [
     "CheckpointError",
     "METHODS",
     "ConfigError",
     "DecoupledEngine",
+    "Engine",
     "EngineConfig",
     "LossFn",
     "UpdateRecord",
     "build_engine",
 ]
 
-_LAZY = {"CheckpointError": "acco.engine.decoupled", "DecoupledEngine": "acco.engine.decoupled",
-         "LossFn": "acco.engine.decoupled"}  # fmt: skip
+_LAZY = {"DecoupledEngine": "acco.engine.decoupled", "LossFn": "acco.engine.decoupled"}
 
 
 def __getattr__(name: str):
@@ -43,8 +55,55 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'acco.engine' has no attribute {name!r}")
 
 
-def build_engine(module, cfg: EngineConfig, group=None):
-    """The engine for `cfg.method` (a DecoupledEngine); the module must already be on its device."""
+class Engine(Protocol):
+    """What every engine offers its caller (DecoupledEngine, TorchDDPEngine, DiLoCoEngine; the
+    trainer and acco/checkpoint.py use nothing else; tests/test_engine_interface.py checks all three).
+
+    Between two records that `run` yields no comm round of the decoupled methods is in flight, but
+    diloco's fragment all-reduce may be: call `quiesce()` on every worker before a collective of
+    your own (docs/internals.md, "Rules the pieces keep")."""
+
+    @property
+    def samples(self) -> int:
+        """Micro-batches over all workers in committed updates (diloco: inner steps) so far."""
+
+    @property
+    def step(self) -> int:
+        """Committed updates (diloco: inner steps) so far."""
+
+    def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
+        """Train until `nb_steps_tot` micro-batches over all workers are in, or data runs out."""
+
+    def quiesce(self) -> None:
+        """Land whatever may be in flight, so that the caller may issue collectives."""
+
+    def finish(self) -> None:
+        """Every worker, once training ends (also after an early stop): the model then holds the
+        committed parameters, so that rank 0 alone may save it. Idempotent."""
+
+    def committed_params(self) -> AbstractContextManager[nn.Module]:
+        """The model holds the committed (diloco: global) parameters inside this block; every
+        worker enters it together."""
+
+    def compute_context(self) -> AbstractContextManager:
+        """The precision context of training's forward passes; evaluation runs under it too."""
+
+    def state_dict(self) -> dict:
+        """This worker's training state, to resume from."""
+
+    def load_state_dict(self, state: dict, old_state: Callable[[int], dict] | None = None) -> bool:
+        """Restore `state` on every worker together; True when the run continues exactly, False
+        when it was resharded from another world size (`old_state(r)`: old worker r's state)."""
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for training, by component."""
+
+    def close(self) -> None:
+        """Stop the engine's background thread."""
+
+
+def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
+    """The engine for `cfg.method`; the module must already be on its device."""
     if cfg.method == "torch-ddp":
         # Imported here: torch.distributed.optim costs seconds of start-up for every other method.
         from acco.engine.torch_ddp import TorchDDPEngine

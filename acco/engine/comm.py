@@ -12,6 +12,8 @@ micro-batch count, data-exhausted flag) and, on every worker:
   4. runs AdamW on its fp32 master shard: committed in an update round, as a trial step
      (Opt_trial, nothing committed) in acco's estimate round (`RoundKind`),
   5. all-gathers the new parameter shard into the `new_params` vector.
+`CommRound.run` is these steps by name: `_reduce` (1), `_statistics` (2, and the norm of 3),
+`_step` (3-4) and `_gather` (5).
 
 acco's estimate, `acco_estimate: lean` (the default; `paper` is the paper's form): the estimate
 error e_t = theta~_t - theta_t feeds back into the next estimate through the half-batch gradient
@@ -98,12 +100,69 @@ class RoundResult:
     exhausted: bool  # some worker ran out of data
     weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
     grad_norm: float  # global L2 norm of the averaged gradient, before clipping (nan: clipping off)
+    # auto split, update rounds: the largest split any worker proposed, every worker's next one
+    agreed_split: int | None = None
+
+
+class EstimateSplit:
+    """acco's split of an update's 2k micro-batches per worker between its two rounds, owned by the
+    compute side (DecoupledEngine); the comm round only reads it.
+
+    ``e``: micro-batches per worker computed while an estimate round runs (the update round's
+    2k - e before it made that round's payload); every other method keeps the even split, unused.
+    With ``estimate_micro_batches: auto`` it starts from the rounds' bytes and follows their
+    measured durations (docs/algorithm.md, "The split"): ``note_round`` updates this worker's
+    ``proposal``, an update round carries every worker's and ``agree`` keeps the largest, and
+    ``adopt`` takes it when the next update round is launched, the one place where the payload in
+    hand and the micro-batches still to compute add up to 2k whatever the new split is."""
+
+    def __init__(self, cfg: EngineConfig, shard_numel: int, element_size: int):
+        self.k2, e = 2 * cfg.n_grad_accumulation, cfg.estimate_micro_batches
+        self.auto = cfg.method == "acco" and e == "auto"
+        self.share = 0.5  # the estimate round's share of an update's comm time, averaged
+        if self.auto and cfg.estimate_comm == "int8":  # until measured: the share of the bytes
+            ratio = quantize.row_bytes(shard_numel) / (shard_numel * element_size)
+            self.share = ratio / (1 + ratio)
+        self._estimate_s = None  # the last estimate round's duration, until its update round's
+        self.proposal = self._proposal()
+        self.e = self.next_e = self.proposal if self.auto else (e or self.k2 // 2)
+
+    def _proposal(self) -> int:
+        return min(max(int(self.k2 * self.share + 0.5), 1), self.k2 - 1)
+
+    def note_round(self, kind: RoundKind, busy_s: float) -> None:
+        """Between rounds: a finished round's duration (auto only)."""
+        if not self.auto:
+            return
+        if kind is RoundKind.ESTIMATE:
+            self._estimate_s = busy_s
+        elif self._estimate_s is not None and self._estimate_s + busy_s > 0:
+            share = self._estimate_s / (self._estimate_s + busy_s)
+            self.share += SPLIT_SMOOTHING * (share - self.share)
+            self.proposal = self._proposal()
+
+    def agree(self, largest: int | None) -> None:
+        """An update round's `RoundResult.agreed_split`: the split every worker adopts next."""
+        if largest is not None:
+            self.next_e = largest
+
+    def adopt(self) -> None:
+        """Before an update round's launch: the split the last update round agreed."""
+        self.e = self.next_e
+
+    def state_dict(self) -> dict:
+        return {"e": self.e, "next": self.next_e, "share": self.share}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.e, self.next_e = int(state["e"]), int(state["next"])
+        self.share = float(state["share"])
+        self.proposal = self._proposal()
 
 
 class CommRound:
     """Collectives + sharded optimizer for one worker. Runs in whichever thread calls it."""
 
-    def __init__(self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None):
+    def __init__(self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None, split: EstimateSplit):
         self.cfg = cfg
         self.group = group
         self.layout = flat.layout
@@ -138,7 +197,7 @@ class CommRound:
             self.int8 = quantize.Int8EstimateComm(self.world_size, self.layout.rank, self.layout.shard_numel,
                                                   device, group, block=quantize.BLOCK)  # (read now: tests set it)
             self.params = flat.params
-        self._init_split(cfg)
+        self.split = split  # read here: the split in effect (the estimate round's LR) and this worker's proposal
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
@@ -154,142 +213,123 @@ class CommRound:
         `predict` (wp's overlapped update rounds): `new_params` receives the prediction
         2 theta_{t+1} - theta_t, computed on the fp32 master shard and cast once; theta_{t+1}
         itself stays in the master shards."""
-        is_update = kind is RoundKind.UPDATE
         # If this round times out, the ranks that never marked it are the ones that stopped.
         progress.mark(f"update {self.step + 1} ({kind.value})")
-        quantized = self.int8 is not None and not is_update
-        estimate = None  # int8: the fp32 shard of theta~_{t+1}
-        # The ring first: when a peer has died or stalled, its error names the ring neighbours.
-        # Every collective is issued at world size 1 too (NCCL runs a one-rank communicator).
-        if quantized:  # straight into the fp32 shard
+        int8 = self.int8 is not None and kind is RoundKind.ESTIMATE  # the update round stays exact
+        self._reduce(payload, int8)
+        result = self._statistics(stats, kind)
+        estimate = self._step(result, predict, int8)
+        self.samples, self.step = result.samples, result.step
+        if self.delay_hook is not None:
+            self.delay_hook()
+        self._gather(new_params, estimate, int8)
+        return result
+
+    def _reduce(self, payload: torch.Tensor, int8: bool) -> None:
+        """grad_shard = this worker's shard of every worker's payload, summed (fp32). The ring
+        first: when a peer has died or stalled, its error names the ring's neighbours. Every
+        collective is issued at world size 1 too (NCCL runs a one-rank communicator)."""
+        if int8:  # straight into the fp32 shard
             self.int8.reduce_scatter(payload, self.grad_shard)
-        else:
-            collectives.reduce_scatter(self.summed_grad_shard, payload, group=self.group)
-        if not quantized and self.summed_grad_shard is not self.grad_shard:
+            return
+        collectives.reduce_scatter(self.summed_grad_shard, payload, group=self.group)
+        if self.summed_grad_shard is not self.grad_shard:
             self.grad_shard.copy_(self.summed_grad_shard)
+
+    def _statistics(self, stats: torch.Tensor, kind: RoundKind) -> RoundResult:
+        """Every worker's statistics, this shard's norm and (auto split) its proposal, all-gathered
+        and read on the host: the round's result, before its step."""
         self.stats_sent[:N_STATS].copy_(stats)
-        if self.split_auto:
-            self.stats_sent[SPLIT_PROPOSAL] = self.split_proposal
+        if self.split.auto:
+            self.stats_sent[SPLIT_PROPOSAL] = self.split.proposal
         if self.max_grad_norm:  # one pass over the shard; padding is zero, so the shards' squared
             # norms add up to the whole gradient's squared norm
             torch.linalg.vector_norm(self.grad_shard, out=self.shard_norm)
             self.stats_sent[SHARD_NORM].copy_(self.shard_norm)
         collectives.all_gather_small(self.stats_all, self.stats_sent, group=self.group)
         # The only host read of a round: the comm side waits here, the compute side never does.
-        per_worker = self.stats_all.view(self.world_size, N_SENT).tolist()
-        weight = sum(row[WEIGHT] for row in per_worker)
-        micro_batches = [int(row[MICRO_BATCHES]) for row in per_worker]
-        total_micro_batches = sum(micro_batches)  # the payload's, over all workers
-        if self.split_auto and is_update:  # every worker reads the same rows: the same split
-            self.next_split_e = int(max(row[SPLIT_PROPOSAL] for row in per_worker))
+        rows = self.stats_all.view(self.world_size, N_SENT).tolist()
+        weight = sum(row[WEIGHT] for row in rows)
+        micro_batches = [int(row[MICRO_BATCHES]) for row in rows]
+        total = sum(micro_batches)  # the payload's, over all workers
+        is_update = kind is RoundKind.UPDATE
+        commits = is_update and weight > 0
         # An estimate round estimates the update that follows it, which adds the micro-batches computed
         # during the estimate round: e per worker to the payload's 2k - e (estimate_micro_batches; k to k
         # by default), exactly so with a fixed batch. During warm-up it takes that update's LR, not a smaller one.
-        update = 2 * self.cfg.n_grad_accumulation
-        update_micro_batches = total_micro_batches if is_update else total_micro_batches * update // (update - self.split_e)
-        lr = learning_rate(self.cfg, self.samples, update_micro_batches)
+        k2 = 2 * self.cfg.n_grad_accumulation
+        update_micro_batches = total if is_update else total * k2 // (k2 - self.split.e)
         grad_norm = float("nan")
-        if weight > 0:
-            # Divide by the global weight and clip in one pass (torch's clip_grad_norm_ formula).
-            scale = 1.0 / weight
-            if self.max_grad_norm:
-                grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in per_worker)) / weight
-                scale *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
-            self.grad_shard.mul_(scale)
-            if is_update:
-                if predict:
-                    self.previous_master.copy_(self.master)
-                self.optimizer.commit(self.grad_shard, lr)
-                if predict:  # 2 theta_{t+1} - theta_t in fp32 (2x is exact: one rounding), grad_shard as scratch
-                    self.new_param_shard.copy_(torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master))
-                else:
-                    self.new_param_shard.copy_(self.master)
-                if self.lean and self.estimate_pending:  # e_{t+1} = theta~_{t+1} - theta_{t+1}
-                    self.estimate_error.sub_(self.master)
-                    self.estimate_pending = False
-            elif self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
-                self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
-                torch.add(self.grad_shard, self.estimate_error, alpha=0.5, out=self.estimate_error)
-                estimate = self.estimate_error
-                if not quantized:
-                    self.new_param_shard.copy_(self.estimate_error)
-                self.estimate_pending = True
-            elif quantized:  # the paper's estimate, kept in fp32 for its delta
-                self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
-                estimate = self.grad_shard
-            else:  # theta~_{t+1} = Opt_trial(theta_t, g~_t), the paper's estimate
-                self.optimizer.trial(self.grad_shard, lr, out=self.new_param_shard)
-        else:  # nobody had data: nothing to apply
+        if self.max_grad_norm and weight > 0:
+            grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in rows)) / weight
+        return RoundResult(
+            kind=kind,
+            lr=learning_rate(self.cfg, self.samples, update_micro_batches),
+            loss=sum(row[LOSS] for row in rows) / weight if weight > 0 else float("nan"),
+            micro_batches=micro_batches,
+            samples=self.samples + total if commits else self.samples,
+            step=self.step + 1 if commits else self.step,
+            exhausted=any(row[EXHAUSTED] > 0 for row in rows),
+            weight=weight,
+            grad_norm=grad_norm,
+            # every worker reads the same rows: the same split
+            agreed_split=int(max(row[SPLIT_PROPOSAL] for row in rows)) if self.split.auto and is_update else None,
+        )
+
+    def _step(self, result: RoundResult, predict: bool, int8: bool) -> torch.Tensor | None:
+        """The optimizer on this worker's shard: committed (update round) or a trial (estimate
+        round); the new shard lands in new_param_shard, or for the int8 gather its fp32 form is
+        returned."""
+        if not result.weight > 0:  # nobody had data: nothing to apply
             self.new_param_shard.copy_(self.master)
-            estimate = self.master
-        if is_update and weight > 0:
-            self.samples += total_micro_batches
-            self.step += 1
-        if self.delay_hook is not None:
-            self.delay_hook()
-        if quantized:
+            return self.master
+        # Divide by the global weight and clip in one pass (torch's clip_grad_norm_ formula).
+        scale = 1.0 / result.weight
+        if self.max_grad_norm:
+            scale *= min(1.0, self.max_grad_norm / (result.grad_norm + 1e-6))
+        self.grad_shard.mul_(scale)
+        if result.kind is RoundKind.UPDATE:
+            self._commit(result.lr, predict)
+            return None
+        return self._estimate(result.lr, int8)
+
+    def _commit(self, lr: float, predict: bool) -> None:
+        """theta_{t+1} = Opt(theta_t, g) into the master shard; wp's `predict`: the shard sent is
+        2 theta_{t+1} - theta_t, in fp32 (2x is exact: one rounding), grad_shard as scratch."""
+        if predict:
+            self.previous_master.copy_(self.master)
+        self.optimizer.commit(self.grad_shard, lr)
+        if predict:
+            self.new_param_shard.copy_(torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master))
+        else:
+            self.new_param_shard.copy_(self.master)
+        if self.lean and self.estimate_pending:  # e_{t+1} = theta~_{t+1} - theta_{t+1}
+            self.estimate_error.sub_(self.master)
+            self.estimate_pending = False
+
+    def _estimate(self, lr: float, int8: bool) -> torch.Tensor | None:
+        """acco's theta~_{t+1}, nothing committed; returns its fp32 shard where the int8 gather needs it."""
+        if self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
+            self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
+            torch.add(self.grad_shard, self.estimate_error, alpha=0.5, out=self.estimate_error)
+            self.estimate_pending = True
+            if not int8:
+                self.new_param_shard.copy_(self.estimate_error)
+            return self.estimate_error
+        if int8:  # the paper's estimate, kept in fp32 for its delta
+            self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
+            return self.grad_shard
+        # theta~_{t+1} = Opt_trial(theta_t, g~_t), the paper's estimate
+        self.optimizer.trial(self.grad_shard, lr, out=self.new_param_shard)
+        return None
+
+    def _gather(self, new_params: torch.Tensor, estimate: torch.Tensor | None, int8: bool) -> None:
+        """new_params = every worker's new shard, all-gathered (int8: the estimate's delta to the
+        theta_t every worker holds, added to it)."""
+        if int8:
             self.int8.all_gather_delta(new_params, estimate, self.params)
         else:
             collectives.all_gather(new_params, self.new_param_shard, group=self.group)
-        return RoundResult(
-            kind=kind,
-            lr=lr,
-            loss=sum(row[LOSS] for row in per_worker) / weight if weight > 0 else float("nan"),
-            micro_batches=micro_batches,
-            samples=self.samples,
-            step=self.step,
-            exhausted=any(row[EXHAUSTED] > 0 for row in per_worker),
-            weight=weight,
-            grad_norm=grad_norm,
-        )
-
-    # ---- acco's split of an update's 2k micro-batches per worker between its two rounds ----------
-
-    def _init_split(self, cfg: EngineConfig) -> None:
-        """``split_e``: micro-batches per worker computed while an estimate round runs (the
-        update round's 2k - split_e before it made that round's payload). With
-        ``estimate_micro_batches: auto`` it starts from the rounds' bytes and follows their
-        measured durations: ``note_round`` (compute side) updates this worker's proposal, the next
-        update round carries every worker's (``next_split_e``: the largest) and ``adopt_split``
-        takes it when an update round is launched, the one place where the payload in hand and the
-        micro-batches still to compute add up to 2k whatever the new split is."""
-        k2, e = 2 * cfg.n_grad_accumulation, cfg.estimate_micro_batches
-        self.split_auto = cfg.method == "acco" and e == "auto"
-        self.split_share = 0.5  # the estimate round's share of an update's comm time, averaged
-        if self.split_auto and self.int8 is not None:  # until measured: the share of the bytes
-            n = self.layout.shard_numel
-            ratio = quantize.row_bytes(n) / (n * self.new_param_shard.element_size())
-            self.split_share = ratio / (1 + ratio)
-        self._estimate_s = None
-        self.split_proposal = self._proposal()
-        self.split_e = self.next_split_e = self.split_proposal if self.split_auto else (e or k2 // 2)
-
-    def _proposal(self) -> int:
-        k2 = 2 * self.cfg.n_grad_accumulation
-        return min(max(int(k2 * self.split_share + 0.5), 1), k2 - 1)
-
-    def note_round(self, kind: RoundKind, busy_s: float) -> None:
-        """Compute side, between rounds: a finished round's duration (auto split only)."""
-        if not self.split_auto:
-            return
-        if kind is RoundKind.ESTIMATE:
-            self._estimate_s = busy_s
-        elif self._estimate_s is not None and self._estimate_s + busy_s > 0:
-            share = self._estimate_s / (self._estimate_s + busy_s)
-            self.split_share += SPLIT_SMOOTHING * (share - self.split_share)
-            self.split_proposal = self._proposal()
-
-    def adopt_split(self) -> None:
-        """Compute side, before an update round's launch: the split the last update round agreed."""
-        self.split_e = self.next_split_e
-
-    def split_state(self) -> dict:
-        return {"e": self.split_e, "next": self.next_split_e, "share": self.split_share}
-
-    def load_split_state(self, state: dict) -> None:
-        self.split_e, self.next_split_e = int(state["e"]), int(state["next"])
-        self.split_share = float(state["share"])
-        self.split_proposal = self._proposal()
 
 
 @dataclass

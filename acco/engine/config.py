@@ -1,5 +1,5 @@
-"""What the engine is told (EngineSettings, checked as EngineConfig) and what it reports after each
-optimizer update (UpdateRecord).
+"""What the engine is told (EngineSettings, checked as EngineConfig), what it reports after each
+optimizer update (UpdateRecord), and the two errors it raises (ConfigError, CheckpointError).
 
 Each engine setting is declared once, in ``EngineSettings``, with its meaning: ``EngineConfig`` is
 those settings plus the method, checked; the trainer's ``TrainArgs`` (acco/config.py, the ``train``
@@ -26,6 +26,11 @@ SCHEDULERS = ("cosine", "linear", "constant")
 
 class ConfigError(ValueError):
     """A configuration value the engine cannot run with."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed by this run (every engine raises it, and the trainer's
+    checkpoint checks)."""
 
 
 def check_max_grad_norm(value, key: str = "max_grad_norm") -> None:

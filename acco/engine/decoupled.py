@@ -33,12 +33,13 @@ from acco.engine.comm import (
     MICRO_BATCHES,
     BackgroundComm,
     CommRound,
+    EstimateSplit,
     RoundKind,
     RoundResult,
     backward_and_count,
     new_stats,
 )
-from acco.engine.config import EngineConfig, UpdateRecord
+from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord
 from acco.engine.device import device_ops
 from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout, broadcast_module, world_of
 
@@ -59,10 +60,6 @@ ROUND_SCHEDULE: dict[str, tuple[RoundKind, ...]] = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed by this run."""
-
-
 class DecoupledEngine:
     """Trains `module` in place with ddp, dpu, wp or acco; `run` yields one UpdateRecord per update."""
 
@@ -79,7 +76,9 @@ class DecoupledEngine:
         broadcast_module(module, group)
         self.flat = FlatParams(module, dtype, self.world_size, self.rank)
         self.device = self.flat.params.device
-        self.comm = CommRound(self.flat, cfg, group)
+        # acco's split of an update between its two rounds: decided here, read by the round
+        self.split = EstimateSplit(cfg, self.flat.layout.shard_numel, self.flat.params.element_size())
+        self.comm = CommRound(self.flat, cfg, group, self.split)
         self.overlapped = cfg.method != "ddp"
         # The gradient accumulator: the flat gradient buffer itself, or in mixed precision with
         # grad_accum_dtype fp32 an fp32 vector that each micro-batch's bf16 gradients are added to
@@ -197,8 +196,8 @@ class DecoupledEngine:
         micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
 
         def during(kind: RoundKind) -> int:
-            """Computed while a round of `kind` runs: acco's split, e and 2k - e (CommRound.split_e)."""
-            e = self.comm.split_e
+            """Computed while a round of `kind` runs: acco's split, e and 2k - e (EstimateSplit.e)."""
+            e = self.split.e
             return e if kind is RoundKind.ESTIMATE else micro_batches_per_update - e * (len(round_kinds) - 1)
 
         def finished() -> bool:
@@ -224,14 +223,14 @@ class DecoupledEngine:
         wait_s = comm_s = 0.0
         for kind in itertools.cycle(round_kinds):
             if kind is RoundKind.UPDATE:
-                self.comm.adopt_split()
+                self.split.adopt()
             handle = self._launch(kind)
             compute_s += self._accumulate(batches, loss_fn, during(kind), handle)
             start = time.perf_counter()
             timed = handle.result()
             wait_s += time.perf_counter() - start
             result: RoundResult = timed.value
-            self.comm.note_round(kind, timed.busy_s)
+            self.split.note_round(kind, timed.busy_s)
             comm_s += timed.busy_s
             self._swap_in(kind)
             if kind is RoundKind.ESTIMATE:  # its update round completes the update
@@ -245,6 +244,7 @@ class DecoupledEngine:
 
     def _record(self, result: RoundResult, compute_s: float, wait_s: float, comm_s: float) -> UpdateRecord:
         self._exhausted = result.exhausted
+        self.split.agree(result.agreed_split)
         return UpdateRecord(
             step=result.step,
             samples=result.samples,
@@ -257,7 +257,7 @@ class DecoupledEngine:
             wall_time=self._wall(),
             weight=result.weight,
             grad_norm=result.grad_norm,
-            estimate_micro_batches=self.comm.split_e if self._in_overlap and self.cfg.method == "acco" else None,
+            estimate_micro_batches=self.split.e if self._in_overlap and self.cfg.method == "acco" else None,
         )
 
     def _wall(self) -> float:
@@ -330,7 +330,7 @@ class DecoupledEngine:
             "dropped_micro_batches": dropped,
             # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
             "estimate_error": self.comm.estimate_error,
-            "split": self.comm.split_state(),  # acco: the accumulator's payload was computed with 2k - e
+            "split": self.split.state_dict(),  # acco: the accumulator's payload was computed with 2k - e
         }
 
     def load_state_dict(self, state: dict, old_state: Callable[[int], dict] | None = None) -> bool:
@@ -370,7 +370,7 @@ class DecoupledEngine:
         if not exact:
             return False
         if state.get("split") is not None:
-            self.comm.load_split_state(state["split"])
+            self.split.load_state_dict(state["split"])
         if self.comm.estimate_error is not None:  # older checkpoints and other estimates: none
             saved = state.get("estimate_error")
             self.comm.estimate_error.copy_(saved) if saved is not None else self.comm.estimate_error.zero_()

@@ -37,8 +37,8 @@ from torch import nn
 
 from acco.engine import collectives, progress
 from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
-from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
-from acco.engine.decoupled import CheckpointError, LossFn
+from acco.engine.config import LOCAL_SGD_METHODS, CheckpointError, EngineConfig, UpdateRecord
+from acco.engine.decoupled import LossFn
 from acco.engine.device import device_ops
 from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate

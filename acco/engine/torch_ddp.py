@@ -52,7 +52,7 @@ from torch.nn.utils import clip_grad_norm_
 
 from acco.engine import collectives, progress
 from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, backward_and_count, new_stats
-from acco.engine.config import EngineConfig, UpdateRecord
+from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn
 from acco.engine.flat import ShardLayout, world_of
 from acco.engine.optim import learning_rate
@@ -238,8 +238,6 @@ class TorchDDPEngine:
     def load_state_dict(self, state: dict, old_state=None) -> bool:
         """Restore on the world size the state was saved with (ZeRO shards by parameter); `old_state`
         (resharding, DecoupledEngine's) is refused by the world-size check below."""
-        from acco.engine.decoupled import CheckpointError
-
         if state["method"] != "torch-ddp":
             raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is 'torch-ddp'")
         if state["world_size"] != self.world_size:
