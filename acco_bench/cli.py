@@ -21,7 +21,11 @@ import sys
 from pathlib import Path
 
 from acco_bench import BenchError
-from acco_bench.settings import ALL_METHODS, DEFAULT_MODEL_SIZE, KNOWN_METHODS, BenchSettings
+from acco_bench.settings import KNOWN_METHODS, BenchSettings
+
+# Every flag that sets a BenchSettings field defaults to that field's default (a subcommand may
+# choose another, said where it is set): each default is stated once, in acco_bench/settings.py.
+DEFAULTS = BenchSettings()
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -44,26 +48,27 @@ def _none(text: str) -> str | None:
     return None if text.lower() in ("none", "unshaped", "", "0") else text
 
 
-def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=ALL_METHODS) -> None:
-    p.add_argument("--hosts", type=int, default=2, help="number of emulated hosts (one worker each)")
+def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEFAULTS.methods) -> None:
+    d = DEFAULTS
+    p.add_argument("--hosts", type=int, default=d.hosts, help="number of emulated hosts (one worker each)")
     p.add_argument("--methods", type=_methods, default=tuple(methods),
                    help=f"comma-separated, run in this order (default {','.join(methods)})")
-    p.add_argument("--model", default="tiny", help="model config name (acco/conf/model)")
-    p.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL_SIZE["hidden_size"],
+    p.add_argument("--model", default=d.model, help="model config name (acco/conf/model)")
+    p.add_argument("--hidden-size", type=int, default=d.model_size["hidden_size"],
                    help="model.hidden_size override (0: the config's own)")
-    p.add_argument("--num-layers", type=int, default=DEFAULT_MODEL_SIZE["num_layers"],
+    p.add_argument("--num-layers", type=int, default=d.model_size["num_layers"],
                    help="model.num_layers override (0: the config's own)")
-    p.add_argument("--num-heads", type=int, default=DEFAULT_MODEL_SIZE["num_heads"],
+    p.add_argument("--num-heads", type=int, default=d.model_size["num_heads"],
                    help="model.num_heads override (0: the config's own)")
     p.add_argument("--nb-steps-tot", type=int, default=nb_steps,
                    help="training budget in micro-batches over all workers (same for every method)")
-    p.add_argument("--grad-accum", type=int, default=4,
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help="micro-batches per worker per update for ddp/torch-ddp/dpu/wp; acco runs half of it "
                         "per round, two rounds per update (same effective batch); must be even")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    p.add_argument("--max-length", type=int, default=96, help="tokens per sequence")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slow-worker", type=_slow, default=None, metavar="RANK:FACTOR",
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
+    p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--slow-worker", type=_slow, default=d.slow_worker, metavar="RANK:FACTOR",
                    help="emulate a slower device: that rank sleeps (FACTOR-1) x its compute time per micro-batch")
     p.add_argument("--accumulate-while-waiting", action="store_true",
                    help="overlapped methods keep computing until the round is done (the paper's setting; the "
@@ -72,20 +77,20 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=ALL
     p.add_argument("--mixed-precision", action="store_true", help="bf16 (slower than fp32 on most CPUs)")
     p.add_argument("--loopback", action="store_true",
                    help="no namespaces: local processes on 127.0.0.1, unshaped")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per method before its workers are killed")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per method before its workers are killed")
+    p.add_argument("--repeats", type=int, default=d.repeats,
                    help="run every method that many times (interleaved) and report the median run")
-    p.add_argument("--retry-disturbed", type=int, default=2,
+    p.add_argument("--retry-disturbed", type=int, default=d.retry_disturbed,
                    help="run a method again, at most that many times, when other processes used more than "
                         "0.15 CPU cores during its run (a shared machine)")
-    p.add_argument("--sched", choices=("normal", "batch"), default="normal",
+    p.add_argument("--sched", choices=("normal", "batch"), default=d.sched,
                    help="scheduling policy of the workers: batch (SCHED_BATCH) stops gloo's I/O thread from "
                         "preempting the compute thread at every packet on a machine without spare cores")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores // hosts)")
-    p.add_argument("--data", default="synthetic",
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker (default cores // hosts)")
+    p.add_argument("--data", default=d.data,
                    help="a data config name (synthetic, tinystories, ...) or the path of a local text file")
-    p.add_argument("--data-path", default=None, help="data.path, with a data config name in --data")
-    p.add_argument("--tokenizer", default=None, help="model.tokenizer (bpe, or a folder with vocab.json+merges.txt)")
+    p.add_argument("--data-path", default=d.data_path, help="data.path, with a data config name in --data")
+    p.add_argument("--tokenizer", default=d.tokenizer, help="model.tokenizer (bpe, or a folder with vocab.json+merges.txt)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every worker (repeatable)")
     p.add_argument("--out", default=out, help=f"output folder (default {out})")
@@ -120,10 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("cluster", help="every method, one after the other, on N emulated hosts")
-    _add_common(p, "outputs/bench/cluster", 200)
-    p.add_argument("--bandwidth", type=_none, default="100mbit",
+    _add_common(p, "outputs/bench/cluster", DEFAULTS.nb_steps_tot)
+    p.add_argument("--bandwidth", type=_none, default=DEFAULTS.bandwidth,
                    help="per-host link rate, a tc rate (100mbit); 'none' leaves links unshaped")
-    p.add_argument("--latency", type=_none, default="1ms",
+    p.add_argument("--latency", type=_none, default=DEFAULTS.latency,
                    help="one-way delay per link, a tc time (1ms); 'none' adds none. netem where the "
                         "kernel has it, else TUN devices and a user-space delay line")
 
@@ -131,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, "outputs/bench/sweep", 120)
     p.add_argument("--bandwidths", default="50mbit,200mbit,1000mbit,unshaped",
                    help="comma-separated tc rates; 'unshaped' for unshaped links")
-    p.add_argument("--latency", type=_none, default="1ms", help="as for cluster")
+    p.add_argument("--latency", type=_none, default=DEFAULTS.latency, help="as for cluster")
 
     p = sub.add_parser("convergence", help="eval loss against samples on real text, several seeds, "
                                            "and the acco/Adam update closeness")
@@ -139,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     from acco_bench.convergence import TINYSTORIES
 
     p.set_defaults(data=str(TINYSTORIES) if TINYSTORIES.exists() else "synthetic", hidden_size=0, num_layers=0,
-                   num_heads=0, grad_accum=4, max_length=64, loopback=True)
+                   num_heads=0, max_length=64, loopback=True)
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     p.add_argument("--netns", dest="loopback", action="store_false",
                    help="run on emulated hosts instead of loopback (unshaped by default)")
@@ -171,12 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     from acco_bench.race import RACE_BUDGET, RACE_METHODS
 
     _add_common(p, "outputs/bench/race", RACE_BUDGET, methods=RACE_METHODS)
-    p.set_defaults(accumulate_while_waiting=True, retry_disturbed=0)
+    p.set_defaults(accumulate_while_waiting=True, retry_disturbed=0)  # every method once: nothing to retry
     p.add_argument("--fixed-batch", dest="accumulate_while_waiting", action="store_false",
                    help="overlapped methods compute exactly their micro-batches per round (default: they keep "
                         "accumulating while it runs, the paper's setting)")
-    p.add_argument("--bandwidth", type=_none, default="100mbit", help="as for cluster")
-    p.add_argument("--latency", type=_none, default="1ms", help="as for cluster")
+    p.add_argument("--bandwidth", type=_none, default=DEFAULTS.bandwidth, help="as for cluster")
+    p.add_argument("--latency", type=_none, default=DEFAULTS.latency, help="as for cluster")
     p.add_argument("--eval-step", type=int, default=2, help="evaluate every that many updates (every method)")
     p.add_argument("--eval-batches", type=int, default=8, help="eval batches per worker per evaluation")
     p.add_argument("--scheduler", choices=("constant", "cosine", "linear"), default="constant",

@@ -130,8 +130,8 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
     blocks = pack_documents(docs, tok, max_length)
     net = build_model(mcfg, vocab_size=len(tok), max_length=max_length)
     flat = FlatParams(net, torch.float32, 1, 0)
-    cfg = EngineConfig(method="acco", learning_rate=lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                       scheduler_name="constant", nb_steps_tot=10**9)
+    # the library's AdamW (weight decay, betas) at a constant learning rate
+    cfg = EngineConfig(method="acco", learning_rate=lr, scheduler_name="constant", nb_steps_tot=10**9)
     master = flat.params.detach().clone()
     opt = ShardedAdamW(master, cfg)
     stream = MicroBatchStream(blocks, batch_size, 0, 1, seed)
@@ -199,7 +199,7 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
                        "u_adam_norm": float(u_adam.norm())})
     return {"model": model, "model_size": model_size or {}, "params": count_parameters(net), "data": data_path or "synthetic",
             "tokenizer": tokenizer, "batch_size": batch_size, "max_length": max_length,
-            "micro_batches": 2 * k, "lr": lr, "weight_decay": 0.1, "betas": [0.9, 0.95], "seed": seed,
+            "micro_batches": 2 * k, "lr": lr, "weight_decay": cfg.weight_decay, "betas": [cfg.adam_beta1, cfg.adam_beta2], "seed": seed,
             "points": points,
             "mean_brief": statistics.fmean(p["brief"] for p in points),
             "mean_algorithm": statistics.fmean(p["algorithm"] for p in points),

@@ -47,6 +47,7 @@ PEAK_BF16_TFLOPS = [
     ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("A6000", 154.8),
 ]
 
+LR = 1e-4  # the engine's and the plain loop's, constant
 SKIP_EXIT = 0
 NO_CUDA_EXIT = 3
 
@@ -151,7 +152,7 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     budget *= world  # nb_steps_tot counts every worker's micro-batches
     cfg = EngineConfig(method=method, n_grad_accumulation=k if method == "acco" else per_update,
                        nb_steps_tot=budget, use_mixed_precision=True,
-                       accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=1e-4)
+                       accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=LR)
     engine = build_engine(model, cfg)
     if delay is not None:
         engine.comm.delay_hook = delay
@@ -196,9 +197,13 @@ def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: boo
 
     import torch
 
+    from acco.engine.config import EngineSettings
+
     dtype = torch.float32 if autocast else torch.bfloat16
     model = _fresh_model(args, vocab, device, dtype, checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    s = EngineSettings()  # the engine's AdamW, its defaults
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
+                            weight_decay=s.weight_decay, fused=True)
     loss_fn = _loss_fn()
     per_update = 2 * args.grad_accum
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext

@@ -90,6 +90,12 @@ def paired_ratio(by_method: dict, method: str) -> float | None:
     return sum(a for a, _ in pairs) / sum(b for _, b in pairs) if pairs else None
 
 
+def estimate_of(method: str, train: dict) -> str:
+    """acco's estimate in a method's runs: its variant's override, else the train config's."""
+    return next((o.split("=", 1)[1] for o in VARIANTS.get(method, (None, ()))[1]
+                 if o.startswith("train.acco_estimate=")), train["acco_estimate"])
+
+
 def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Path, updates: int, log=print) -> dict:
     """Train losses of the engine's runs (read from their metrics.jsonl) against the plain reference's."""
     from acco_bench.reference import build_case, simulate
@@ -105,11 +111,10 @@ def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Pat
         metrics = run_root / f"seed{seed}" / method / "metrics.jsonl"
         if not metrics.exists():
             continue
-        estimate = next((o.split("=", 1)[1] for o in VARIANTS.get(method, (None, ()))[1]
-                         if o.startswith("train.acco_estimate=")), case.train.get("acco_estimate", "paper"))
+        estimate = estimate_of(method, case.train)
         engine = [r["loss"] for r in read_jsonl(metrics) if r.get("type") == "train"][:updates]
-        ref = simulate(case, base, settings.hosts, settings.grad_accum, max_updates=len(engine),
-                       max_grad_norm=case.train.get("max_grad_norm"), estimate=estimate, final_eval=False)["loss"]
+        ran = replace(case, train={**case.train, "acco_estimate": estimate})
+        ref = simulate(ran, base, settings.hosts, settings.grad_accum, max_updates=len(engine), final_eval=False)["loss"]
         diff = max((abs(a - b) for a, b in zip(engine, ref)), default=float("nan"))
         result["methods"][method] = {"engine": engine, "reference": ref, "max_abs_diff": diff,
                                      "estimate": estimate if base == "acco" else None}

@@ -24,18 +24,20 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import clip_grad_norm_, parameters_to_vector, vector_to_parameters
 
+from acco.engine.config import EngineSettings
+
 __all__ = ["Case", "Reference", "build_case", "decay_groups", "evaluate", "fragment_indices", "learning_rate",
            "simulate", "stability_limit", "target_tokens", "token_loss"]
 
 
-def _get(settings, name: str, default=None):  # an EngineConfig's attribute or a mapping's key
-    return settings.get(name, default) if isinstance(settings, Mapping) else getattr(settings, name, default)
+def _get(settings, name: str):  # an EngineConfig's attribute, or a mapping's key (default: the library's)
+    default = getattr(EngineSettings, name)
+    return settings.get(name, default) if isinstance(settings, Mapping) else getattr(settings, name)
 
 
 def learning_rate(settings, samples_before: int, batch: int) -> float:
@@ -43,10 +45,10 @@ def learning_rate(settings, samples_before: int, batch: int) -> float:
     update's ``batch``, then cosine (or linear, or constant) decay from the samples before it to
     ``nb_steps_tot``. ``settings``: an EngineConfig or a mapping with ``learning_rate``,
     ``warmup``, ``nb_steps_tot`` and ``scheduler_name``."""
-    lr, warmup, total = _get(settings, "learning_rate"), _get(settings, "warmup", 0), _get(settings, "nb_steps_tot")
+    lr, warmup, total = _get(settings, "learning_rate"), _get(settings, "warmup"), _get(settings, "nb_steps_tot")
     if warmup > 0 and samples_before < warmup:
         return lr * min(1.0, (samples_before + batch) / warmup)
-    name = _get(settings, "scheduler_name", "cosine")
+    name = _get(settings, "scheduler_name")
     if name == "constant":
         return lr
     progress = min(1.0, max(0.0, (samples_before - warmup) / max(1, total - warmup)))
@@ -64,7 +66,7 @@ def decay_groups(params, weight_decay: float) -> list[dict]:
 
 
 def _adamw(params, settings) -> torch.optim.AdamW:
-    return torch.optim.AdamW(decay_groups(params, _get(settings, "weight_decay", 0.0)),
+    return torch.optim.AdamW(decay_groups(params, _get(settings, "weight_decay")),
                              lr=_get(settings, "learning_rate"), eps=_get(settings, "adam_eps"),
                              betas=(_get(settings, "adam_beta1"), _get(settings, "adam_beta2")), foreach=False)
 
@@ -240,8 +242,8 @@ class Reference:
         torch.optim.SGD(nesterov=True). Worker 0's loss per inner step goes to ``losses``;
         returns the final global parameters."""
         s, world = self.settings, self.world
-        H, nf, tau = _get(s, "sync_every"), _get(s, "num_fragments", 1), _get(s, "fragment_sync_delay", 0)
-        alpha = _get(s, "fragment_update_alpha", 0.0)
+        H, nf, tau = _get(s, "sync_every"), _get(s, "num_fragments"), _get(s, "fragment_sync_delay")
+        alpha = _get(s, "fragment_update_alpha")
         glob = self.model
         outer = torch.optim.SGD(self.params, lr=_get(s, "outer_lr"), momentum=_get(s, "outer_momentum"), nesterov=True)
         workers = [copy.deepcopy(glob) for _ in range(world)]
@@ -308,7 +310,7 @@ class Reference:
 # on a language model, as a training run would: acco-bench lr-sweep
 
 
-@dataclass
+@dataclasses.dataclass
 class Case:
     """What a training run is made of: the model at its initial weights, the data, the settings."""
 
@@ -353,20 +355,19 @@ def target_tokens(batch) -> float:
     return float((batch["labels"][:, 1:] != -100).sum())
 
 
-def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4,
-             max_grad_norm: float | None = None, estimate: str = "paper", eval_every: int = 0,
+def simulate(case: Case, method: str, world_size: int = 2, grad_accum: int = 4, eval_every: int = 0,
              max_eval_batches: int | None = None, max_updates: int | None = None, final_eval: bool = True) -> dict:
     """Train a copy of `case.model` with `method` ("ddp", "dpu" or "acco") and a fixed batch:
-    `grad_accum` micro-batches per worker per update (acco: half of it per round, two rounds per
-    update), until the budget or `max_updates`. Returns per-update training losses, gradient
-    norms and the eval loss at the end (and every `eval_every` updates)."""
+    `grad_accum` micro-batches per worker per update (acco: half per round), until the budget or
+    `max_updates`, clipping and estimating as `case.train` (the composed config) says. Returns
+    per-update losses and gradient norms, and the eval loss at the end (and every `eval_every` updates)."""
     from acco.data import MicroBatchStream
 
     if method not in ("ddp", "dpu", "acco"):
         raise ValueError(f"the reference knows ddp, dpu and acco, not {method!r}")
+    t, estimate = case.train, case.train["acco_estimate"]
     if estimate not in ("paper", "lean"):
         raise ValueError(f"the reference knows acco's paper and lean estimates, not {estimate!r}")
-    t = {**case.train, "max_grad_norm": max_grad_norm}
     streams = [MicroBatchStream(case.train_blocks, t["batch_size"], r, world_size, case.seed) for r in range(world_size)]
     counts = [grad_accum // 2 if method == "acco" else grad_accum] * world_size
     ref = Reference(copy.deepcopy(case.model).float().train(), t, world_size, counts,
