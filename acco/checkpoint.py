@@ -82,9 +82,13 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve(spec: str | bool, output_dir: str | Path) -> Path:
+def resolve(spec: str | bool, output_dir: str | Path) -> Path | None:
     """`latest` (the newest complete checkpoint in output_dir) or a checkpoint folder; True means
-    `latest`, as in transformers.Trainer.train(resume_from_checkpoint=True)."""
+    `latest`, as in transformers.Trainer.train(resume_from_checkpoint=True). `auto`: the newest
+    complete checkpoint if there is one, else None (a fresh start)."""
+    if spec == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
     if spec is True or spec == "latest":
         found = list_checkpoints(output_dir)
         if not found:
@@ -307,6 +311,8 @@ def check_resumable(args, world_size: int, numel=None, model_label: str = "this 
     if not spec:
         return None
     folder = resolve(spec, os.path.expanduser(str(args.output_dir)))
+    if folder is None:  # auto, and nothing to resume yet
+        return None
     meta = load_meta(folder)
     check_files(folder, meta)
     if meta["method"] != args.method_name:

@@ -26,7 +26,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from acco.config import AlreadyCompleted, InputError, check_values, compose, one_line_error
+from acco.config import (
+    EXIT_SAVED_ON_SIGNAL,
+    AlreadyCompleted,
+    InputError,
+    check_values,
+    compose,
+    one_line_error,
+)
 from acco.launch.env import dist_env, self_command
 from acco.launch.local import launch_local, local_nproc, wait_for_go
 
@@ -133,7 +140,14 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
         text_column_name=cfg.data.text_column, args=args,
     )  # fmt: skip
     summary = trainer.train()
-    if rank == 0 and not summary.get("nothing_to_do"):
+    code = 0
+    if summary.get("stopped_on_signal"):  # checkpointed: the same command with resume auto continues
+        code = EXIT_SAVED_ON_SIGNAL
+        if rank == 0:
+            print(f"acco: stopped on {summary['stopped_on_signal']} after update {summary['stopped_at_update']} "
+                  f"({summary['samples']} micro-batches), checkpointed in {out}; run the same command with "
+                  f"train.resume_from_checkpoint=auto to continue (exit {code})", flush=True)
+    elif rank == 0 and not summary.get("nothing_to_do"):
         print(
             f"done: {summary['method']} {summary['samples']} micro-batches, final eval loss "
             f"{summary['final_eval_loss']}, {summary['tokens_per_s']:,.0f} tokens/s, outputs in {out}",
@@ -145,7 +159,7 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
     del trainer, model
     gc.collect()
     dist.destroy_process_group()
-    return 0
+    return code
 
 
 def _verdict(cfg: DictConfig, world_size: int, passed: dict) -> str:

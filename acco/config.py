@@ -42,6 +42,11 @@ __all__ = [
 ]
 
 DEFAULT_CACHE_DIR = "~/.cache/acco"
+# train.save_on_signal's choices (SIGKILL and SIGSTOP cannot be caught; SIGINT stays Ctrl-C's stop)
+CATCHABLE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
+# The exit code of a job that saved a checkpoint on such a signal and stopped (sysexits' EX_TEMPFAIL:
+# "try again later"): run the same command with train.resume_from_checkpoint=auto to continue.
+EXIT_SAVED_ON_SIGNAL = 75
 
 
 class InputError(ValueError):
@@ -103,7 +108,12 @@ class TrainArgs(EngineSettings, _Method):
     save: bool = True  # the final model (save_pretrained) and a final checkpoint
     save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
     save_total_limit: int | None = None  # keep only the newest checkpoints
-    resume_from_checkpoint: Any = None  # a checkpoint folder, or "latest" (true) in output_dir
+    # a checkpoint folder; "latest" (true): the newest complete one in output_dir; "auto": that one if
+    # any, else a fresh start (one command for a first start, a requeue and a torchrun restart)
+    resume_from_checkpoint: Any = None
+    # On any of these signals (a cluster's preemption notice) every worker finishes its update, a
+    # checkpoint is written and the job exits with EXIT_SAVED_ON_SIGNAL; [] leaves them to kill
+    save_on_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     overwrite_output_dir: bool = False  # a finished run in output_dir is never overwritten without it
     output_dir: str = "outputs/run"
     seed: int = 0
@@ -137,6 +147,11 @@ class TrainArgs(EngineSettings, _Method):
             self.resume_from_checkpoint = "latest"
         elif self.resume_from_checkpoint is False or self.resume_from_checkpoint == "":
             self.resume_from_checkpoint = None
+        self.save_on_signal = list(self.save_on_signal or [])
+        for name in self.save_on_signal:
+            if name not in CATCHABLE_SIGNALS:
+                raise ConfigError(f"train.save_on_signal: {name!r} is not a signal acco can catch "
+                                  f"(one of {', '.join(sorted(CATCHABLE_SIGNALS))})")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
         if self.stop_at_eval_loss is not None and not math.isfinite(self.stop_at_eval_loss):

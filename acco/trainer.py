@@ -30,6 +30,7 @@ from acco.data.loader import Rows, eval_batches, split_train_eval
 from acco.data.prepare import collate, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
+from acco.launch import preemption
 from acco.launch.process_group import after_rank0, every_rank_at, init_distributed
 from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
@@ -176,8 +177,10 @@ class DecoupledTrainer:
     @progress.names_lost_ranks
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
         """Train to the budget; `resume_from_checkpoint` (a checkpoint folder, or "latest" / True for
-        the newest in output_dir; default train.resume_from_checkpoint) continues a run exactly on
-        the same world size, or from the same samples on another one."""
+        the newest in output_dir, or "auto": that one if any, else from scratch; default
+        train.resume_from_checkpoint) continues a run exactly on the same world size, or from the
+        same samples on another one. On a signal of train.save_on_signal every worker stops after
+        the same update and checkpoints it; the summary then says `stopped_on_signal`."""
         args = self.args
         if self.train_data is None:
             raise DataError("DecoupledTrainer.train() needs a train_dataset")
@@ -186,9 +189,10 @@ class DecoupledTrainer:
         every_rank_at("setup")
         if resume_from_checkpoint is None:
             resume_from_checkpoint = args.resume_from_checkpoint
-        folder = meta = None
-        if resume_from_checkpoint:  # True means "latest" (transformers.Trainer's convention)
-            folder = checkpoint.resolve(resume_from_checkpoint, args.output_dir)
+        # True means "latest" (transformers.Trainer's convention); "auto" with nothing to resume: None
+        folder = checkpoint.resolve(resume_from_checkpoint, args.output_dir) if resume_from_checkpoint else None
+        meta = None
+        if folder is not None:
             meta = checkpoint.load_meta(folder)
             done = checkpoint.already_completed(folder, meta, args.nb_steps_tot)
             if done:  # checked before anything is written: the finished run stays as it is
@@ -212,15 +216,18 @@ class DecoupledTrainer:
         resumed_step = int(meta["step"]) if folder is not None else None
         log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step, resumed_step)
         self.engine = build_engine(self.model, args.engine_config())
-        if folder is not None:
-            self._resume(folder, meta, position)
-        stream = self._stream = _OnDevice(iter(batches), self.device, args.slowdown)
-        log.start_progress(args.nb_steps_tot, self.engine.samples)
-        every_rank_at("start")
         last = summary = None
-        stopped = False
-        records = self.engine.run(stream, causal_lm_loss)
+        stopped = on_signal = False
+        # A preemption notice from here on stops the run after an update, checkpointed (launch/preemption.py).
+        signals = contextlib.ExitStack()
+        caught = signals.enter_context(preemption.save_on_signals(args.save_on_signal, self.engine.request_stop))
         try:
+            if folder is not None:
+                self._resume(folder, meta, position)
+            stream = self._stream = _OnDevice(iter(batches), self.device, args.slowdown)
+            log.start_progress(args.nb_steps_tot, self.engine.samples)
+            every_rank_at("start")
+            records = self.engine.run(stream, causal_lm_loss)
             for record in records:
                 log.update(record)
                 last = record
@@ -228,24 +235,30 @@ class DecoupledTrainer:
                     raise FloatingPointError(f"training loss is {record.loss} at update {record.step}; stopping")
                 if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
                     stopped = self._evaluate_and_log(log, record)
-                if args.save_step and record.step % args.save_step == 0:
+                # Every worker's record of the same update says stop: all checkpoint it and leave.
+                on_signal = record.stop and record.samples < args.nb_steps_tot
+                if (args.save_step and record.step % args.save_step == 0) or on_signal:
                     self._checkpoint(record, position)
-                if stopped:
+                if stopped or on_signal:
                     break
             # Every rank, also after a stop: nothing in flight and the model at the committed
             # parameters before anything rank 0 does alone (the final save) touches it.
             records.close()
             self.engine.finish()
-            if last is not None:
+            if last is not None and not on_signal:
                 if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
                     self._evaluate_and_log(log, last)
                 if args.save and not (args.save_step and last.step % args.save_step == 0):
                     self._checkpoint(last, position)
-            summary = log.summary(args.method_name, self.device, {**self._utilisation(log), **self._run_facts(stopped)})
+            facts = {**self._utilisation(log), **self._run_facts(stopped)}
+            if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
+                facts.update(stopped_on_signal=caught[0] if caught else "a peer's signal", stopped_at_update=last.step)
+            summary = log.summary(args.method_name, self.device, facts)
         finally:
+            signals.close()
             self.engine.close()
             log.close(summary)
-        if args.save:
+        if args.save and not on_signal:
             self.save_model(str(out / "model"))
         return summary
 

@@ -1,6 +1,7 @@
 """acco's CLI with a fault injected into one worker, for the tests of failure handling:
 
     python tests/faults.py rank=1,step=6,mode=exit launch.nproc=2 train.output_dir=...
+    torchrun --nproc-per-node 2 --max-restarts 1 tests/faults.py rank=1,step=6,mode=exit,attempt=0 ...
 
 The local launcher starts every worker with this same command line, so each worker installs the
 fault before training; only the named rank acts on it. Modes, after update `step` (once its
@@ -19,6 +20,9 @@ def install(spec: str) -> None:
     fields = dict(item.split("=", 1) for item in spec.split(","))
     rank, step, mode = int(fields["rank"]), int(fields["step"]), fields["mode"]
     if os.environ.get("RANK") != str(rank):  # the launcher itself, or another worker
+        return
+    # attempt=N: only in torchrun's N-th start of the workers (0: the first, before any restart)
+    if "attempt" in fields and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != fields["attempt"]:
         return
     from acco.engine.decoupled import DecoupledEngine
 

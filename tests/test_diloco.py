@@ -77,7 +77,7 @@ def _pseudo_gradient_run(cfg):
         sent.append((engine.wire[:n].clone(), engine.local.clone()))
         # as if a second worker's pseudo-gradient were summed in and the sum divided by two
         engine.wire[:n] = (engine.wire[:n] + theta0 - other) / 2
-        return False
+        return False, False
 
     engine._all_reduce = fake_all_reduce
     records = list(engine.run(stream("mlp", 0, 1), loss_fn))

@@ -101,6 +101,9 @@ class Engine(Protocol):
     def close(self) -> None:
         """Stop the engine's background thread."""
 
+    def request_stop(self) -> None:
+        """Signal-safe: every worker stops after the same coming update (its record says `stop`)."""
+
 
 def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
     """The engine for `cfg.method`; the module must already be on its device."""

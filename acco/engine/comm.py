@@ -50,8 +50,11 @@ from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
 
 # Layout of the per-worker statistics vector that the compute side fills for each payload.
-WEIGHT, LOSS, MICRO_BATCHES, EXHAUSTED = range(4)
-N_STATS = 4
+# STOP: this worker was asked to stop (a signal, acco.trainer): the flag travels with the statistics,
+# so every worker learns it in the same round and they stop after the same update, with no
+# collective of its own.
+WEIGHT, LOSS, MICRO_BATCHES, EXHAUSTED, STOP = range(5)
+N_STATS = 5
 # The round sends two more: the L2 norm of this worker's reduced (summed) gradient shard, and
 # (acco, estimate_micro_batches=auto) the split this worker proposes: the proposals travel with
 # the statistics, so every worker takes the same one (the largest) with no collective of its own.
@@ -98,6 +101,7 @@ class RoundResult:
     samples: int  # micro-batches over all workers in committed updates so far (after this round)
     step: int  # committed updates (update rounds that applied a gradient) so far, after this round
     exhausted: bool  # some worker ran out of data
+    stop: bool  # some worker was asked to stop (every worker stops after this update)
     weight: float  # summed loss weight of the payload, all workers (target tokens, or micro-batches)
     grad_norm: float  # global L2 norm of the averaged gradient, before clipping (nan: clipping off)
     # auto split, update rounds: the largest split any worker proposed, every worker's next one
@@ -270,6 +274,7 @@ class CommRound:
             samples=self.samples + total if commits else self.samples,
             step=self.step + 1 if commits else self.step,
             exhausted=any(row[EXHAUSTED] > 0 for row in rows),
+            stop=any(row[STOP] > 0 for row in rows),
             weight=weight,
             grad_norm=grad_norm,
             # every worker reads the same rows: the same split

@@ -239,6 +239,9 @@ class UpdateRecord:
     # acco: the split in effect, e of the 2k micro-batches per worker computed while an estimate
     # round runs (estimate_micro_batches; it moves with auto); None for the other methods.
     estimate_micro_batches: int | None = None
+    # Some worker was asked to stop (`request_stop`, a signal): every worker's record of this same
+    # update says so, and the caller stops after it (checkpoint first: nothing is in flight).
+    stop: bool = False
 
     @property
     def batch_micro_batches(self) -> int:

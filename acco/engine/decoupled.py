@@ -31,6 +31,7 @@ from acco.engine import collectives
 from acco.engine.comm import (
     EXHAUSTED,
     MICRO_BATCHES,
+    STOP,
     BackgroundComm,
     CommRound,
     EstimateSplit,
@@ -102,9 +103,9 @@ class DecoupledEngine:
         self.ops = device_ops(self.device)
         self._inflight: list = []  # events behind the last micro-batches queued
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
+        self._stop_requested = False  # request_stop: sent with the next round's statistics
         self._in_overlap = False  # past the warm start: the accumulator is part of the state
-        self.wall_time_offset = 0.0
-        self.last_wall_time = 0.0
+        self.wall_time_offset = self.last_wall_time = 0.0
 
     # ---- the computation side -------------------------------------------------------------
 
@@ -132,12 +133,11 @@ class DecoupledEngine:
             if batch is _END:
                 self.stats[EXHAUSTED] = 1
                 break
-            # A stream runs its work in order, so the payload-ready event that `_launch` records
-            # completes only after every micro-batch queued before it, and the round's kernels on
-            # the side stream wait for that event (torch's CUDA semantics): whatever the host has
-            # queued when it sees the round done delays the next round. Where the next check may
-            # launch one (minimum reached, a round in flight), keep only the micro-batch that is
-            # running queued (lead 1); elsewhere two, so the GPU never waits for the host.
+            # The payload-ready event that `_launch` records completes only after every micro-batch
+            # queued before it (a stream runs in order), and the round waits for it: whatever the
+            # host has queued when it sees the round done delays the next round. Where the next
+            # check may launch one, keep only the running micro-batch queued (lead 1); elsewhere
+            # two, so the GPU never waits for the host.
             may_launch = keep_going and n + 1 >= minimum
             self._micro_step(batch, loss_fn, lead=1 if may_launch else 2)
             n += 1
@@ -147,6 +147,7 @@ class DecoupledEngine:
 
     def _sequential_update(self, batches: Iterator, loss_fn: LossFn, micro_batches: int) -> UpdateRecord:
         compute_s = self._accumulate(batches, loss_fn, micro_batches)
+        self.stats[STOP] += self._stop_requested
         start = time.perf_counter()
         # The accumulator is the payload and the model's parameters receive the result: no overlap.
         if self.accumulator is not self.flat.grads:
@@ -166,6 +167,7 @@ class DecoupledEngine:
         and the zeroing are queued on the compute stream and the payload-ready event is recorded
         behind them (`BackgroundComm.submit`): the round reads the payload only once it is whole,
         and the next micro-batches add to the accumulator only after it was copied."""
+        self.stats[STOP] += self._stop_requested  # (a scalar kernel argument: no copy, no sync)
         self.payload.copy_(self.accumulator)
         self.payload_stats.copy_(self.stats)
         if kind is RoundKind.UPDATE:
@@ -258,7 +260,12 @@ class DecoupledEngine:
             weight=result.weight,
             grad_norm=result.grad_norm,
             estimate_micro_batches=self.split.e if self._in_overlap and self.cfg.method == "acco" else None,
+            stop=result.stop,
         )
+
+    def request_stop(self) -> None:
+        """Signal-safe: this worker's next round tells every worker to stop after its update."""
+        self._stop_requested = True
 
     def _wall(self) -> float:
         self.last_wall_time = time.perf_counter() - self._t0
@@ -279,22 +286,18 @@ class DecoupledEngine:
         self._inflight.clear()
 
     def quiesce(self) -> None:
-        """No round is in flight between two yielded records: nothing to wait for (DiLoCoEngine's
-        all-reduce may be; the trainer calls this before any collective of its own)."""
+        """Nothing to land: no round is in flight between two records (DiLoCoEngine's may be)."""
 
     def compute_context(self):
-        """The precision context of training's forward passes (evaluation runs under it too): the
-        parameters already are in the training dtype."""
+        """Training's (and evaluation's) precision context: the parameters are in its dtype."""
         return contextlib.nullcontext()
 
     @property
-    def samples(self) -> int:
-        """Micro-batches over all workers in committed updates so far."""
+    def samples(self) -> int:  # micro-batches over all workers in committed updates so far
         return self.comm.samples
 
     @property
-    def step(self) -> int:
-        """Committed updates so far."""
+    def step(self) -> int:  # committed updates so far
         return self.comm.step
 
     # ---- checkpoints: taken between two yielded updates, when no round is in flight -----------
@@ -376,7 +379,8 @@ class DecoupledEngine:
             self.comm.estimate_error.copy_(saved) if saved is not None else self.comm.estimate_error.zero_()
         if state.get("accumulator") is not None:
             self.accumulator.copy_(state["accumulator"])
-            self.stats.copy_(state["accumulator_stats"])
+            saved = state["accumulator_stats"]  # (4 numbers before the stop flag existed)
+            self.stats.zero_()[: saved.numel()].copy_(saved)
             self._resume_overlap = True
         return True
 
@@ -396,8 +400,7 @@ class DecoupledEngine:
             del old  # a memory-mapped file is released before the next one is touched
 
     def _gather(self, shard: torch.Tensor, out: torch.Tensor) -> None:
-        """`out` (a full padded vector in the model's dtype) = every worker's `shard`, gathered, as
-        the update round does it."""
+        """`out` (full, padded, model dtype) = every worker's `shard`, gathered as the update round does."""
         self.comm.new_param_shard.copy_(shard)
         collectives.all_gather(out, self.comm.new_param_shard, group=self.group)
 

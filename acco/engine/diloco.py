@@ -99,9 +99,9 @@ class DiLoCoEngine:
         sizes = [sum(s.stop - s.start for s in f) for f in self.fragments]
         H, F = cfg.sync_every, cfg.num_fragments
         self.offsets = [math.floor(H / F * (i + 1)) for i in range(F)]
-        # The wire: one fragment's pseudo-gradient (model dtype) and the data-exhausted flag,
-        # padded to a multiple of the world size for the reduce-scatter + all-gather.
-        padded = -(-(max(sizes) + 1) // self.world_size) * self.world_size
+        # The wire: one fragment's pseudo-gradient (model dtype), the data-exhausted and the stop
+        # flags, padded to a multiple of the world size for the reduce-scatter + all-gather.
+        padded = -(-(max(sizes) + 2) // self.world_size) * self.world_size
         self.wire = torch.zeros(padded, dtype=dtype, device=self.device)
         self.wire_shard = torch.empty(padded // self.world_size, dtype=dtype, device=self.device)
         self.averaged = torch.empty(max(sizes), dtype=torch.float32, device=self.device)  # fp32 average
@@ -126,6 +126,7 @@ class DiLoCoEngine:
         self.samples = 0  # micro-batches over all workers in inner steps so far
         self._stop = False  # some worker ran out of data (learnt from an all-reduce)
         self._exhausted = False  # this worker ran out of data
+        self._stop_requested = self._stop_agreed = False  # request_stop: sent with the next all-reduce
         self._last_loss = float("nan")
         self.wall_time_offset = 0.0
         self.last_wall_time = 0.0
@@ -193,32 +194,35 @@ class DiLoCoEngine:
             torch.sub(self.global_params[s], self.local[s], out=self.wire[n : n + k])
             n += k
         self.wire[n] = float(self._exhausted)
-        m = -(-(n + 1) // self.world_size) * self.world_size  # this fragment's wire, padded
-        self.wire[n + 1 : m].zero_()
+        self.wire[n + 1] = float(self._stop_requested)
+        m = -(-(n + 2) // self.world_size) * self.world_size  # this fragment's wire, padded
+        self.wire[n + 2 : m].zero_()
         step = self.step
         self.pending = (i, self.background.submit(lambda: self._all_reduce(i, step, n, m)))
 
-    def _all_reduce(self, i: int, step: int, n: int, m: int) -> bool:
+    def _all_reduce(self, i: int, step: int, n: int, m: int) -> tuple[bool, bool]:
         """On the comm thread: sum the first `m` wire elements over the workers in place (a
         bandwidth-optimal reduce-scatter then all-gather, issued at world size 1 too); returns
-        whether some worker ran out of data (element `n`), read here so that the compute side never
-        waits."""
+        whether some worker ran out of data (element `n`) and whether one was asked to stop (`n + 1`),
+        read here so that the compute side never waits."""
         progress.mark(f"update {step} (all-reduce of fragment {i})")
         shard = self.wire_shard[: m // self.world_size]
         collectives.reduce_scatter(shard, self.wire[:m], group=self.group)
         collectives.all_gather(self.wire[:m], shard, group=self.group)
-        return bool(self.wire[n] > 0)
+        exhausted, stop = (self.wire[n : n + 2] > 0).tolist()
+        return exhausted, stop
 
     def _land(self) -> tuple[float, float]:
         """Wait for the all-reduce in flight and keep its fp32 average; (wait_s, busy_s)."""
         i, future = self.pending
         start = time.perf_counter()
         timed = future.result()
-        wait, busy, exhausted = time.perf_counter() - start, timed.busy_s, timed.value
+        wait, busy, (exhausted, stop) = time.perf_counter() - start, timed.busy_s, timed.value
         n = sum(s.stop - s.start for s in self.fragments[i])
         torch.div(self.wire[:n], self.world_size, out=self.averaged[:n])
         if exhausted:  # some worker ran out of data: this sync is the last
             self._stop = True
+        self._stop_agreed |= stop  # some worker was asked to stop: every worker stops at this step
         self.pending, self.averaged_fragment = None, i
         return wait, busy
 
@@ -308,10 +312,16 @@ class DiLoCoEngine:
             self.last_wall_time = time.perf_counter() - t0
             yield UpdateRecord(step=self.step, samples=self.samples, loss=self._last_loss, lr=lr,
                                micro_batches=[n] * self.world_size, compute_s=compute, wait_s=wait, comm_s=busy,
-                               wall_time=self.last_wall_time, weight=weight * self.world_size, grad_norm=norm)  # fmt: skip
+                               wall_time=self.last_wall_time, weight=weight * self.world_size, grad_norm=norm,
+                               stop=self._stop_agreed)  # fmt: skip
             if finished:
                 return
             n, compute, self.computed_ahead = self.computed_ahead, next_compute, 0
+
+    def request_stop(self) -> None:
+        """Signal-safe: the next fragment all-reduce tells every worker to stop at the step it lands
+        (at most sync_every / num_fragments inner steps later)."""
+        self._stop_requested = True
 
     @contextlib.contextmanager
     def committed_params(self):

@@ -51,7 +51,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 
 from acco.engine import collectives, progress
-from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, WEIGHT, backward_and_count, new_stats
+from acco.engine.comm import (
+    EXHAUSTED,
+    LOSS,
+    MICRO_BATCHES,
+    N_STATS,
+    STOP,
+    WEIGHT,
+    backward_and_count,
+    new_stats,
+)
 from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn
 from acco.engine.flat import ShardLayout, world_of
@@ -120,6 +129,11 @@ class TorchDDPEngine:
         self.step = 0  # committed updates
         self.wall_time_offset = self.last_wall_time = 0.0
         self.fetched_ahead = 0  # micro-batches taken from the stream for the next update, not computed yet
+        self._stop_requested = False
+
+    def request_stop(self) -> None:
+        """Signal-safe: this worker's next statistics tell every worker to stop after that update."""
+        self._stop_requested = True
 
     def _autocast(self):
         if not self.cfg.use_mixed_precision:
@@ -167,6 +181,7 @@ class TorchDDPEngine:
             start = time.perf_counter()
             upcoming = self._take(batches, per_update)
             self.stats[EXHAUSTED] = float(len(upcoming) < per_update)
+            self.stats[STOP] = float(self._stop_requested)
             table = torch.empty(self.world_size * N_STATS, dtype=self.stats.dtype, device=self.device)
             collectives.all_gather_small(table, self.stats, group=self.group)
             table = table.view(self.world_size, N_STATS).tolist()
@@ -202,6 +217,7 @@ class TorchDDPEngine:
                 wall_time=time.perf_counter() - t0,
                 weight=weight,
                 grad_norm=grad_norm,
+                stop=any(row[STOP] > 0 for row in table),
             )
             self.last_wall_time = record.wall_time
             yield record

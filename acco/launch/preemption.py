@@ -1,0 +1,39 @@
+"""Save on the cluster's signal: a preemption notice (SLURM's SIGTERM, or `--signal=USR1@90` ahead of
+the time limit) turns into a request to stop, not a kill.
+
+The handler only sets a flag (`request_stop` of the engine, signal-safe): the engine sends it with
+its next round's statistics, every worker learns it in the same round, the trainer writes a
+checkpoint after that update and the job exits with EXIT_SAVED_ON_SIGNAL. So a signal may reach one
+rank or all of them, at any moment (during a save, an evaluation, the warm start): nothing is
+issued from the handler, and no collective of its own decides where to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+
+@contextlib.contextmanager
+def save_on_signals(names: list[str], request_stop: Callable[[], None]) -> Iterator[list[str]]:
+    """Inside, each signal of `names` calls `request_stop` (once) instead of ending the process; the
+    list yielded holds the names of the signals caught. Outside the main thread (where Python
+    cannot set handlers) nothing is installed."""
+    caught: list[str] = []
+    if not names or threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+
+    def on_signal(signum, _frame):
+        if not caught:
+            request_stop()
+        caught.append(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.Signals[name] for name in names)}
+    try:
+        yield caught
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
