@@ -20,6 +20,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -67,8 +68,10 @@ def run(cfg: DictConfig) -> int:
             # As torchrun does: workers sharing a machine must not each spin up a thread per core.
             threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
             # The workers import while the launcher validates; they start work once it has passed.
+            # A preemption notice is forwarded, and the launcher waits while the workers checkpoint.
+            save_signals = [signal.Signals[name] for name in cfg.train.save_on_signal]
             return launch_local(nproc, self_command(), env_extra={**threads, JOB_CONFIG_ENV: path},
-                                check=lambda: validate_job(cfg, nproc))  # fmt: skip
+                                check=lambda: validate_job(cfg, nproc), save_signals=save_signals)  # fmt: skip
     except AlreadyCompleted as done:  # the checkpoint to resume has completed the budget
         print(done, flush=True)
         return 0

@@ -11,6 +11,7 @@ import time
 import pytest
 from distributed import REPO, clean_env, wait_dead, write_script
 
+from acco.config import EXIT_SAVED_ON_SIGNAL
 from acco.launch import launch_local
 
 FAILING = """
@@ -232,3 +233,47 @@ def test_a_failed_check_stops_the_workers_before_they_go(tmp_path):
     with pytest.raises(ValueError, match="bad input"):
         gated_launch(tmp_path, check_passes=False)
     assert not list(tmp_path.glob("went-*"))
+
+
+# A worker that checkpoints on the save signal: it says so, "saves" for a second (longer than the
+# launcher's grace_s=0 and its 0.2 s poll), and exits with EXIT_SAVED_ON_SIGNAL.
+SAVER = """
+    import os, signal, sys, time
+    caught = []
+    signal.signal(signal.SIGUSR1, lambda *_: caught.append(1))
+    os.write(1, f"ready {os.environ['RANK']} {os.getpid()}\\n".encode())
+    while not caught:
+        signal.pause()
+    os.write(1, f"saving {os.environ['RANK']}\\n".encode())
+    time.sleep(1.0)  # the save
+    os.write(1, f"saved {os.environ['RANK']}\\n".encode())
+    sys.exit(75)
+"""
+
+SAVING_LAUNCHER = """
+    import signal, sys
+    from acco.launch import launch_local
+    sys.exit(launch_local(2, [sys.executable, sys.argv[1]], grace_s=0, save_signals=[signal.SIGUSR1]))
+"""
+
+
+def test_on_a_save_signal_the_launcher_waits_for_its_workers_to_checkpoint(tmp_path):
+    """grace_s=0: a launcher that killed its workers after forwarding would leave no 'saved' line."""
+    saver = write_script(tmp_path, "saver.py", SAVER)
+    launcher = write_script(tmp_path, "saving.py", SAVING_LAUNCHER)
+    proc = subprocess.Popen([sys.executable, launcher, saver], env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines = [proc.stdout.readline() for _ in range(2)]
+    assert all(line.startswith("ready") for line in lines), lines
+    proc.send_signal(signal.SIGUSR1)
+    assert sorted(proc.stdout.readline() for _ in range(2)) == ["saving 0\n", "saving 1\n"]
+    out, err = proc.communicate(timeout=30)
+    assert sorted(out.splitlines()) == ["saved 0", "saved 1"]
+    assert proc.returncode == EXIT_SAVED_ON_SIGNAL and "acco.launch" not in err, err
+
+
+def test_workers_that_checkpointed_on_their_own_signal_are_no_failure(tmp_path):
+    script = write_script(tmp_path, "saved.py", "import sys\nsys.exit(75)\n")
+    launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
+    proc = subprocess.run([sys.executable, launcher, script], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_SAVED_ON_SIGNAL and "acco.launch" not in proc.stderr, proc.stderr

@@ -26,8 +26,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
+from acco.config import EXIT_SAVED_ON_SIGNAL
 from acco.engine.progress import FAILURE_DIR_ENV
 from acco.launch.env import free_port
 
@@ -118,6 +119,7 @@ def launch_local(
     env_extra: dict | None = None,
     grace_s: float = 5.0,
     check: Callable[[], None] | None = None,
+    save_signals: Collection[int] = (),
 ) -> int:
     """Run ``nproc`` local workers of ``argv`` (torchrun's variables set, master 127.0.0.1 on a
     free port) and wait for them.
@@ -134,8 +136,12 @@ def launch_local(
     for a worker that failed on its own and, if none did, relays that report. SIGINT and
     SIGTERM received by the launcher are forwarded to the workers, which get ``grace_s`` seconds
     before SIGKILL (a second signal kills them at once); the launcher then returns 128 + signal
-    number. Each worker runs in its own process group, killed whole at the end, so nothing is left
-    behind; if the launcher itself is killed, the kernel sends the workers SIGTERM (Linux).
+    number. A signal of ``save_signals`` (train.save_on_signal) is forwarded too, and then the
+    launcher waits for the workers to checkpoint and exit (a second signal kills them at once);
+    workers that exit with EXIT_SAVED_ON_SIGNAL (also on a signal of their own) are no failure,
+    and the launcher returns that code. Each worker runs in its own process group, killed whole at
+    the end, so nothing is left behind; if the launcher itself is killed, the kernel sends the
+    workers SIGTERM (Linux).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -169,7 +175,7 @@ def launch_local(
 
     def forward_signals() -> None:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in {signal.SIGINT, signal.SIGTERM, *save_signals}:
                 previous[sig] = signal.signal(sig, on_signal)
 
     try:
@@ -200,19 +206,27 @@ def launch_local(
         # waiter threads only once every fork is done (preexec_fn and threads do not mix)
         for rank, p in enumerate(procs):
             threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True).start()
-        running = len(procs)
+        running, saving, saved, failed = len(procs), False, False, {}
         while running or signals_received:
-            if signals_received:
+            if signals_received and not (saving and len(signals_received) == 1):
                 for p in procs:  # one that the signal came before (it arrived while the worker started)
                     if p.pid not in signalled and p.returncode is None:
                         _signal_group(p, signals_received[0])
                 result, forwarded = 128 + signals_received[0], True
+                # a save signal: the workers finish an update, checkpoint it and exit; wait for them
+                saving = signals_received[0] in save_signals and len(signals_received) == 1 and running > 0
+                if not saving:
+                    break
+            if not running:
                 break
             try:
                 rank, code = exits.get(timeout=0.2)
             except queue.Empty:
                 continue
             running -= 1
+            saved |= code == EXIT_SAVED_ON_SIGNAL
+            if code == EXIT_SAVED_ON_SIGNAL or (saving and code in (0, -signals_received[0])):
+                continue  # checkpointed on a signal (or finished, or stopped before training began)
             if code != 0:
                 failed = {rank: code}
                 if _lost_report(report_dir, rank) is not None:  # it only lost a peer: wait a moment
@@ -232,7 +246,7 @@ def launch_local(
                 sys.stderr.write(f"acco.launch: {line}; stopping the other {alive} worker(s)\n")
                 sys.stderr.flush()
                 break
-        return result
+        return EXIT_SAVED_ON_SIGNAL if saved and not failed else result
     finally:
         for fd in gates:
             os.close(fd)
