@@ -30,7 +30,8 @@ def test_the_references_adamw_decays_as_the_library():
     model = torch.nn.Linear(3, 2)
     opt = reference._adamw(list(model.parameters()), {"learning_rate": 1e-3})
     assert [g["weight_decay"] for g in opt.param_groups] == [LIBRARY.weight_decay, 0.0]  # matrices, biases
-    assert opt.defaults["betas"] == (LIBRARY.adam_beta1, LIBRARY.adam_beta2) and opt.defaults["eps"] == LIBRARY.adam_eps
+    assert opt.defaults["betas"] == (LIBRARY.adam_beta1, LIBRARY.adam_beta2)
+    assert opt.defaults["eps"] == LIBRARY.adam_eps
 
 
 def test_the_reference_check_uses_the_runs_estimate():
@@ -38,9 +39,11 @@ def test_the_reference_check_uses_the_runs_estimate():
     train = {"acco_estimate": LIBRARY.acco_estimate}
     assert estimate_of("acco", train) == LIBRARY.acco_estimate == "lean"
     assert estimate_of("acco-int8", train) == LIBRARY.acco_estimate
-    assert estimate_of("acco-paper", train) == "paper" and estimate_of("acco-lean", {"acco_estimate": "paper"}) == "lean"
+    assert estimate_of("acco-paper", train) == "paper"
+    assert estimate_of("acco-lean", {"acco_estimate": "paper"}) == "lean"
     # simulate takes clipping and the estimate from the case's train config, not defaults of its own
-    assert not {"estimate", "max_grad_norm", "weight_decay"} & set(inspect.signature(reference.simulate).parameters)
+    own = set(inspect.signature(reference.simulate).parameters)
+    assert not {"estimate", "max_grad_norm", "weight_decay"} & own
 
 
 @pytest.mark.parametrize("command", ["cluster", "sweep", "convergence", "lr-sweep", "race"])
@@ -49,7 +52,8 @@ def test_the_flags_default_to_the_bench_settings(command):
     (its budget and methods, and the settings named here)."""
     args = build_parser().parse_args([command])
     own = {"nb_steps_tot", "methods"} | {
-        "convergence": {"data", "data_path", "model_size", "max_length", "loopback", "eval_step", "bandwidth", "latency"},
+        "convergence": {"data", "data_path", "model_size", "max_length", "loopback", "eval_step", "bandwidth",
+                        "latency"},
         "lr-sweep": {"loopback", "eval_step", "bandwidth", "latency"},
         "race": {"accumulate_while_waiting", "retry_disturbed", "eval_step"},
     }.get(command, set())

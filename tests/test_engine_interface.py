@@ -50,7 +50,8 @@ def mismatches(cls, protocol=Engine) -> list[str]:
             if q is None or q.kind != p.kind or (p.default is not p.empty and q.default is q.empty):
                 found.append(f"{cls.__name__}.{name}: parameter {p}, has {q}")
         for q in have.values():
-            if q.name not in want and q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD):
+            required = q.default is q.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
+            if q.name not in want and required:
                 found.append(f"{cls.__name__}.{name}: parameter {q} that callers do not pass")
     return found
 
