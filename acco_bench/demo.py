@@ -10,8 +10,8 @@ micro-batches per worker per update, acco 3 per round and two rounds), so ddp wa
 round and acco computes through it; at 100 Mbit/s this model spends about a third of ddp's step
 communicating, where acco's two rounds per update fit under its computation. (In the paper's
 setting, acco computing more micro-batches while a round runs, this CPU-sized model at 100 Mbit/s
-is comm-bound, acco's batch grows and it needs more samples: BENCHMARKS.md section 11.) The plot
-shows eval loss against wall-clock training time.
+is comm-bound, acco's batch grows and it needs more samples: BENCHMARKS.md, "Time to the same
+loss".) The plot shows eval loss against wall-clock training time.
 The emulated hosts are removed at the end, on Ctrl-C and on failure.
 """
 

@@ -266,7 +266,8 @@ def assumptions(a) -> list[str]:
         "overlap, then ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a round of 4-byte elements).",
         "diloco: C + M/H (the whole model all-reduced every H inner steps, blocking). streaming-diloco: "
         "C + F max(0, M/F - tau C) / H (F fragments, each all-reduce overlapping tau inner steps). Per inner "
-        "step; not counted: the extra samples diloco needs to reach ddp's loss (1.10-1.31x, BENCHMARKS §5.1).",
+        "step; not counted: the extra samples diloco needs to reach ddp's loss (1.10-1.31x, "
+        "BENCHMARKS.md, \"DiLoCo's sync period H\").",
         "With accumulation (§5 race) the overlapped methods never wait: their samples/s bound is (C + M) / C.",
         "Memory: docs/algorithm.md's bytes per parameter (model-sized + shard-sized / W), activations excluded; "
         "acco-int8 adds 2 + 4/W.",

@@ -22,7 +22,7 @@ def device_stream(kind: str, rank: int, device, world: int):
 
 # The overlap check runs a fixed number of updates, not a fixed budget: with a fast GPU a 50 ms
 # round leaves time for hundreds of micro-batches, and a budget of 400 was spent in the first
-# update, leaving nothing to compare (issue 19, finding 11). The budget is now far out of reach
+# update, leaving nothing to compare. The budget is now far out of reach
 # and every rank stops after OVERLAP_UPDATES updates (between two records no round is in flight).
 OVERLAP_UPDATES = 12
 OVERLAP_BUDGET = 10**7  # micro-batches over all workers

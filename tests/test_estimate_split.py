@@ -1,4 +1,4 @@
-"""train.estimate_micro_batches (issue 20, item 4): acco's fixed 2k micro-batches per worker per update
+"""train.estimate_micro_batches: acco's fixed 2k micro-batches per worker per update
 split unevenly, e while the estimate round runs and 2k - e while the update round runs (and for the
 warm start), held to a plain single-process recurrence on 2 gloo workers; the default is the even split.
 ``auto`` picks e from the rounds' durations (given here, not timed), agreed by every worker and changed

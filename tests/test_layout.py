@@ -1,4 +1,4 @@
-"""The layout the README's "How it is built" promises: no import circles (function-level imports
+"""The layout docs/internals.md's "How it is built" promises: no import circles (function-level imports
 count), no source file over 450 lines, the library (acco) never importing the benchmarks
 (acco_bench), no benchmark module reaching for another's private (underscore) names, and no test
 module importing another (shared helpers live in tests/*_helpers.py, distributed.py, faults.py)."""

@@ -5,7 +5,7 @@ ZeroRedundancyOptimizer(AdamW), the same hyper-parameters, budget and LR schedul
 methods. Mixed precision is the usual PyTorch recipe: fp32 parameters, bf16 autocast, and
 gradients all-reduced in bf16 (DDP's bf16 compression hook) so the wire carries what acco's does.
 
-The tuning (BENCHMARKS.md, "torch-ddp tuning: bucket_cap_mb sweep"):
+The tuning (BENCHMARKS.md, "torch-ddp: why it is slower, and its tuning"):
 - DDP's gradient_as_bucket_view: the .grad tensors are views of DDP's buckets (no copy, and no
   second gradient-sized buffer). ZeRO's parameters_as_bucket_view: the updated shards are
   broadcast bucket by bucket, not parameter by parameter.
