@@ -183,7 +183,9 @@ def _report(e: BaseException) -> None:
     rank = os.environ.get("RANK")
     where = f"[rank {rank}] " if rank is not None else ""
     kind = "" if isinstance(e, InputError) else f"{type(e).__name__}: "
-    print(f"acco: error: {where}{kind}{one_line_error(e)}", file=sys.stderr, flush=True)
+    # one write of the whole line (print writes its newline apart where stderr is unbuffered)
+    sys.stderr.write(f"acco: error: {where}{kind}{one_line_error(e)}\n")
+    sys.stderr.flush()
 
 
 def job_config(argv: list[str]) -> DictConfig:

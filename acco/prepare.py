@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("ACCO_DEBUG"):
             raise
         kind = "" if isinstance(e, InputError | DataError) else f"{type(e).__name__}: "
-        print(f"acco: error: {kind}{one_line_error(e)}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"acco: error: {kind}{one_line_error(e)}\n")  # one write of the whole line
+        sys.stderr.flush()
         sys.exit(1)
     finally:
         logging.getLogger("acco").removeHandler(handler)
