@@ -13,7 +13,7 @@ per-worker state that an exact resume needs only with a fixed batch
 (accumulate_while_waiting=false); with accumulate_while_waiting (the default) micro-batch counts
 follow timing, so a resume restarts the overlapped regime from its warm start and the data
 position goes back by the micro-batches the accumulator held. GPT-Neo 125M on 4 workers, fp32:
-20 bytes per parameter (2.49 GB), 36 with a fixed batch (BENCHMARKS.md section 8).
+20 bytes per parameter (2.49 GB), 36 with a fixed batch (BENCHMARKS.md, "Scale").
 
 Resume and checkpoint metadata live here too: `check_resumable` (run once per job, by the
 validation pass: it reads every file once for its CRC), `save_run` and `resume_run` (the

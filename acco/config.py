@@ -92,7 +92,7 @@ class TrainArgs(EngineSettings, _Method):
     The engine's settings and their meaning are inherited from ``EngineSettings``
     (acco/engine/config.py), the trainer's are declared below: one declaration and one default
     each. ``acco/conf/train/*.yaml`` set only the values of the paper's configurations that differ.
-    Units (README's glossary): nb_steps_tot and warmup count micro-batches over all workers;
+    Units (docs/training.md, "Glossary"): nb_steps_tot and warmup count micro-batches over all workers;
     n_warmup_steps, eval_step, save_step and log_step count optimizer updates.
     """
 

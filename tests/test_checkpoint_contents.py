@@ -1,7 +1,7 @@
-"""What a checkpoint holds, each distinct tensor once (issue 12): no rank file holds the full
+"""What a checkpoint holds, each distinct tensor once: no rank file holds the full
 parameter vector, the accumulator is saved exactly when a fixed batch needs it, and a resharded
 resume reads only the old shards that overlap each new worker's. Sizes are those of the bytes
-written: torch.save writes the whole storage of a view (issue 19). And every method resumes from
+written: torch.save writes the whole storage of a view. And every method resumes from
 its checkpoint exactly: the same runs, saved and resumed once, serve both."""
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def _torch_ddp_shard() -> dict:
 
 
 def test_torch_ddp_saves_its_parameter_slice_without_a_model_sized_temporary(saved_root):
-    """Each worker copies its slice from the parameters it overlaps (issue 19: it built the whole
+    """Each worker copies its slice from the parameters it overlaps (it once built the whole
     padded vector first): nothing in state_dict allocates more than the slice."""
     for rank, got in enumerate(saved_root[2]):
         assert torch.equal(got["shard"], got["expected"]), rank
