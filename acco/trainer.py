@@ -287,9 +287,12 @@ class DecoupledTrainer:
     def _clear_old_checkpoints(self, out: Path) -> None:
         """A fresh run must not leave another run's checkpoints for `latest` to pick up."""
         old = sorted(out.glob("checkpoint-*"))
-        if old and not self.args.overwrite_output_dir:
+        # A save that crashed leaves only its .tmp folder: debris, not a run to protect (with
+        # resume auto, a job killed in its first save must start afresh on its restart).
+        kept = [p for p in old if not p.name.endswith(".tmp")]
+        if kept and not self.args.overwrite_output_dir:
             raise checkpoint.CheckpointError(
-                f"{out} holds checkpoints of another run ({old[-1].name}); set train.resume_from_checkpoint "
+                f"{out} holds checkpoints of another run ({kept[-1].name}); set train.resume_from_checkpoint "
                 "to continue it or train.overwrite_output_dir=true to start afresh"
             )
         if self.world_size > 1:

@@ -8,6 +8,7 @@
     acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
     acco-bench map         [--compute-s C --comm-s M --workers W ...]  (where each method wins; runs nothing)
+    acco-bench faults      [--workers 2 --faults 10 --save-step 2 --seed 0]  (a fault drill under torchrun)
     acco-bench report DIR                      (re-render a finished run's tables and plots)
 
 Every subcommand writes JSON (the numbers), Markdown (a table) and PNG plots into ``--out``.
@@ -202,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     from acco_bench import map as map_
 
     map_.add_arguments(p)
+
+    p = sub.add_parser("faults", help="a fault drill: a fixed-batch job under torchrun's elastic agent, workers "
+                                      "killed K times (SIGKILL at random moments, SIGTERM during a save, a kill in "
+                                      "the warm start), compared with an uninterrupted run of the same seed")
+    from acco_bench import faults
+
+    faults.add_arguments(p)
     return parser
 
 
@@ -291,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 write_race_report(report.load_json(d / "bench.json"), d)
                 print((d / "race.md").read_text())
+            elif (d / "bench.json").exists() and "faulted" in report.load_json(d / "bench.json"):
+                from acco_bench import faults
+
+                (d / "bench.md").write_text(faults.markdown(report.load_json(d / "bench.json")))
+                print((d / "bench.md").read_text())
             elif (d / "bench.json").exists():
                 rerender(d)
                 print((d / "bench.md").read_text())
@@ -321,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             from acco_bench import map as map_
 
             return map_.run(args)
+        if args.command == "faults":
+            from acco_bench import faults
+
+            return faults.main(args)
     except BenchError as e:
         print(f"acco-bench: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,6 @@ import pytest
 from distributed import REPO, clean_env
 
 from acco.config import EXIT_SAVED_ON_SIGNAL
-from acco.launch import free_port
 
 FIXED = ["model=tiny", "data.n_docs=600", "train.nb_steps_tot=64", "train.n_grad_accumulation=2",
          "train.accumulate_while_waiting=false", "train.save_step=2", "train.resume_from_checkpoint=auto",
@@ -27,9 +26,13 @@ def _job(tmp_path: Path, name: str) -> list[str]:
 
 
 def _torchrun(script: str, args: list[str], *agent: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           *agent, script, *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=clean_env({"OMP_NUM_THREADS": "1"}))
+    # c10d rendezvous (--standalone) with a fresh store per attempt: on torch 2.13's shared agent store
+    # (always shared with the default static rendezvous) a restarted group can read the previous
+    # attempt's gloo addresses and fail to connect (docs/checkpoints.md, "Restarts").
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *agent, script,
+           *args]  # fmt: skip
+    env = clean_env({"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
 
 
 def _losses(out: Path) -> tuple[dict, list]:

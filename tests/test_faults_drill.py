@@ -1,0 +1,77 @@
+"""`acco-bench faults` (acco_bench/faults.py): a fixed-batch job under torchrun's elastic agent, its
+workers signalled from outside (SIGKILL in the warm start and at a random moment, SIGTERM during a
+save), compared with an uninterrupted run. The drill itself is in the slow tier; its parts, and the
+restart it exposed (a job killed in its first save could not start again), are quick."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
+
+from acco import checkpoint
+from acco_bench.faults import DrillSettings, _bits_equal, _last_step, plan_faults
+
+
+def test_the_plan_is_seeded_starts_with_a_warm_start_kill_and_has_every_kind():
+    s = DrillSettings(workers=3, faults=10, seed=4)
+    plan = plan_faults(s)
+    assert plan == plan_faults(s) and plan != plan_faults(DrillSettings(workers=3, faults=10, seed=5))
+    assert len(plan) == 10 and plan[0]["kind"] == "kill-warm-start"
+    assert {f["kind"] for f in plan} == {"kill-warm-start", "kill", "term-save"}
+    assert all(0 <= f["rank"] < 3 for f in plan)
+    assert all(1 <= f["after_updates"] <= 2 * s.save_step for f in plan if f["kind"] == "kill")
+    assert {f["kind"] for f in plan_faults(DrillSettings(faults=3))} == {"kill-warm-start", "kill", "term-save"}
+    # every attempt moves the resume point by at most 2 save intervals and 2 updates: the job outlasts the faults
+    assert s.budget_updates >= 10 * (2 * s.save_step + 2)
+
+
+def test_bit_equality_and_the_progress_lines_the_drill_reads(tmp_path):
+    assert _bits_equal(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
+    assert not _bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, other bits
+    assert not _bits_equal(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
+    log = tmp_path / "rank0.jsonl"
+    log.write_text(json.dumps({"step": 4}) + "\n" + json.dumps({"step": 5}) + "\n" + '{"step": 6, "comp')
+    assert _last_step(log, 0) == 5  # a line being written is not an update yet
+    assert _last_step(log, time.time_ns() + 10**9) is None  # written before the attempt started: not its own
+    assert _last_step(tmp_path / "missing.jsonl", 0) is None
+
+
+def test_auto_starts_afresh_over_the_debris_of_a_first_save_that_crashed(tmp_path):
+    """A worker killed in the job's first save leaves checkpoint-N.tmp and no complete checkpoint:
+    resume auto starts afresh (it refused, "holds checkpoints of another run", so every torchrun
+    restart failed the same way)."""
+    from acco.trainer import DecoupledTrainer
+
+    out = tmp_path / "run"
+    (out / "checkpoint-2.tmp").mkdir(parents=True)
+    (out / "checkpoint-2.tmp" / "rank0-of-2.pt").write_bytes(b"half")
+    args = tiny_args("acco", out, nb_steps_tot=8, resume_from_checkpoint="auto")
+    summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train()
+    assert summary["samples"] == 8 and sorted(train_losses(out)) == [1, 2]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    # another run's complete checkpoint is still protected
+    with pytest.raises(checkpoint.CheckpointError, match="holds checkpoints of another run"):
+        DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=tiny_args("acco", out)).train()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="the drill finds the workers through /proc")
+def test_the_fault_drill_survives_every_fault_and_ends_bit_equal(tmp_path):
+    from acco_bench.cli import main
+
+    # 2 workers, 3 faults (a kill in the warm start, a kill at a random moment, a SIGTERM in a save)
+    assert main(["faults", "--workers", "2", "--faults", "3", "--save-step", "2", "--out", str(tmp_path)]) == 0
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    summary, faults = bench["summary"], bench["faulted"]["faults"]
+    assert {f["kind"] for f in faults} == {"kill-warm-start", "kill", "term-save"}
+    assert summary["faults_survived"] == 3 and summary["unplanned_failures"] == 0 and summary["restarts"] == 3
+    assert all(f["lost_updates"] <= 2 for f in faults)  # at most one save interval
+    assert next(f for f in faults if f["kind"] == "term-save")["lost_updates"] == 0  # checkpointed on the signal
+    assert summary["final_params_bit_equal"] and summary["losses_equal"]
+    assert bench["comparison"]["checkpoint_tensors_differing"] == []
+    assert "Final parameters bit-equal to the uninterrupted run's: **yes**" in (tmp_path / "bench.md").read_text()
