@@ -102,7 +102,7 @@ def _tail(path: Path, n: int = 15) -> str:
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _busy_cpu_s() -> float | None:
+def busy_cpu_s() -> float | None:
     """CPU seconds the whole machine spent in user + nice + system mode so far (Linux)."""
     try:
         fields = Path("/proc/stat").read_text().splitlines()[0].split()
@@ -131,7 +131,7 @@ class LoadMeter:
 
     def __init__(self):
         self.t0 = time.monotonic()
-        self.busy0 = _busy_cpu_s()
+        self.busy0 = busy_cpu_s()
         self.self0 = sum(os.times()[:2])
         self.workers: dict[int, float] = {}
         self.network: dict[int, tuple[float, float]] = {}  # pid -> (first, last) CPU seconds seen
@@ -150,7 +150,7 @@ class LoadMeter:
 
     def result(self) -> dict:
         wall = time.monotonic() - self.t0
-        busy1 = _busy_cpu_s()
+        busy1 = busy_cpu_s()
         if self.busy0 is None or busy1 is None or wall <= 0:
             return {}
         mine = sum(self.workers.values()) + sum(os.times()[:2]) - self.self0

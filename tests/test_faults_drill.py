@@ -14,7 +14,9 @@ import torch
 from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
 from acco import checkpoint
-from acco_bench.faults import DrillSettings, _bits_equal, _last_step, plan_faults
+from acco_bench.fault_job import last_step
+from acco_bench.fault_results import bits_equal
+from acco_bench.faults import DrillSettings, plan_faults
 
 
 def test_the_plan_is_seeded_starts_with_a_warm_start_kill_and_has_every_kind():
@@ -31,14 +33,14 @@ def test_the_plan_is_seeded_starts_with_a_warm_start_kill_and_has_every_kind():
 
 
 def test_bit_equality_and_the_progress_lines_the_drill_reads(tmp_path):
-    assert _bits_equal(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
-    assert not _bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, other bits
-    assert not _bits_equal(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
+    assert bits_equal(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
+    assert not bits_equal(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, other bits
+    assert not bits_equal(torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.float64))
     log = tmp_path / "rank0.jsonl"
     log.write_text(json.dumps({"step": 4}) + "\n" + json.dumps({"step": 5}) + "\n" + '{"step": 6, "comp')
-    assert _last_step(log, 0) == 5  # a line being written is not an update yet
-    assert _last_step(log, time.time_ns() + 10**9) is None  # written before the attempt started: not its own
-    assert _last_step(tmp_path / "missing.jsonl", 0) is None
+    assert last_step(log, 0) == 5  # a line being written is not an update yet
+    assert last_step(log, time.time_ns() + 10**9) is None  # written before the attempt started: not its own
+    assert last_step(tmp_path / "missing.jsonl", 0) is None
 
 
 def test_auto_starts_afresh_over_the_debris_of_a_first_save_that_crashed(tmp_path):
