@@ -304,7 +304,7 @@ def _every_method_bf16(device):
     return _train(device, _gpt_neo, cfgs, _tokens, causal_lm_loss)
 
 
-@pytest.mark.parametrize("on", ON)
+@pytest.mark.parametrize("on", [on for on in ON if on.id != "fake-cuda"])  # (the fake's op checks: 10 s more)
 def test_every_method_trains_gpt_neo_in_bf16_with_a_falling_loss(on, one_thread):
     results = run_one_rank(on, _every_method_bf16)
     assert [method for method, *_ in results] == list(METHODS)

@@ -113,6 +113,7 @@ def preempted(tmp_path_factory):
     return run_distributed(_runs, 2, str(tmp_path_factory.mktemp("preempted")), "acco")
 
 
+@pytest.mark.slow  # 11 trainer runs on 2 workers
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_a_sigterm_checkpoints_and_the_same_command_finishes_the_run_exactly(preempted, name):
     straight_losses, straight_theta, _ = preempted[0]["straight"]
