@@ -97,7 +97,7 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
     import torch.distributed as dist
 
     from acco.data.prepare import load_corpus_rank0_first, prepare_tokenizer, split_corpus
-    from acco.launch.process_group import decided_by_rank0, init_distributed
+    from acco.launch.process_group import decided_by_rank0, init_distributed, stop_heartbeat
     from acco.models import attention_for, attention_of, build_model
     from acco.trainer import DecoupledTrainer, TrainArgs
 
@@ -110,6 +110,7 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
         job = passed.get("job")  # rank 0's pass
         kind, _, line = verdict.partition(" ")
         if kind != "ok":
+            stop_heartbeat()
             dist.destroy_process_group()
             if kind == "done":
                 if rank == 0:
@@ -161,6 +162,7 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
     # still holding work with Python tensors: "terminate called without an active exception").
     del trainer, model
     gc.collect()
+    stop_heartbeat()  # before the store's host (rank 0) may exit
     dist.destroy_process_group()
     return code
 

@@ -33,7 +33,7 @@ NCCL_MIN_TIMEOUT_S = 300.0
 # (SIGSTOP, a hung file system) during one-off work ends the run within that timeout, not after
 # the hour that the work itself may take.
 _ALIVE = "acco/alive/{}"
-_heartbeat = {"timeout_s": 30.0, "generation": 0}
+_heartbeat: dict = {"timeout_s": 30.0}
 
 
 
@@ -169,22 +169,33 @@ def start_heartbeat(timeout_s: float) -> None:
     another, whose peers must see it alive too."""
     import torch.distributed as dist
 
+    stop_heartbeat()  # a later call replaces the beat
     _heartbeat["timeout_s"] = float(timeout_s)
-    _heartbeat["generation"] += 1  # the previous beat, if any, stops at its next tick
     if dist.get_world_size() == 1:
         return
     store, key = dist.distributed_c10d._get_default_store(), _ALIVE.format(dist.get_rank())
-    interval, generation = min(5.0, max(0.5, timeout_s / 6)), _heartbeat["generation"]
+    interval, stopped = min(5.0, max(0.5, timeout_s / 6)), threading.Event()
 
     def beat() -> None:
         try:
-            while _heartbeat["generation"] == generation:
+            while not stopped.is_set():
                 store.add(key, 1)
-                time.sleep(interval)
+                stopped.wait(interval)
         except Exception:  # the store is gone (its host exited, or the group was destroyed)
             return
 
-    threading.Thread(target=beat, name="acco-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="acco-heartbeat", daemon=True)
+    _heartbeat["stop"] = (stopped, thread)
+    thread.start()
+
+
+def stop_heartbeat() -> None:
+    """Stop this rank's beat and wait for it: a beat still inside the store's C++ client when the
+    interpreter exits (rank 0, the store's host, gone first) aborts the process."""
+    stopped, thread = _heartbeat.pop("stop", (None, None))
+    if stopped is not None:
+        stopped.set()
+        thread.join(timeout=10)
 
 
 def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) -> None:
