@@ -53,8 +53,8 @@ def test_every_engine_tells_every_worker_to_stop_after_the_same_update():
         asked = (at_call - 1) // n + 1  # the update (inner step) rank 1 was computing when it asked
         if cfg.method in ("diloco", "streaming-diloco"):  # at the next fragment all-reduce that lands
             assert asked <= stops[0] <= asked + cfg.sync_every, (cfg.method, stops)
-        else:  # with its update's statistics, or acco's next round's
-            assert stops[0] in (asked, asked + 1), (cfg.method, stops)
+        else:  # with the round in flight (the previous update's, overlapped), its own or the next
+            assert asked - 1 <= stops[0] <= asked + 1, (cfg.method, stops)
         assert all(not stop for step, stop in mine if step < stops[0])
 
 

@@ -202,6 +202,7 @@ class CommRound:
                                                   device, group, block=quantize.BLOCK)  # (read now: tests set it)
             self.params = flat.params
         self.split = split  # read here: the split in effect (the estimate round's LR) and this worker's proposal
+        self.stop_requested = False  # set by the engine's request_stop (any thread): sent from the next round on
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
@@ -244,6 +245,8 @@ class CommRound:
         """Every worker's statistics, this shard's norm and (auto split) its proposal, all-gathered
         and read on the host: the round's result, before its step."""
         self.stats_sent[:N_STATS].copy_(stats)
+        if self.stop_requested:  # sticky: acco's update round, which yields the record, carries it too
+            self.stats_sent[STOP] = 1
         if self.split.auto:
             self.stats_sent[SPLIT_PROPOSAL] = self.split.proposal
         if self.max_grad_norm:  # one pass over the shard; padding is zero, so the shards' squared

@@ -31,7 +31,6 @@ from acco.engine import collectives
 from acco.engine.comm import (
     EXHAUSTED,
     MICRO_BATCHES,
-    STOP,
     BackgroundComm,
     CommRound,
     EstimateSplit,
@@ -103,7 +102,6 @@ class DecoupledEngine:
         self.ops = device_ops(self.device)
         self._inflight: list = []  # events behind the last micro-batches queued
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
-        self._stop_requested = False  # request_stop: sent with the next round's statistics
         self._in_overlap = False  # past the warm start: the accumulator is part of the state
         self.wall_time_offset = self.last_wall_time = 0.0
 
@@ -147,7 +145,6 @@ class DecoupledEngine:
 
     def _sequential_update(self, batches: Iterator, loss_fn: LossFn, micro_batches: int) -> UpdateRecord:
         compute_s = self._accumulate(batches, loss_fn, micro_batches)
-        self.stats[STOP] += self._stop_requested
         start = time.perf_counter()
         # The accumulator is the payload and the model's parameters receive the result: no overlap.
         if self.accumulator is not self.flat.grads:
@@ -167,7 +164,6 @@ class DecoupledEngine:
         and the zeroing are queued on the compute stream and the payload-ready event is recorded
         behind them (`BackgroundComm.submit`): the round reads the payload only once it is whole,
         and the next micro-batches add to the accumulator only after it was copied."""
-        self.stats[STOP] += self._stop_requested  # (a scalar kernel argument: no copy, no sync)
         self.payload.copy_(self.accumulator)
         self.payload_stats.copy_(self.stats)
         if kind is RoundKind.UPDATE:
@@ -265,7 +261,7 @@ class DecoupledEngine:
 
     def request_stop(self) -> None:
         """Signal-safe: this worker's next round tells every worker to stop after its update."""
-        self._stop_requested = True
+        self.comm.stop_requested = True
 
     def _wall(self) -> float:
         self.last_wall_time = time.perf_counter() - self._t0

@@ -181,7 +181,8 @@ class TorchDDPEngine:
             start = time.perf_counter()
             upcoming = self._take(batches, per_update)
             self.stats[EXHAUSTED] = float(len(upcoming) < per_update)
-            self.stats[STOP] = float(self._stop_requested)
+            if self._stop_requested:  # (stats are zeroed per update: set again each time)
+                self.stats[STOP] = 1
             table = torch.empty(self.world_size * N_STATS, dtype=self.stats.dtype, device=self.device)
             collectives.all_gather_small(table, self.stats, group=self.group)
             table = table.view(self.world_size, N_STATS).tolist()
