@@ -337,14 +337,17 @@ def check_resumable(args, world_size: int, numel=None, model_label: str = "this 
     return folder, meta
 
 
-def save_run(engine, position, record, args: dict, rank: int, world_size: int, device, save_model) -> Path:
+def save_run(engine, position, record, args: dict, rank: int, world_size: int, writer, snapshot_model) -> None:
     """Checkpoint a run after `record`'s update: every worker's engine state, data position and
     RNG, and (rank 0) the model and meta.json. Refused, on every rank, when any worker's state holds
-    NaN or inf: the last good checkpoint stays the newest."""
+    NaN or inf: the last good checkpoint stays the newest. The state is copied now and written by
+    `writer` (acco/checkpoint_writer.py: in the background, or at once); `snapshot_model(writer)`
+    (rank 0) copies the committed model and returns the call that writes it."""
+    writer.wait()  # one save in flight at most: its host buffers are free again
     state = engine.state_dict()
     # Every floating tensor (master, moments, parameters, acco's accumulator and its stats,
     # torch-ddp's optimizer state ...) of every worker, one all-reduced flag.
-    bad = non_finite(state, device, world_size)
+    bad = non_finite(state, writer.ops.device, world_size)
     if bad:
         raise FloatingPointError(
             f"the training state holds NaN or inf at update {record.step} (rank {rank}: "
@@ -356,13 +359,15 @@ def save_run(engine, position, record, args: dict, rank: int, world_size: int, d
     back = state.get("fetched_ahead", 0) + state.get("dropped_micro_batches", 0)
     if back:
         data = rewind(data, back)
-    worker = {"engine": state, "data": data, "rng": torch.get_rng_state()}
-    device_rng = device_ops(device).rng_state()
+    worker = {"engine": writer.snapshot(state, "engine"), "data": data, "rng": torch.get_rng_state()}
+    device_rng = writer.ops.rng_state()
     if device_rng is not None:
         worker["cuda_rng"] = device_rng
     meta = {"step": record.step, "samples": record.samples, "method": args["method_name"], "world_size": world_size,
             "numel": state["numel"], "wall_time": record.wall_time, "train": args}  # fmt: skip
-    return save(args["output_dir"], record.step, worker, meta, rank, world_size, save_model, args["save_total_limit"])
+    write_model = snapshot_model(writer) if rank == 0 else None
+    writer.submit(lambda: save(args["output_dir"], record.step, worker, meta, rank, world_size, write_model,
+                               args["save_total_limit"]))  # fmt: skip
 
 
 def resume_run(engine, position, folder: Path, meta: dict, rank: int, world_size: int, device, batch_size: int) -> bool:

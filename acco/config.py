@@ -108,6 +108,7 @@ class TrainArgs(EngineSettings, _Method):
     save: bool = True  # the final model (save_pretrained) and a final checkpoint
     save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
     save_total_limit: int | None = None  # keep only the newest checkpoints
+    async_save: bool = True  # write checkpoints in the background: training pauses for a host copy only
     # a checkpoint folder; "latest" (true): the newest complete one in output_dir; "auto": that one if
     # any, else a fresh start (one command for a first start, a requeue and a torchrun restart)
     resume_from_checkpoint: Any = None

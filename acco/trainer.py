@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from acco import checkpoint
+from acco.checkpoint_writer import CheckpointWriter
 from acco.config import TrainArgs
 from acco.data.errors import DataError
 from acco.data.loader import Rows, eval_batches, split_train_eval
@@ -216,6 +217,7 @@ class DecoupledTrainer:
         resumed_step = int(meta["step"]) if folder is not None else None
         log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step, resumed_step)
         self.engine = build_engine(self.model, args.engine_config())
+        self._writer, self._checkpoint_pause_s = CheckpointWriter(self.device, args.async_save), 0.0
         last = summary = None
         stopped = on_signal = False
         # A preemption notice from here on stops the run after an update, checkpointed (launch/preemption.py).
@@ -250,11 +252,13 @@ class DecoupledTrainer:
                     self._evaluate_and_log(log, last)
                 if args.save and not (args.save_step and last.step % args.save_step == 0):
                     self._checkpoint(last, position)
+            self._writer.wait()  # the last checkpoint is whole before the run reports or exits
             facts = {**self._utilisation(log), **self._run_facts(stopped)}
             if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
                 facts.update(stopped_on_signal=caught[0] if caught else "a peer's signal", stopped_at_update=last.step)
             summary = log.summary(args.method_name, self.device, facts)
         finally:
+            self._writer.close(timeout_s=2 * args.timeout_s)  # after a failure: what can still land
             signals.close()
             self.engine.close()
             log.close(summary)
@@ -279,7 +283,8 @@ class DecoupledTrainer:
     def _run_facts(self, stopped: bool) -> dict:
         """For summary.json: whether the run stopped at train.stop_at_eval_loss, and the bytes the
         engine holds on this worker (every engine reports them)."""
-        facts = {"state_bytes": int(sum(self.engine.state_bytes().values()))}
+        facts = {"state_bytes": int(sum(self.engine.state_bytes().values())),
+                 "checkpoint_pause_s": round(self._checkpoint_pause_s, 3)}  # fmt: skip
         if self.args.stop_at_eval_loss is not None:
             facts["stopped_at_eval_loss"] = stopped
         return facts
@@ -313,7 +318,9 @@ class DecoupledTrainer:
         per_worker = per_token * tokens_per_s / self.world_size
         return {"flops_per_token": per_token, "mfu": per_worker / peak if peak else None}
 
-    def _checkpoint(self, record, position) -> Path:
+    def _checkpoint(self, record, position) -> None:
+        """Checkpoint `record`'s update; training goes on while it is written (train.async_save)."""
+        start = time.perf_counter()
         self.engine.quiesce()
         progress.mark(f"the checkpoint of update {record.step}")  # names a rank that misses it
         # Every rank enters committed_params here, not rank 0 alone in _write_model: for wp it
@@ -322,8 +329,9 @@ class DecoupledTrainer:
         if stream is not None and stream.ahead:  # the prefetched micro-batch is read again on resume
             position = _Rewound(position, stream.ahead)
         with self.engine.committed_params():
-            return checkpoint.save_run(self.engine, position, record, dataclasses.asdict(self.args), self.rank,
-                                       self.world_size, self.device, self._write_model)  # fmt: skip
+            checkpoint.save_run(self.engine, position, record, dataclasses.asdict(self.args), self.rank,
+                                self.world_size, self._writer, self._model_snapshot)  # fmt: skip
+        self._checkpoint_pause_s += time.perf_counter() - start
 
     def _resume(self, folder: Path, meta: dict, position) -> None:
         exact = checkpoint.resume_run(self.engine, position, folder, meta, self.rank, self.world_size, self.device,
@@ -380,6 +388,11 @@ class DecoupledTrainer:
         after_rank0(lambda: self._write_model(folder), key=f"model/{folder.resolve()}")
 
     def _write_model(self, output_dir) -> None:
+        self._model_snapshot()(output_dir)
+
+    def _model_snapshot(self, writer: CheckpointWriter | None = None):
+        """The committed model copied to host memory now (into `writer`'s buffers when it writes in
+        the background); returns the call that writes that copy in save_pretrained form."""
         committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
         with committed:
             # The parameters are views of one flat buffer: hand save_pretrained its own host
@@ -388,8 +401,13 @@ class DecoupledTrainer:
             state = {}
             for k, v in self.model.state_dict().items():
                 if v.data_ptr() not in copies:
-                    copies[v.data_ptr()] = v.detach().to("cpu", copy=True)
+                    copy = writer.host_copy(v, f"model.{k}") if writer else v.detach().to("cpu", copy=True)
+                    copies[v.data_ptr()] = copy
                 state[k] = copies[v.data_ptr()]
-        self.model.save_pretrained(str(output_dir), state_dict=state, safe_serialization=True)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(output_dir))
+
+        def write(output_dir) -> None:
+            self.model.save_pretrained(str(output_dir), state_dict=state, safe_serialization=True)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(output_dir))
+
+        return write
