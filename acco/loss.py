@@ -1,4 +1,4 @@
-"""The causal LM loss, without copies of the full-vocabulary logits.
+"""The causal LM loss: a fused, chunked cross-entropy over the model's last hidden states.
 
 ``causal_lm_loss(model, batch)`` returns (sum of next-token losses, number of target tokens); the
 engine divides by the tokens summed over micro-batches and workers, so a padded or masked batch
@@ -6,12 +6,22 @@ counts each token once. It is the value of the textbook formula
 
     cross_entropy(logits[:, :-1].float(), labels[:, 1:], ignore_index=-100, reduction="sum")
 
-computed without its copies: the labels are shifted instead of the logits being sliced (a slice of
-a (batch, length, vocabulary) tensor is a copy once flattened). When the logits would be large
-(GPT-Neo 125M at 4 x 1024 tokens: 0.8 GB per copy, and the loss keeps two more for its backward),
-the loss is computed from the model's last hidden states, chunk by chunk: each chunk's logits are
-made, upcast to fp32 and reduced to a sum, and recomputed in the backward pass
-(torch.utils.checkpoint), so the full logits never exist.
+computed without its copies: the labels are shifted instead of the logits being sliced, and where
+the model's logits are exactly ``head(last hidden state)`` (GPT-Neo, Llama) the loss never makes
+the full logits. `linear_cross_entropy` takes the hidden states chunk by chunk (CHUNK_POSITIONS
+rows); for each chunk one pass computes the logits (hidden @ W^T, in the compute dtype), their
+fp32 log-sum-exp, the loss and, when gradients are wanted, the gradient of the logits
+(softmax - one-hot, in the compute dtype), from which the gradients of the hidden states and of
+the head are taken at once (dW accumulated over chunks). The backward pass only scales what the
+forward pass computed: no fp32 logits are kept, no head GEMM is recomputed, and with gradients
+off (evaluation, `torch.no_grad`) only the logits and the loss are computed.
+
+The head is padded to a multiple of VOCAB_MULTIPLE rows inside the loss only (50257 -> 50304 for
+GPT-Neo: rows of an odd number of bf16 elements keep a GPU's fast GEMM kernels off); the padded
+columns are masked to -inf, so they take no probability and get no gradient, and the model's
+vocabulary is unchanged. With ``train.compile`` the per-chunk pass (logits to the logits'
+gradient) is compiled too: the engine marks the model (acco/engine/compiling.py) and the loss
+reads the mark.
 """
 
 from __future__ import annotations
@@ -20,13 +30,11 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from acco.data.instruct import IGNORE_INDEX
 
-# Above this many logits (batch x length x vocabulary) the loss is chunked over hidden states.
-CHUNK_ABOVE_LOGITS = 64 * 1024 * 1024
-CHUNK_POSITIONS = 1024  # positions per chunk: 1024 x 50257 fp32 logits are 0.2 GB
+CHUNK_POSITIONS = 1024  # positions per chunk: 1024 x 50304 fp32 logits are 0.2 GB
+VOCAB_MULTIPLE = 128  # the head is padded to a multiple of this many rows, inside the loss only
 
 
 def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,15 +44,12 @@ def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tens
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
     n_targets = (targets != IGNORE_INDEX).sum()
     head = _output_head(model)
-    if head is None or labels.numel() * head.weight.shape[0] <= CHUNK_ABOVE_LOGITS:
+    if head is None:
         logits = model(**inputs, use_cache=False).logits.flatten(0, 1)  # a view: no copy
         return _loss_sum(logits, targets), n_targets
     hidden = model.base_model(**inputs, use_cache=False).last_hidden_state.flatten(0, 1)
-    loss = sum(
-        checkpoint(_head_loss_sum, head, h, t, use_reentrant=False)
-        for h, t in zip(hidden.split(CHUNK_POSITIONS), targets.split(CHUNK_POSITIONS))
-    )
-    return loss, n_targets
+    compiled = getattr(model, "acco_compile", None)
+    return linear_cross_entropy(hidden, head.weight, head.bias, targets, compile_options=compiled), n_targets
 
 
 def _output_head(model):
@@ -63,5 +68,106 @@ def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _head_loss_sum(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _loss_sum(head(hidden), targets)
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk: int | None = None,
+    compile_options: Mapping | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, targets, ignore_index=-100, reduction="sum")`` in
+    fp32, for hidden (N, H), weight (V, H), bias (V,) or None and targets (N,), without the (N, V)
+    logits: chunk by chunk, gradients computed in the same pass (module docstring). Under autocast
+    the matrix products run in the autocast dtype, as ``nn.Linear`` would."""
+    chunk = chunk or CHUNK_POSITIONS
+    pass_fn = _chunk_pass if not compile_options else _compiled_pass(**compile_options)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    if not wants_grad:
+        return _forward(hidden, weight, bias, targets, chunk, pass_fn, (False, False, False))[0]
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, pass_fn)
+
+
+def _chunk_pass(h, w, b, t, vocab: int, grad: bool):
+    """One chunk: (sum of its losses in fp32, the gradient of its logits in h's dtype or None).
+    w (and b) are padded to a multiple of VOCAB_MULTIPLE rows; the rows from `vocab` on are masked."""
+    logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, fp64 stays fp64
+    if vocab < z.shape[1]:
+        z = z.masked_fill(torch.arange(z.shape[1], device=z.device) >= vocab, float("-inf"))
+    lse = torch.logsumexp(z, dim=1)
+    valid = t != IGNORE_INDEX
+    safe = torch.where(valid, t, 0).unsqueeze(1)
+    loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
+    if not grad:
+        return loss, None
+    probs = torch.exp(z - lse.unsqueeze(1))
+    probs = probs.scatter_add(1, safe, -torch.ones_like(safe, dtype=probs.dtype))  # softmax - one-hot
+    return loss, (probs * valid.unsqueeze(1)).to(h.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_pass(**options):
+    key = tuple(sorted(options.items()))
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(_chunk_pass, **options)
+    return _COMPILED[key]
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def _forward(hidden, weight, bias, targets, chunk, pass_fn, needs):
+    """The loss and, where `needs` (hidden, weight, bias) asks, the unscaled gradients."""
+    dtype = _compute_dtype(hidden, weight)
+    vocab = weight.shape[0]
+    pad = -vocab % VOCAB_MULTIPLE
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = F.pad(weight.to(dtype), (0, 0, 0, pad))
+        b = None if bias is None else F.pad(bias.to(dtype), (0, pad))
+        h = hidden.to(dtype)
+        grad = any(needs)
+        loss = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)
+        dh = torch.empty_like(h) if needs[0] else None
+        dw = torch.zeros_like(w) if needs[1] else None
+        db = torch.zeros(w.shape[0], dtype=loss.dtype, device=w.device) if needs[2] else None
+        for start in range(0, h.shape[0], chunk):
+            h_c, t_c = h[start : start + chunk], targets[start : start + chunk]
+            chunk_loss, g = pass_fn(h_c, w, b, t_c, vocab, grad)
+            loss = loss + chunk_loss
+            if dh is not None:
+                torch.mm(g, w, out=dh[start : start + chunk])
+            if dw is not None:
+                dw.addmm_(g.t(), h_c)
+            if db is not None:
+                db += g.sum(0, dtype=db.dtype)
+    return loss, dh, None if dw is None else dw[:vocab], None if db is None else db[:vocab]
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, pass_fn):
+        needs = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[2],
+        )
+        loss, dh, dw, db = _forward(hidden, weight, bias, targets, chunk, pass_fn, needs)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(dh, dw, db)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads = []
+        for g, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+            grads.append(None if g is None else (g * grad_loss.to(g.dtype)).to(dtype))
+        return *grads, None, None, None

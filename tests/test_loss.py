@@ -31,10 +31,9 @@ def test_the_loss_is_the_textbook_formula(monkeypatch, arch, chunked):
     labels[0, :7] = IGNORE_INDEX  # a masked prompt
     labels[2, 30:] = IGNORE_INDEX  # padding
     batch = {"input_ids": torch.randint(0, 97, (3, 40)), "labels": labels}
-    if chunked:  # every batch over hidden states, in chunks that do not divide the 120 positions
-        monkeypatch.setattr(acco.loss, "CHUNK_ABOVE_LOGITS", 0)
+    assert acco.loss._output_head(model) is not None  # the fused loss over hidden states
+    if chunked:  # chunks that do not divide the 120 positions; else one chunk
         monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
-    assert (acco.loss._output_head(model) is not None) or not chunked
     loss, n = causal_lm_loss(model, batch)
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
@@ -68,7 +67,8 @@ def _train_with_and_without_checkpointing(rank: int, world_size: int, root: str)
         torch.manual_seed(1)
         args = tiny_args(method, resumed, nb_steps_tot=24, gradient_checkpointing=True)
         DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
-            resume_from_checkpoint=str(Path(root) / f"{method}-True" / "checkpoint-2"))
+            resume_from_checkpoint=str(Path(root) / f"{method}-True" / "checkpoint-2")
+        )
         losses[(method, "resumed")] = train_losses(resumed)
     return losses
 
@@ -80,6 +80,10 @@ def test_gradient_checkpointing_trains_the_same_and_resumes(tmp_path):
 
     losses = run_distributed(_train_with_and_without_checkpointing, 2, str(tmp_path))[0]
     for method in ("acco", "wp", "torch-ddp"):
-        plain, checkpointed, resumed = losses[(method, False)], losses[(method, True)], losses[(method, "resumed")]
+        plain, checkpointed, resumed = (
+            losses[(method, False)],
+            losses[(method, True)],
+            losses[(method, "resumed")],
+        )
         assert len(plain) >= 3 and checkpointed == plain, method
         assert resumed == {step: loss for step, loss in plain.items() if step > 2}, method

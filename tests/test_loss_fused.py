@@ -1,0 +1,193 @@
+"""The fused, chunked cross-entropy (acco/loss.py's linear_cross_entropy): exact against the
+textbook formula in fp64 (padded head, bias, ignored targets, chunks that do not divide the rows),
+equal to the loss acco computed before it in fp32 and within bf16 rounding in bf16, no gradient
+work under no_grad and none in the backward pass."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import acco.loss
+from acco.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy
+from acco.models import build_model
+
+MATMULS = {"mm", "addmm", "addmm_", "bmm", "matmul"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def matmuls(self) -> int:
+        return sum(op in MATMULS for op in self.ops)
+
+
+def _problem(vocab: int, bias: bool, dtype=torch.float64, rows: int = 37, width: int = 16):
+    gen = torch.Generator().manual_seed(vocab)
+    hidden = torch.randn(rows, width, dtype=dtype, generator=gen).requires_grad_()
+    weight = torch.randn(vocab, width, dtype=dtype, generator=gen).requires_grad_()
+    b = torch.randn(vocab, dtype=dtype, generator=gen).requires_grad_() if bias else None
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[3:9] = IGNORE_INDEX  # a masked prompt
+    targets[-1] = vocab - 1  # the last real column, next to the padded ones
+    return hidden, weight, b, targets
+
+
+def _grads(loss, tensors):
+    (0.37 * loss).backward()  # the engine scales by 1 / tokens: the backward pass must scale too
+    out = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out
+
+
+@pytest.mark.parametrize("vocab", [203, 256])  # padded to 256 (53 masked columns), and not padded
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [8, 64])  # 5 chunks, the last partial; one chunk
+def test_fp64_equals_the_textbook_formula(vocab, bias, chunk):
+    hidden, weight, b, targets = _problem(vocab, bias)
+    tensors = [t for t in (hidden, weight, b) if t is not None]
+    loss = linear_cross_entropy(hidden, weight, b, targets, chunk=chunk)
+    assert loss.dtype == torch.float64
+    got = _grads(loss, tensors)
+    expected = F.cross_entropy(
+        F.linear(hidden, weight, b), targets, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    want = _grads(expected, tensors)
+    torch.testing.assert_close(loss, expected, rtol=1e-13, atol=0)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+
+
+def test_no_gradient_work_without_grad_and_none_in_backward():
+    hidden, weight, _, targets = _problem(203, False)
+    chunks = -(-hidden.shape[0] // 8)
+    with torch.no_grad(), OpCounter() as plain:
+        loss = linear_cross_entropy(hidden, weight, None, targets, chunk=8)
+    assert not loss.requires_grad and plain.matmuls() == chunks  # the logits only
+    with OpCounter() as forward:
+        loss = linear_cross_entropy(hidden, weight, None, targets, chunk=8)
+    assert forward.matmuls() == 3 * chunks  # logits, d hidden, d head: once each per chunk
+    with OpCounter() as backward:
+        loss.backward()
+    assert backward.matmuls() == 0  # nothing recomputed
+    hidden.grad = weight.grad = None
+    frozen = weight.detach()  # a frozen head: no d head
+    with OpCounter() as forward:
+        linear_cross_entropy(hidden, frozen, None, targets, chunk=8).backward()
+    assert forward.matmuls() == 2 * chunks and weight.grad is None and hidden.grad is not None
+
+
+def _config(arch: str) -> dict:
+    return dict(arch=arch, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=64,
+                intermediate_size=64, tie_word_embeddings=arch == "gpt_neo")  # fmt: skip
+
+
+def _batch(vocab: int = 97):
+    gen = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, vocab, (3, 40), generator=gen)
+    labels[0, :7] = IGNORE_INDEX
+    labels[2, 30:] = IGNORE_INDEX
+    return {"input_ids": torch.randint(0, vocab, (3, 40), generator=gen), "labels": labels}
+
+
+def todays_loss(model, batch, chunk=16):
+    """The loss acco computed before the fused one: checkpointed head and fp32 cross-entropy per chunk."""
+    targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
+    hidden = model.base_model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.flatten(0, 1)
+    head = model.get_output_embeddings()
+
+    def part(h, t):
+        return F.cross_entropy(head(h).float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    return sum(
+        checkpoint(part, h, t, use_reentrant=False) for h, t in zip(hidden.split(chunk), targets.split(chunk))
+    )
+
+
+def _loss_and_grads(fn, model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = fn(model, batch)
+    loss = loss[0] if isinstance(loss, tuple) else loss
+    (loss / 100).backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "llama"])
+def test_equals_todays_loss_in_fp32(monkeypatch, arch):
+    """Loss and every parameter's gradient (the head, tied to the embedding in GPT-Neo, included)."""
+    monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
+    torch.manual_seed(0)
+    model = build_model(_config(arch), vocab_size=97, max_length=64)
+    loss, grads = _loss_and_grads(causal_lm_loss, model, _batch())
+    want_loss, want = _loss_and_grads(todays_loss, model, _batch())
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-4)
+    assert grads.keys() == want.keys()
+    for name in grads:
+        torch.testing.assert_close(
+            grads[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def _errors(grads: dict, exact: dict) -> torch.Tensor:
+    return torch.stack([(grads[n].double() - exact[n]).norm() / exact[n].norm() for n in exact])
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "llama"])
+def test_as_exact_as_todays_loss_in_bf16(monkeypatch, arch):
+    """bf16 parameters: against the fp64 value, the fused loss's gradients are as close as today's
+    (each rounds differently: the logits' gradient is rounded before, not after, its scale)."""
+    monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
+    torch.manual_seed(0)
+    model = build_model(_config(arch), vocab_size=97, max_length=64).to(torch.bfloat16)
+    exact_loss, exact = _loss_and_grads(todays_loss, copy.deepcopy(model).double(), _batch())
+    loss, grads = _loss_and_grads(causal_lm_loss, model, _batch())
+    want_loss, want = _loss_and_grads(todays_loss, model, _batch())
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=0)
+    ours, todays = _errors(grads, exact), _errors(want, exact)
+    assert (ours < 1.5 * todays + 1e-3).all() and ours.mean() < 1.15 * todays.mean(), (ours, todays)
+    assert ours.max() < 0.03  # bf16 rounding, a few units of 2^-8
+
+
+def test_autocast_fp32_parameters(monkeypatch):
+    """torch-ddp's case: fp32 parameters under bf16 autocast, the head's products in bf16 as
+    nn.Linear's; fp32 gradients as close to the fp64 value as today's loss gives them."""
+    monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
+    torch.manual_seed(0)
+    model = build_model(_config("gpt_neo"), vocab_size=97, max_length=64)
+    exact_loss, exact = _loss_and_grads(todays_loss, copy.deepcopy(model).double(), _batch())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = _loss_and_grads(causal_lm_loss, model, _batch())
+        want_loss, want = _loss_and_grads(todays_loss, model, _batch())
+    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=0)
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    ours, todays = _errors(grads, exact), _errors(want, exact)
+    assert (ours < 1.5 * todays + 1e-3).all() and ours.mean() < 1.15 * todays.mean(), (ours, todays)
+    assert 1e-4 < ours.max() < 0.03  # bf16 products (not fp32: autocast reached the head)
+
+
+def test_autocast_computes_in_its_dtype():
+    hidden, weight, _, targets = _problem(203, False, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, None, targets, chunk=8)
+    got = _grads(loss, [hidden, weight])
+    h16, w16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight))
+    want_loss = linear_cross_entropy(h16, w16, None, targets, chunk=8)
+    want = _grads(want_loss, [h16, w16])
+    assert loss.dtype == torch.float32 and torch.equal(loss, want_loss)
+    assert [g.dtype for g in got] == [torch.float32] * 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.float(), rtol=1e-2, atol=1e-3)
