@@ -2,27 +2,32 @@
 
 The path of a job, in the order it runs:
 
-1. ``main``: the config is composed once, from acco/conf and the schema in acco/config.py.
-2. ``run``: a plain ``python main.py`` is the local launcher (acco/launch/local.py). It starts
-   ``launch.nproc`` workers of the same command at once and, while they import torch, runs the one
-   validation pass (acco/validate.py); the workers start only once it has passed. Under torchrun
-   or srun each process is a worker, and rank 0 validates while the others wait. With one worker
-   the launcher is that worker.
-3. ``train_worker``: the worker loads the corpus, the tokenizer and the model, and hands them to
-   ``DecoupledTrainer`` (acco/trainer.py), whose engine (acco/engine) runs the comm rounds. A
-   worker that ran the validation pass itself (launch.nproc=1, rank 0 under torchrun) starts from
-   what the pass loaded (its ``Job``: the corpus, its split, the tokenizer, the model config).
+1. ``main``: the config is composed once, from acco/conf and the schema in acco/config.py (a
+   worker of the local launcher composes nothing: it is handed its job, step 2).
+2. ``run``: ``process_role`` decides, in one place, what this process is (``Role``):
+
+   - a plain ``python main.py`` with ``launch.nproc`` > 1 is the local launcher
+     (acco/launch/local.py): it starts that many workers of the same command at once and, while
+     they import torch, runs the job's one validation pass (``validated``, acco/validate.py);
+     then it hands each worker the validated ``Job`` (acco/job.py) through its start gate;
+   - such a worker (``Role.LAUNCHED``) waits at its gate for that job and validates nothing;
+   - under torchrun or srun, and a plain ``python main.py`` with one worker (``Role.WORKER``),
+     rank 0 validates while the others wait on the store, and rank 0 starts from what the
+     pass loaded.
+3. ``train_worker``: the worker prepares its data in one call (``acco.data.prepare.prepare_data``:
+   the tokenizer and the ready train and eval rows), builds the model (acco/models.py) and hands
+   both to ``DecoupledTrainer`` (acco/trainer.py), whose engine (acco/engine) runs the comm rounds.
 """
 
 from __future__ import annotations
 
-import contextlib
+import enum
 import gc
 import logging
 import os
+import pickle
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,11 +40,25 @@ from acco.config import (
     compose,
     one_line_error,
 )
+from acco.job import Job, job_of
 from acco.launch.env import dist_env, self_command
-from acco.launch.local import launch_local, local_nproc, wait_for_go
+from acco.launch.local import handed_job, launch_local, local_nproc, wait_for_go
 
-# The resolved config the launcher hands its workers, so that they do not compose it again.
-JOB_CONFIG_ENV = "ACCO_JOB_CONFIG"
+
+class Role(enum.Enum):
+    LAUNCHER = "launcher"  # a plain python main.py with several local workers: starts and watches them
+    LAUNCHED = "launched"  # a worker of that launcher: handed the validated job, validates nothing
+    WORKER = "worker"  # under torchrun or srun, or the one worker of a plain python main.py
+
+
+def process_role(cfg: DictConfig | None) -> tuple[Role, int]:
+    """What this process is, and the job's number of workers: decided here only. `cfg` is read
+    for a plain ``python main.py`` alone (launch.nproc); a launched worker has none."""
+    env = dist_env()
+    if env is not None:
+        return (Role.LAUNCHED if handed_job() else Role.WORKER), env["world_size"]
+    nproc = local_nproc(cfg.launch.nproc)
+    return (Role.WORKER if nproc == 1 else Role.LAUNCHER), nproc
 
 
 def quiet_progress_bars(rank: int) -> None:
@@ -53,62 +72,83 @@ def quiet_progress_bars(rank: int) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
 
 
-def run(cfg: DictConfig) -> int:
+def run(cfg: DictConfig | None) -> int:
+    """The job of a composed config (None: a launched worker, handed its job by the launcher)."""
+    role, world_size = process_role(cfg)
     env = dist_env()
     quiet_progress_bars(env["rank"] if env else 0)
-    if env is not None:  # a worker: of this launcher, of torchrun or of srun
-        return train_worker(cfg, checked=os.environ.get(JOB_CONFIG_ENV) is not None)
-    from acco.validate import validate_job
+    if role is Role.LAUNCHER:
+        return launch_workers(cfg, world_size)
+    return train_worker(cfg, role, world_size)
 
-    nproc = local_nproc(cfg.launch.nproc)
+
+def validated(job: Job) -> str:
+    """The job's one validation pass (acco.validate.check_job), as the word and line every
+    process acts on: "ok ", "done LINE" (the checkpoint to resume has completed the budget) or
+    "error LINE". What the pass loaded stays in ``job.loaded``."""
+    from acco.validate import check_job
+
     try:
-        if nproc == 1:  # this process is the worker: it starts from what the pass loaded
-            return train_worker(cfg, job=validate_job(cfg, 1))
-        with _job_config_file(cfg) as path:
-            # As torchrun does: workers sharing a machine must not each spin up a thread per core.
-            threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
-            # The workers import while the launcher validates; they start work once it has passed.
-            # A preemption notice is forwarded, and the launcher waits while the workers checkpoint.
-            save_signals = [signal.Signals[name] for name in cfg.train.save_on_signal]
-            return launch_local(nproc, self_command(), env_extra={**threads, JOB_CONFIG_ENV: path},
-                                check=lambda: validate_job(cfg, nproc), save_signals=save_signals)  # fmt: skip
+        check_job(job)
+    except AlreadyCompleted as done:
+        return f"done {done}"
+    except Exception as e:
+        if job.launch.debug or os.environ.get("ACCO_DEBUG"):
+            raise
+        return f"error {one_line_error(e)}"
+    return "ok "
+
+
+def launch_workers(cfg: DictConfig, nproc: int) -> int:
+    """The local launcher: `nproc` workers of this command, started at once; they import while
+    this process validates, then each is handed the validated job through its start gate.
+
+    The job travels pickled: the workers are separate interpreters (started as torchrun starts
+    them, so that a worker is the same process whoever launched it), and nothing but bytes
+    crosses into them. They do not compose or parse the config again."""
+    job = job_of(cfg, nproc)
+    threads = (
+        {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
+    )
+    debug = {"ACCO_DEBUG": "1"} if job.launch.debug else {}
+
+    def check() -> bytes:
+        kind, _, line = validated(job).partition(" ")
+        if kind == "done":
+            raise AlreadyCompleted(line)
+        if kind == "error":
+            raise InputError(line)
+        job.loaded = None  # what the pass loaded stays here: each worker loads its own
+        return pickle.dumps(job)
+
+    # As torchrun does: workers sharing a machine must not each spin up a thread per core. A
+    # preemption notice is forwarded, and the launcher waits while the workers checkpoint.
+    save_signals = [signal.Signals[name] for name in job.args.save_on_signal]
+    try:
+        return launch_local(
+            nproc, self_command(), env_extra={**threads, **debug}, check=check, save_signals=save_signals
+        )
     except AlreadyCompleted as done:  # the checkpoint to resume has completed the budget
         print(done, flush=True)
         return 0
 
 
-@contextlib.contextmanager
-def _job_config_file(cfg: DictConfig):
-    """The resolved config in a temporary file for the workers, removed when the launcher ends."""
-    fd, path = tempfile.mkstemp(prefix="acco-job-", suffix=".yaml")
-    os.close(fd)
-    try:
-        OmegaConf.save(cfg, path, resolve=True)
-        yield path
-    finally:
-        os.unlink(path)
-
-
-def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
-    """One worker's job: import what training needs (the local launcher validates meanwhile), wait
-    for its go, validate on rank 0 unless a launcher did (`checked`, or `job`: what this process's
-    validation pass loaded), then train."""
+def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
+    """One worker's job: import what training needs (the local launcher validates meanwhile), get
+    the job (handed by the launcher, else validated on rank 0 while the others wait), prepare the
+    data, build the model, train."""
     import torch
     import torch.distributed as dist
 
-    from acco.data.prepare import load_corpus_rank0_first, prepare_tokenizer, split_corpus
+    from acco.data.prepare import prepare_data
     from acco.launch.process_group import decided_by_rank0, init_distributed, stop_heartbeat
-    from acco.models import attention_for, attention_of, build_model
-    from acco.trainer import DecoupledTrainer, TrainArgs
+    from acco.trainer import DecoupledTrainer
 
-    wait_for_go()
-    args = job.args if job is not None else TrainArgs.from_any(cfg.train)
-    rank, world_size, _, device = init_distributed(args.timeout_s)
-    if not checked and job is None:  # torchrun / srun: rank 0 validates once for all, the others wait
-        passed = {}
-        verdict = decided_by_rank0(lambda: _verdict(cfg, world_size, passed), key="validation")
-        job = passed.get("job")  # rank 0's pass
-        kind, _, line = verdict.partition(" ")
+    # the launcher's validated job (or a quiet exit if its pass failed), else this config's
+    job: Job = pickle.loads(wait_for_go()) if role is Role.LAUNCHED else job_of(cfg, world_size)
+    rank, world_size, _, device = init_distributed(job.args.timeout_s)
+    if role is Role.WORKER:  # rank 0 validates once for all, the others wait and follow its verdict
+        kind, _, line = decided_by_rank0(lambda: validated(job), key="validation").partition(" ")
         if kind != "ok":
             stop_heartbeat()
             dist.destroy_process_group()
@@ -119,30 +159,16 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
             if rank == 0:
                 raise InputError(line)
             return 1  # rank 0 prints the line
-    out = Path(args.output_dir)
+    args, out = job.args, Path(job.args.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-    # every rank takes part in the waits on rank 0, including a rank 0 that starts from its pass
-    corpus = load_corpus_rank0_first(cfg.data, loaded=getattr(job, "corpus", None))
-    train_corpus, eval_corpus = getattr(job, "splits", None) or split_corpus(corpus, args)
-    tokenizer = prepare_tokenizer(cfg, train_corpus, built=getattr(job, "tokenizer", None))
+        OmegaConf.save(job.config, out / "config.yaml")
+    data = prepare_data(job)  # every rank takes part in the waits on rank 0
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
-    model_cfg = dict(job.model) if job is not None else OmegaConf.to_container(cfg.model, resolve=True)
-    if not model_cfg.get("attn_implementation"):  # chosen for the device (a pretrained model: by its type)
-        chosen = attention_for(model_cfg.get("arch"), device.type, args.use_mixed_precision)
-        if chosen == "flash_attention_2" or not model_cfg.get("pretrained"):
-            model_cfg["attn_implementation"] = chosen
-    model = build_model(
-        model_cfg, vocab_size=len(tokenizer), max_length=args.max_length, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    if rank == 0:
-        print(f"attention: {attention_of(model)} (model.attn_implementation=... to choose)", flush=True)
-    trainer = DecoupledTrainer(
-        model=model, tokenizer=tokenizer, train_dataset=train_corpus, eval_dataset=eval_corpus,
-        text_column_name=cfg.data.text_column, args=args,
-    )  # fmt: skip
+    model = _build_model(job, data.tokenizer, device, announce=rank == 0)
+    trainer = DecoupledTrainer(model=model, tokenizer=data.tokenizer, train_dataset=data.train,
+                               eval_dataset=data.eval, args=args)  # fmt: skip
+    del data  # the trainer holds the rows
     summary = trainer.train()
     code = 0
     if summary.get("stopped_on_signal"):  # checkpointed: the same command with resume auto continues
@@ -150,7 +176,7 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
         if rank == 0:
             print(f"acco: stopped on {summary['stopped_on_signal']} after update {summary['stopped_at_update']} "
                   f"({summary['samples']} micro-batches), checkpointed in {out}; run the same command with "
-                  f"train.resume_from_checkpoint=auto to continue (exit {code})", flush=True)
+                  f"train.resume_from_checkpoint=auto to continue (exit {code})", flush=True)  # fmt: skip
     elif rank == 0 and not summary.get("nothing_to_do"):
         print(
             f"done: {summary['method']} {summary['samples']} micro-batches, final eval loss "
@@ -167,18 +193,23 @@ def train_worker(cfg: DictConfig, checked: bool = False, job=None) -> int:
     return code
 
 
-def _verdict(cfg: DictConfig, world_size: int, passed: dict) -> str:
-    """Rank 0's validation, as the one word and line every rank acts on: ok, done or error; what
-    the pass loaded goes to ``passed["job"]``, for rank 0 to start from."""
-    from acco.validate import validate_job
+def _build_model(job: Job, tokenizer, device, announce: bool):
+    """The model of job.model for this tokenizer, with the attention chosen for the device where
+    the config names none (a pretrained model: by its type)."""
+    from acco.models import attention_for, attention_of, build_model
 
-    try:
-        passed["job"] = validate_job(cfg, world_size)
-    except AlreadyCompleted as done:
-        return f"done {done}"
-    except Exception as e:
-        return f"error {one_line_error(e)}"
-    return "ok "
+    model_cfg, args = dict(job.model), job.args
+    if not model_cfg.get("attn_implementation"):
+        chosen = attention_for(model_cfg.get("arch"), device.type, args.use_mixed_precision)
+        if chosen == "flash_attention_2" or not model_cfg.get("pretrained"):
+            model_cfg["attn_implementation"] = chosen
+    model = build_model(
+        model_cfg, vocab_size=len(tokenizer), max_length=args.max_length, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    if announce:
+        print(f"attention: {attention_of(model)} (model.attn_implementation=... to choose)", flush=True)
+    return model
 
 
 def _report(e: BaseException) -> None:
@@ -188,16 +219,6 @@ def _report(e: BaseException) -> None:
     # one write of the whole line (print writes its newline apart where stderr is unbuffered)
     sys.stderr.write(f"acco: error: {where}{kind}{one_line_error(e)}\n")
     sys.stderr.flush()
-
-
-def job_config(argv: list[str]) -> DictConfig:
-    """The config of this job: the launcher's file in its workers, else composed from `argv`."""
-    path = os.environ.get(JOB_CONFIG_ENV)
-    if path and dist_env() is not None:
-        from acco.config import Config
-
-        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
-    return compose(argv)
 
 
 def main() -> None:
@@ -211,8 +232,8 @@ def main() -> None:
         return _hydra_app()
     debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in argv]
     try:
-        cfg = job_config(argv)
-        debug = debug or cfg.launch.debug
+        cfg = None if handed_job() else compose(argv)  # a launched worker is handed its job instead
+        debug = debug or (cfg is not None and cfg.launch.debug)
         code = run(cfg)
     except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
         if debug:

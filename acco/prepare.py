@@ -64,30 +64,29 @@ def prepare(cfg, num_proc: int | None = None) -> dict:
     from acco.data.prepare import split_corpus
     from acco.data.text import temporary_environ
     from acco.data.tokenizer import as_saved
-    from acco.validate import (
-        check_config_values,
-        check_writable_dir,
-        job_tokenizer,
-        read_corpus,
-        typed_config,
-    )
+    from acco.job import job_of
+    from acco.validate import check_writable_dir, job_tokenizer, read_corpus
 
     start = time.perf_counter()
     num_proc = num_proc or default_num_proc()
-    resolved = check_config_values(cfg)
-    args, _, data = typed_config(cfg)
+    job = job_of(cfg, world_size=1)  # the workers' number changes nothing here
+    args, data = job.args, job.data
     if not args.cache_dir:
-        raise InputError("train.cache_dir is null: acco-prepare writes the tokenized corpus there, and the run "
-                         "reads it from there; set train.cache_dir=FOLDER (the same for training)")
+        raise InputError(
+            "train.cache_dir is null: acco-prepare writes the tokenized corpus there, and the run "
+            "reads it from there; set train.cache_dir=FOLDER (the same for training)"
+        )
     check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
     if data.format != "pretrain":
-        raise InputError(f"data.format={data.format}: acco-prepare tokenizes pretraining text; instruction "
-                         "records are tokenized by the run itself (they depend on train.max_length)")
-    if not resolved["model"].get("tokenizer"):
+        raise InputError(
+            f"data.format={data.format}: acco-prepare tokenizes pretraining text; instruction "
+            "records are tokenized by the run itself (they depend on train.max_length)"
+        )
+    if not job.model.get("tokenizer"):
         raise InputError("model.tokenizer is not set (a folder, a Hub name, or bpe)")
     # the corpus and the tokenizer as the validation pass and the workers load them
     splits = dict(zip(("train", "eval"), split_corpus(read_corpus(data), args)))
-    tokenizer = as_saved(job_tokenizer(cfg, splits["train"]))
+    tokenizer = as_saved(job_tokenizer(job.config, splits["train"]))
 
     done, tokenize_start = {}, time.perf_counter()
     # With several processes each tokenizes in one thread: tokenizers' own threads would only

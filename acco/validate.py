@@ -1,17 +1,18 @@
 """The one validation pass of a job: what the config schema cannot check, before training.
 
 The schema (acco/config.py) has already checked types, key names and each group's values. This
-module checks the rest, once per job: ``acco.cli`` runs ``validate_job`` in the local launcher
-while its workers import torch, or on rank 0 under torchrun / srun while the other ranks wait on
-the store. Workers never repeat it. The pass loads what the job needs once, through the functions
-the workers call (``acco.data.text.load_corpus``; ``split_corpus``, ``build_tokenizer`` and
-``prepare_dataset`` of acco.data.prepare), and returns it as a ``Job``: a worker of the same
-process (launch.nproc=1, rank 0 under torchrun) starts from it rather than loading the corpus and
-the tokenizer again, and what the pass tokenizes lands in the caches that the workers read. The
+module checks the rest of a ``Job`` (acco/job.py), once per job: ``acco.cli`` runs ``check_job``
+in the local launcher while its workers import torch, or on rank 0 under torchrun / srun (and in a
+lone worker) while the other ranks wait on the store. Workers never repeat it. The pass loads what
+the job needs once, through the functions the workers call (``acco.data.text.load_corpus``;
+``split_corpus``, ``build_tokenizer`` and ``prepare_dataset`` of acco.data.prepare), and leaves it
+in ``job.loaded``: a worker of the same process (launch.nproc=1, rank 0 under torchrun) takes it
+rather than loading the corpus and the tokenizer again, and what the pass tokenizes lands in the
+caches that the workers read. The
 modules that own a thing expose what the checks need (``acco.models.trainable_parameters``,
 ``acco.checkpoint.check_resumable``). In order, cheap checks first:
 
-- mandatory values set and interpolations resolvable;
+- mandatory values set and interpolations resolvable (``acco.job.job_of``, for ``validate_job``);
 - ``train.output_dir`` and ``train.cache_dir`` writable, and no earlier run overwritten by mistake;
 - the model config, or the pretrained model's ``config.json``, against train.max_length;
 - the tokenizer, loaded as rank 0 loads it, against the model's embedding;
@@ -35,7 +36,6 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +44,23 @@ from omegaconf import DictConfig, OmegaConf
 from acco.config import (
     DataConfig,
     InputError,
-    LaunchConfig,
     ModelError,
-    TrainArgs,
     check_model_config,
     gpt_neo_attention_types,
     one_line_error,
 )
 from acco.data.errors import DataError, looks_like_local_path
 from acco.data.text import load_corpus, quiet_datasets, text_bytes
-from acco.engine.config import ConfigError
+from acco.job import Job, Loaded, job_of
 
-__all__ = ["PREPARE_FROM_TOKENS", "InputError", "Job", "check_output_dir", "check_prepared", "validate_job"]
+__all__ = [
+    "PREPARE_FROM_TOKENS",
+    "InputError",
+    "check_job",
+    "check_output_dir",
+    "check_prepared",
+    "validate_job",
+]
 
 # The data is tokenized in the validation pass only while its size alone cannot tell whether it
 # fills one global batch: while an upper bound on its samples is below this many global batches.
@@ -66,19 +71,6 @@ PREPARE_FROM_TOKENS = 100_000_000
 # Files that show that a run already wrote to an output_dir (config.yaml and tokenizer/ do not:
 # they are written before training starts, so a run that failed early can simply be started again).
 RUN_MARKERS = ("summary.json", "metrics.jsonl")
-
-
-@dataclass
-class Job:
-    """What the validation pass loaded, for a worker of its own process to start from."""
-
-    args: TrainArgs
-    data: DataConfig
-    model: dict  # the model group, resolved
-    world_size: int
-    tokenizer: Any = None  # model.tokenizer as loaded here, or the BPE trained here (None: not yet)
-    corpus: Any = None  # documents or instruction records
-    splits: tuple | None = None  # (train, eval) documents, where the pass had to split them
 
 
 def _fail(message: str, cause: BaseException | None = None) -> None:
@@ -92,44 +84,6 @@ def _named(source: str):
         yield
     except DataError as e:
         _fail(f"{source}: {one_line_error(e)}", e)
-
-
-def _missing_values(node: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose value is the mandatory marker ``???`` (without resolving anything)."""
-    out = []
-    if isinstance(node, Mapping):
-        for k, v in node.items():
-            out += _missing_values(v, f"{prefix}{k}.")
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _missing_values(v, f"{prefix}{i}.")
-    elif node == "???":
-        out.append(prefix[:-1])
-    return out
-
-
-def check_config_values(cfg: DictConfig) -> dict:
-    """Mandatory values set, interpolations resolvable; returns the resolved config as a dict."""
-    missing = _missing_values(OmegaConf.to_container(cfg, resolve=False))
-    if missing:
-        hints = {"data.path": " (a .txt, .jsonl, .json or .parquet file, a folder of them, or a Hub name)"}
-        _fail(f"missing value for {', '.join(missing)}: set {missing[0]}=...{hints.get(missing[0], '')}")
-    try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as e:
-        _fail(f"bad config value: {one_line_error(e)}", e)
-    for group in ("train", "model", "data"):
-        if not isinstance(resolved.get(group), Mapping):
-            _fail(f"config group {group!r} is missing (use {group}=NAME)")
-    return resolved
-
-
-def typed_config(cfg: DictConfig) -> tuple[TrainArgs, LaunchConfig, DataConfig]:
-    """The train, launch and data groups as their dataclasses: their own value checks run here."""
-    try:
-        return tuple(OmegaConf.to_object(cfg[group]) for group in ("train", "launch", "data"))
-    except ConfigError as e:  # its messages already name the key
-        _fail(one_line_error(e), e)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -254,9 +208,11 @@ def check_flash_window(model: Mapping, pretrained_config: Any, max_length: int) 
         types = model.get("attention_types") or gpt_neo_attention_types(model["num_layers"])
         local = any("local" in kinds and n for kinds, n in types)
     if arch == "gpt_neo" and local and max_length > window:
-        _fail(f"model.attn_implementation=flash_attention_2: transformers' GPT-Neo flash-attention has no "
-              f"sliding window, so the local layers would attend beyond model.window_size {window} at "
-              f"train.max_length {max_length}; use sdpa (the default) or train.max_length <= {window}")
+        _fail(
+            f"model.attn_implementation=flash_attention_2: transformers' GPT-Neo flash-attention has no "
+            f"sliding window, so the local layers would attend beyond model.window_size {window} at "
+            f"train.max_length {max_length}; use sdpa (the default) or train.max_length <= {window}"
+        )
 
 
 def job_tokenizer(cfg: DictConfig, train_corpus=None):
@@ -271,8 +227,11 @@ def job_tokenizer(cfg: DictConfig, train_corpus=None):
         if spec == "bpe":
             _fail(f"model.tokenizer=bpe: {one_line_error(e)}", e)
         if pretrained and spec == str(pretrained):  # the default: the pretrained model's own tokenizer
-            _fail(f"model.pretrained {pretrained!r} has no tokenizer ({one_line_error(e)}): "
-                  "name one with model.tokenizer=PATH_OR_HUB_NAME", e)
+            _fail(
+                f"model.pretrained {pretrained!r} has no tokenizer ({one_line_error(e)}): "
+                "name one with model.tokenizer=PATH_OR_HUB_NAME",
+                e,
+            )
         _fail(f"model.tokenizer: {one_line_error(e)}", e)
 
 
@@ -308,7 +267,11 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
 
     def numel(folder: Path) -> int | None:  # None: cannot be told here (the workers re-check)
         # the BPE is trained by the workers: the vocabulary the checkpoint's model was built for
-        vocab = len(job.tokenizer) if job.tokenizer is not None else checkpoint.saved_vocab_size(folder)
+        vocab = (
+            len(job.loaded.tokenizer)
+            if job.loaded.tokenizer is not None
+            else checkpoint.saved_vocab_size(folder)
+        )
         if vocab is None and pretrained_config is None:
             return None
         try:
@@ -344,11 +307,11 @@ def _source(data: DataConfig) -> str:
     return "data.n_docs" if data.name == "synthetic" else f"data.path {str(data.path)!r}"
 
 
-def check_fills_global_batch(cfg: DictConfig, job: Job, n_bytes: int | None) -> None:
+def check_fills_global_batch(job: Job, n_bytes: int | None) -> None:
     """The training split holds at least one global batch. Told from the corpus's size
     (`n_bytes` of text) where that is plenty; else the corpus is split, the BPE trained and the
     training split tokenized as the workers do it (acco.data.prepare), into their caches."""
-    args, data, corpus = job.args, job.data, job.corpus
+    args, data, corpus = job.args, job.data, job.loaded.corpus
     need = args.batch_size * job.world_size
     instruct = data.format == "instruct"
     train_fraction = (1 - args.eval_fraction) if args.eval else 1.0
@@ -363,11 +326,11 @@ def check_fills_global_batch(cfg: DictConfig, job: Job, n_bytes: int | None) -> 
 
     source = _source(data)
     with _named(source):
-        job.splits = split_corpus(corpus, args)
-    if job.tokenizer is None:  # bpe: trained as rank 0 will train it (the corpus is small here)
-        job.tokenizer = job_tokenizer(cfg, job.splits[0])
+        job.loaded.splits = split_corpus(corpus, args)
+    if job.loaded.tokenizer is None:  # bpe: trained as rank 0 will train it (the corpus is small here)
+        job.loaded.tokenizer = job_tokenizer(job.config, job.loaded.splits[0])
     with _named(source):  # as the workers load the tokenizer: the packing cache entry is theirs
-        rows = prepare_dataset(job.splits[0], tokenizer=as_saved(job.tokenizer), max_length=args.max_length,
+        rows = prepare_dataset(job.loaded.splits[0], tokenizer=as_saved(job.loaded.tokenizer), max_length=args.max_length,
                                cache_dir=args.cache_dir or None, text_column=data.text_column, alone=True)  # fmt: skip
     n = len(rows)
     what = f"{n} {'instruction examples' if instruct else 'blocks'} of train.max_length {args.max_length}"
@@ -391,45 +354,52 @@ def check_prepared(job: Job, n_bytes: int | None) -> None:
         return
     from acco.data.prepare import is_prepared, split_corpus
 
-    if job.splits is None:
-        job.splits = split_corpus(job.corpus, args)
-    splits = [docs for docs in job.splits if docs is not None]
-    if is_prepared(splits, job.tokenizer, int(job.model.get("vocab_size") or 0), args.cache_dir, data.text_column):
+    if job.loaded.splits is None:
+        job.loaded.splits = split_corpus(job.loaded.corpus, args)
+    splits = [docs for docs in job.loaded.splits if docs is not None]
+    if is_prepared(
+        splits, job.loaded.tokenizer, int(job.model.get("vocab_size") or 0), args.cache_dir, data.text_column
+    ):
         return
     argv = sys.argv[1:]  # the launcher's or the worker's command line: the same overrides
     command = f"`acco-prepare {shlex.join(argv)}`" if argv and all(
         "=" in a and not a.startswith("-") for a in argv) else "acco-prepare with this run's overrides"  # fmt: skip
     source = f"data.path {str(data.path)!r}" if data.path else f"data={data.name}"
-    _fail(f"{source}: about {tokens:,} tokens, not prepared yet in train.cache_dir {str(args.cache_dir)!r}: "
-          f"run {command} first (or set train.cache_dir to where it was prepared), rather than have "
-          "every worker wait for rank 0 to tokenize it")
+    _fail(
+        f"{source}: about {tokens:,} tokens, not prepared yet in train.cache_dir {str(args.cache_dir)!r}: "
+        f"run {command} first (or set train.cache_dir to where it was prepared), rather than have "
+        "every worker wait for rank 0 to tokenize it"
+    )
 
 
 # --------------------------------------------------------------------------- all together
 
 
 def validate_job(cfg: DictConfig, world_size: int | None = None) -> Job:
-    """Check a job's config, output folders, model, tokenizer, checkpoint and data for
-    `world_size` workers (default: launch.nproc's); raise ``InputError`` (or
-    ``acco.config.AlreadyCompleted``). Returns what it loaded, for a worker of this process."""
-    resolved = check_config_values(cfg)
-    args, launch, data = typed_config(cfg)
-    if world_size is None:
-        from acco.launch.local import local_nproc
+    """``check_job`` on the job of a composed config (``acco.job.job_of``); returns the job."""
+    job = job_of(cfg, world_size)
+    check_job(job)
+    return job
 
-        world_size = local_nproc(launch.nproc)
+
+def check_job(job: Job) -> None:
+    """Check a job's output folders, model, tokenizer, checkpoint and data for its workers; raise
+    ``InputError`` (or ``acco.config.AlreadyCompleted``). What it loads is left in ``job.loaded``,
+    for a worker of this process to take."""
+    args, data = job.args, job.data
     check_output_dir(args.output_dir, overwrite=args.overwrite_output_dir, resume=args.resume_from_checkpoint)
     if args.cache_dir:
         check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
 
-    job = Job(args, data, resolved["model"], world_size)
+    job.loaded = loaded = Loaded()
     pretrained_config = check_model(job.model, args.max_length)
-    job.tokenizer = check_tokenizer(cfg, job.model, pretrained_config)
+    loaded.tokenizer = check_tokenizer(job.config, job.model, pretrained_config)
     check_flash_window(job.model, pretrained_config, args.max_length)
     check_resume(job, pretrained_config)
 
-    job.corpus = read_corpus(data)
-    n_bytes = None if data.format == "instruct" else text_bytes(job.corpus, data.text_column)  # once, for both
-    check_fills_global_batch(cfg, job, n_bytes)
+    loaded.corpus = read_corpus(data)
+    n_bytes = (
+        None if data.format == "instruct" else text_bytes(loaded.corpus, data.text_column)
+    )  # once, for both
+    check_fills_global_batch(job, n_bytes)
     check_prepared(job, n_bytes)
-    return job

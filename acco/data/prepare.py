@@ -1,5 +1,7 @@
 """From a config or any dataset to what the micro-batch streams read, as a training job needs it.
 
+- ``prepare_data(job)``: a worker's whole data preparation, in one call: the tokenizer and the
+  ready train and eval ``Rows``, through the steps below (what the trainer is then handed).
 - ``load_corpus_rank0_first(data)``: documents or instruction records (``text.load_corpus``).
 - ``split_corpus(corpus, args)``: the (train, eval) split, by document, from train.seed.
 - ``prepare_tokenizer(cfg, train_corpus)``: the tokenizer the run saves and every rank loads
@@ -18,8 +20,10 @@ tokenizes lands in the caches the workers then read.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +37,42 @@ from .packing import blocks_of, cache_path, pack_documents, token_stream
 from .text import is_hf_dataset, load_corpus
 from .tokenized import pad_token_ids
 from .tokenizer import as_saved, bpe_cache_folder, load_tokenizer
+
+if TYPE_CHECKING:
+    from acco.job import Job
+
+
+class PreparedData(NamedTuple):
+    """What a worker trains on: the run's tokenizer and its ready train and eval rows."""
+
+    tokenizer: Any
+    train: Rows
+    eval: Rows | None  # None with train.eval=false
+
+
+def prepare_data(job: Job) -> PreparedData:
+    """A worker's data: the corpus loaded (rank 0 first), split by document, the tokenizer built
+    on rank 0 and loaded by every rank, both splits tokenized and packed (rank 0 first, into the
+    cache). Starts from what this process's validation pass loaded (``job.take_loaded()``), and
+    keeps neither the corpus nor the documents: only the rows the streams read."""
+    loaded, args, text_column = job.take_loaded(), job.args, job.data.text_column
+    corpus = load_corpus_rank0_first(dataclasses.asdict(job.data), loaded=loaded.corpus)
+    train_docs, eval_docs = loaded.splits or split_corpus(corpus, args)
+    tokenizer = prepare_tokenizer(job.config, train_docs, built=loaded.tokenizer)
+    del corpus, loaded  # the documents of the splits only, until they are rows
+
+    def rows(docs):
+        return prepare_dataset(docs, tokenizer=tokenizer, max_length=args.max_length, cache_dir=args.cache_dir or None,
+                               text_column=text_column)  # fmt: skip
+
+    train = rows(train_docs)
+    try:
+        evaluation = rows(eval_docs) if eval_docs is not None else None
+    except DataError as e:
+        raise DataError(
+            f"the eval set: {e} (give more eval data, raise train.eval_fraction or set train.eval=false)"
+        ) from e
+    return PreparedData(tokenizer, train, evaluation)
 
 
 def rank0_first(work, key: str, alone: bool = False):
@@ -86,7 +126,11 @@ def build_tokenizer(cfg, train_corpus=None, save_dir=None):
     Only the BPE reads `train_corpus` and model.vocab_size."""
     spec, texts, vocab_size = str(cfg.model.tokenizer), None, 0
     if spec == "bpe":
-        texts = train_corpus if cfg.data.format == "pretrain" else ["".join(format_alpaca(r)) for r in train_corpus]
+        texts = (
+            train_corpus
+            if cfg.data.format == "pretrain"
+            else ["".join(format_alpaca(r)) for r in train_corpus]
+        )
         vocab_size = int(cfg.model.vocab_size)
     return load_tokenizer(
         spec, train_texts=texts, vocab_size=vocab_size, save_dir=save_dir,
@@ -146,15 +190,21 @@ def _need(tokenizer):
     return tokenizer
 
 
-def _instructions(records: list[dict], tokenizer, max_length: int, cache_dir: str | None, alone: bool) -> dict:
+def _instructions(
+    records: list[dict], tokenizer, max_length: int, cache_dir: str | None, alone: bool
+) -> dict:
     """Masked instruction examples; with a cache, rank 0 tokenizes them into it while the
     other ranks wait, then they load that file (or tokenize, if they cannot see it)."""
     if not cache_dir:
         return tokenize_instructions(records, tokenizer, max_length)
-    return rank0_first(lambda: cached_instructions(records, tokenizer, max_length, cache_dir), "instructions", alone)
+    return rank0_first(
+        lambda: cached_instructions(records, tokenizer, max_length, cache_dir), "instructions", alone
+    )
 
 
-def _packed(docs, tokenizer, max_length: int, cache_dir: str | None, text_column: str, alone: bool) -> np.ndarray:
+def _packed(
+    docs, tokenizer, max_length: int, cache_dir: str | None, text_column: str, alone: bool
+) -> np.ndarray:
     """Packed blocks, memory-mapped: rank 0 tokenizes the corpus into the cache while the other
     ranks wait, then every rank maps the cache file (a rank that cannot see it, its cache
     folder being on another machine's disk, tokenizes for itself)."""

@@ -5,7 +5,9 @@ set and stops all of them as soon as one fails, blaming the root cause: a worker
 else the rank that the others found had stopped (``acco.engine.progress.report_lost_ranks``),
 rather than whichever worker happened to exit first. With ``check``, the workers start at once
 (importing torch and transformers takes seconds) and wait on a pipe (``wait_for_go``) while the
-launcher checks the job's inputs: a bad input stops them before they have done anything.
+launcher checks the job's inputs: a bad input stops them before they have done anything, and once
+the check has passed, what it returned (the validated job, as bytes) is what each worker reads
+from its pipe after the go.
 
 Why not ``torch.distributed.launcher.api.elastic_launch``: it restarts groups, rendezvous through
 its own agent, and reports a failure as a multi-line ``ChildFailedError`` table after its own
@@ -33,8 +35,14 @@ from acco.engine.progress import FAILURE_DIR_ENV
 from acco.launch.env import free_port
 
 # The launcher's end of a worker's start gate: the worker blocks on a read of this fd until the
-# launcher has checked the job (b"go"), or exits when the pipe closes without it.
+# launcher has checked the job (b"go" and the check's bytes), or exits when the pipe closes without it.
 GO_FD_ENV = "ACCO_GO_FD"
+
+
+def handed_job() -> bool:
+    """Whether this process is a worker of ``launch_local(..., check=...)``: it will be handed
+    what the check returned at its gate (``wait_for_go``)."""
+    return GO_FD_ENV in os.environ
 
 
 def _parent_death_signal_setter():
@@ -118,15 +126,16 @@ def launch_local(
     argv: list[str],
     env_extra: dict | None = None,
     grace_s: float = 5.0,
-    check: Callable[[], None] | None = None,
+    check: Callable[[], bytes | None] | None = None,
     save_signals: Collection[int] = (),
 ) -> int:
     """Run ``nproc`` local workers of ``argv`` (torchrun's variables set, master 127.0.0.1 on a
     free port) and wait for them.
 
     With ``check``, the workers are started first and ``check()`` runs here meanwhile; the workers
-    go on past ``wait_for_go()`` only once it has returned. If it raises, the workers are stopped
-    (they have done nothing but import) and the exception propagates.
+    go on past ``wait_for_go()`` only once it has returned, and that returns the bytes ``check()``
+    returned (b"" for None). If it raises, the workers are stopped (they have done nothing but
+    import) and the exception propagates.
 
     Returns 0 when every worker exits 0. As soon as one exits otherwise, one line naming the rank
     at fault goes to stderr, the others get SIGTERM and, after ``grace_s`` seconds, SIGKILL; the
@@ -194,15 +203,25 @@ def launch_local(
                 gates.append(write_end)
                 env[GO_FD_ENV], fds = str(read_end), (read_end,)
             try:
-                procs.append(subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec, pass_fds=fds))
+                procs.append(
+                    subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec, pass_fds=fds)
+                )
             finally:
                 for fd in fds:
                     os.close(fd)
         if check is not None:
-            check()  # a Ctrl-C here is a KeyboardInterrupt: the finally below stops the workers
+            handed = b"go" + (
+                check() or b""
+            )  # a Ctrl-C here is a KeyboardInterrupt: the finally stops the workers
             forward_signals()
-            for fd in gates:
-                os.write(fd, b"go")
+            while gates:  # closed once written: the worker reads to the end
+                fd = gates.pop()
+                try:
+                    _write_all(fd, handed)
+                except BrokenPipeError:  # that worker has died: its exit is reported below
+                    pass
+                finally:
+                    os.close(fd)
         # waiter threads only once every fork is done (preexec_fn and threads do not mix)
         for rank, p in enumerate(procs):
             threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True).start()
@@ -274,16 +293,27 @@ def _stop(procs: list[subprocess.Popen], grace_s: float, terminate: bool = True)
         p.wait()
 
 
-def wait_for_go() -> None:
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def wait_for_go() -> bytes | None:
     """In a worker of ``launch_local(..., check=...)``: block until the launcher has checked the
-    job. If the launcher closes the gate without a go (the check failed, or it died), exit at
-    once and quietly: the launcher reports why. Returns at once in any other process."""
+    job, and return what its check returned (bytes). If the launcher closes the gate without a go
+    (the check failed, or it died), exit at once and quietly: the launcher reports why. Returns
+    None at once in any other process."""
     fd = os.environ.pop(GO_FD_ENV, None)
     if fd is None:
-        return
+        return None
+    chunks = []
     try:
-        ok = os.read(int(fd), 2) == b"go"
+        while chunk := os.read(int(fd), 1 << 16):
+            chunks.append(chunk)
     finally:
         os.close(int(fd))
-    if not ok:
+    handed = b"".join(chunks)
+    if not handed.startswith(b"go"):
         os._exit(0)
+    return handed[2:]

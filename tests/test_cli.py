@@ -1,0 +1,126 @@
+"""The start-up path of acco/cli.py: one function decides the process's role, the job is validated
+once (by the launcher, or by rank 0), a launched worker is handed the validated job instead of
+composing the config again, and the trainer receives prepared rows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from distributed import clean_env, write_script
+
+from acco import cli
+from acco.config import compose
+from acco.data.loader import Rows
+from acco.launch.local import GO_FD_ENV
+
+TINY = ["train.nb_steps_tot=16", "train.eval=false", "train.save=false", "data.n_docs=300"]
+
+
+def job_overrides(tmp_path, *more: str) -> list[str]:
+    return [f"train.output_dir={tmp_path / 'out'}", f"train.cache_dir={tmp_path / 'cache'}", *TINY, *more]
+
+
+@pytest.mark.parametrize(
+    ("env", "nproc", "role", "world_size"),
+    [
+        ({}, 1, cli.Role.WORKER, 1),  # a plain python main.py with one worker: it is that worker
+        ({}, 3, cli.Role.LAUNCHER, 3),
+        (
+            {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"},
+            1,
+            cli.Role.WORKER,
+            4,
+        ),  # torchrun: launch.nproc unread
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", GO_FD_ENV: "9"}, 1, cli.Role.LAUNCHED, 2),
+    ],
+)
+def test_one_function_decides_the_role(monkeypatch, env, nproc, role, world_size):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", GO_FD_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose([f"launch.nproc={nproc}"])
+    assert cli.process_role(cfg) == (role, world_size)
+    if role is cli.Role.LAUNCHED:  # it composes nothing: the launcher hands it the job
+        assert cli.process_role(None) == (role, world_size)
+
+
+def test_a_lone_worker_validates_once_and_hands_the_trainer_rows(tmp_path, monkeypatch):
+    """launch.nproc=1, in-process: one validation pass, whose corpus and tokenizer the worker takes
+    (nothing of it kept while training), and the trainer is handed ready rows, not documents."""
+    import acco.data.prepare as prepare
+    import acco.trainer
+    import acco.validate
+
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):  # run() sets them
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    checks, handed, seen = [], [], {}
+    check_job = acco.validate.check_job
+    monkeypatch.setattr(acco.validate, "check_job", lambda job: checks.append(job) or check_job(job))
+    prepare_data = prepare.prepare_data
+
+    def recording_prepare_data(job):
+        handed.append(job.loaded)
+        data = prepare_data(job)
+        seen["loaded after"] = job.loaded
+        return data
+
+    monkeypatch.setattr(prepare, "prepare_data", recording_prepare_data)
+    init = acco.trainer.DecoupledTrainer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        seen["train"], seen["eval"] = kwargs["train_dataset"], kwargs["eval_dataset"]
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(acco.trainer.DecoupledTrainer, "__init__", recording_init)
+    assert cli.run(compose(["launch.nproc=1", *job_overrides(tmp_path, "train.eval=true")])) == 0
+    assert len(checks) == 1  # the one validation pass
+    assert handed[0] is not None and handed[0].corpus is not None  # its corpus, taken by the worker
+    assert seen["loaded after"] is None  # and let go of once the rows exist
+    assert isinstance(seen["train"], Rows) and isinstance(seen["eval"], Rows)
+    assert (tmp_path / "out" / "summary.json").exists()
+
+
+# A worker command that fails if it validates or composes: the launcher must hand it the job.
+WORKER = """
+    import sys
+    import acco.cli, acco.config, acco.validate
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"a launched worker called {what}")
+        return refused
+
+    acco.validate.check_job = refuse("check_job")
+    acco.config.compose = acco.cli.compose = refuse("compose")
+    acco.cli.main()
+"""
+
+LAUNCHER = """
+    import sys
+    import acco.cli, acco.validate
+    from acco.config import compose
+
+    calls = []
+    check_job = acco.validate.check_job
+    acco.validate.check_job = lambda job: calls.append(job.world_size) or check_job(job)
+    acco.cli.self_command = lambda: [sys.executable, sys.argv[1], *sys.argv[2:]]
+    code = acco.cli.run(compose(sys.argv[2:]))
+    print(f"launcher validated {calls}", flush=True)
+    sys.exit(code)
+"""
+
+
+def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
+    worker = write_script(tmp_path, "worker.py", WORKER)
+    launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
+    cmd = [sys.executable, launcher, worker, "launch.nproc=2", *job_overrides(tmp_path)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "launcher validated [2]" in proc.stdout  # once, for two workers
+    assert "done: acco " in proc.stdout  # the workers trained
+    saved = (tmp_path / "out" / "config.yaml").read_text()
+    assert "nb_steps_tot: 16" in saved and "${" not in saved  # the job as composed, resolved
