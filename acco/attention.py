@@ -12,9 +12,17 @@ Where attention is plain causal (no padding, and a global layer or a local one w
 in its window) SDPA gets ``is_causal=True`` and no mask, which lets it take its flash kernel on
 GPU; an explicit mask rules that kernel out. Whether a batch has padding is decided once per
 forward by transformers' mask builder (see `use_sdpa`), never by reading a GPU tensor per layer.
+
+`skip_packing_check` removes the host sync that the mask builder itself costs (every model acco
+builds, GPT-Neo and Llama): with no attention mask, transformers reads ``.all()`` of a tensor made
+from the position ids to tell packed sequences apart, a sync per forward on a GPU that also rules
+out CUDA graphs. Where the model makes its own position ids (none given, no mask, no KV cache)
+they are 0..T-1 in every row, one sequence per row: the answer is known without reading anything.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +60,8 @@ def use_sdpa(model: nn.Module) -> int:
 
     The model's config then says "sdpa" (never saved: transformers does not serialise it), so that
     transformers builds SDPA's masks rather than eager's: None for a batch without padding (no
-    attention_mask, or an all-ones one: checked once per forward), a boolean 4-D mask otherwise.
+    attention_mask, or an all-ones one: read once per forward, a host sync on a GPU; no mask at
+    all costs none, see `skip_packing_check`), a boolean 4-D mask otherwise.
     Eager's mask is a float T x T tensor even for an unpadded batch, which would hide that case."""
     swapped = 0
     for module in model.modules():
@@ -64,3 +73,49 @@ def use_sdpa(model: nn.Module) -> int:
             if isinstance(module, GPTNeoModel):
                 module.config._attn_implementation = "sdpa"
     return swapped
+
+
+_OWN_POSITIONS = threading.local()  # .depth > 0: inside a forward whose position ids the model makes
+
+
+def skip_packing_check(model: nn.Module) -> bool:
+    """Make transformers skip its packed-sequence check (a host sync) in forwards of `model` that
+    pass no position ids, no attention mask and no KV cache: the base model's own position ids
+    0..T-1 pack nothing. Other forwards keep the check. Nothing in the state dict or config
+    changes; True when the model's base model was hooked."""
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or getattr(base, "_acco_own_positions_hooked", False):
+        return False
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return False
+    if not getattr(masking_utils.find_packed_sequence_indices, "acco_wrapped", False):
+        masking_utils.find_packed_sequence_indices = _wrap(masking_utils.find_packed_sequence_indices)
+    base.register_forward_pre_hook(_enter, with_kwargs=True)
+    base.register_forward_hook(_leave, always_call=True)
+    base._acco_own_positions_hooked = True
+    return True
+
+
+def _wrap(check):
+    def find_packed_sequence_indices(position_ids):
+        if getattr(_OWN_POSITIONS, "depth", 0) > 0:
+            return None  # one sequence per row: the model's own 0..T-1
+        return check(position_ids)
+
+    find_packed_sequence_indices.acco_wrapped = True
+    return find_packed_sequence_indices
+
+
+def _enter(module, args, kwargs):
+    own = len(args) <= 1 and all(
+        kwargs.get(k) is None for k in ("attention_mask", "position_ids", "past_key_values")
+    )
+    stack = module.__dict__.setdefault("_acco_own_positions", [])
+    stack.append(own)
+    _OWN_POSITIONS.depth = getattr(_OWN_POSITIONS, "depth", 0) + own
+
+
+def _leave(module, args, output):
+    _OWN_POSITIONS.depth -= module.__dict__["_acco_own_positions"].pop()

@@ -37,6 +37,7 @@ __all__ = [
     "count_parameters",
     "attention_of",
     "flops_per_token",
+    "fuse_gelu",
     "model_config",
 ]
 
@@ -47,16 +48,36 @@ _DEFAULT_ATTN = {"gpt_neo": "sdpa", "llama": "sdpa"}
 
 
 def _transformers_attention(arch: str | None, attn: str | None) -> str | None:
-    """What transformers is asked for: GPT-Neo's "sdpa" is built eager, then swapped (`_finish_attention`)."""
+    """What transformers is asked for: GPT-Neo's "sdpa" is built eager, then swapped (`_finish_model`)."""
     return "eager" if arch == "gpt_neo" and attn == "sdpa" else attn
 
 
-def _finish_attention(model: PreTrainedModel, attn: str | None) -> PreTrainedModel:
-    if getattr(model.config, "model_type", None) == "gpt_neo" and attn == "sdpa":
-        from acco.attention import use_sdpa
+def _finish_model(model: PreTrainedModel, attn: str | None) -> PreTrainedModel:
+    """acco's fast paths on a built or loaded model, none of which changes its state dict or config:
+    GPT-Neo's SDPA, the fused tanh GELU, and no host sync in the mask builder (acco/attention.py)."""
+    from acco.attention import skip_packing_check, use_sdpa
 
+    if getattr(model.config, "model_type", None) == "gpt_neo" and attn == "sdpa":
         use_sdpa(model)
+    fuse_gelu(model)
+    skip_packing_check(model)
     return model
+
+
+def fuse_gelu(model: nn.Module) -> int:
+    """Every ``gelu_new`` activation (GPT-Neo's default, or any config naming it) becomes
+    ``gelu_pytorch_tanh``: the same function (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))) in one
+    kernel instead of eight ops, equal within rounding. The config keeps ``gelu_new``, so a saved
+    model loads anywhere as before. Returns how many were swapped."""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(parent, name, GELUTanh())
+                swapped += 1
+    return swapped
 
 
 def attention_of(model: nn.Module) -> str:
@@ -148,7 +169,9 @@ def model_config(
             **common,
             **extra,
         )
-    config._attn_implementation = _transformers_attention(arch, c.get("attn_implementation") or _DEFAULT_ATTN[arch])
+    config._attn_implementation = _transformers_attention(
+        arch, c.get("attn_implementation") or _DEFAULT_ATTN[arch]
+    )
     return config
 
 
@@ -170,7 +193,11 @@ def _check_max_length(config: PretrainedConfig, max_length: int | None, label: s
 
 
 def _load_pretrained(
-    name: str, dtype: torch.dtype | None, vocab_size: int | None, max_length: int | None, attn: str | None = None
+    name: str,
+    dtype: torch.dtype | None,
+    vocab_size: int | None,
+    max_length: int | None,
+    attn: str | None = None,
 ) -> PreTrainedModel:
     """Checks what the checkpoint's config can tell before loading any weights."""
     name = os.path.expanduser(str(name))
@@ -194,7 +221,7 @@ def _load_pretrained(
     if attn is not None:
         kwargs["attn_implementation"] = _transformers_attention(config.model_type, attn)
     try:
-        return _finish_attention(AutoModelForCausalLM.from_pretrained(name, **kwargs), attn)
+        return _finish_model(AutoModelForCausalLM.from_pretrained(name, **kwargs), attn)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot load pretrained model {name!r}: {first}") from e
@@ -255,7 +282,7 @@ def build_model(
         )
         _check_max_length(config, max_length, c.get("name") or "?")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
-        _finish_attention(model, c.get("attn_implementation") or _DEFAULT_ATTN[c["arch"]])
+        _finish_model(model, c.get("attn_implementation") or _DEFAULT_ATTN[c["arch"]])
         if dtype is not None:
             model = model.to(dtype)
     return model

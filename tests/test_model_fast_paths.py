@@ -1,0 +1,105 @@
+"""The model's fast paths that change nothing it computes (acco/models.py, acco/attention.py):
+gelu_new runs as the fused gelu_pytorch_tanh, equal within rounding, and saved models load as
+before; a training step on a batch without mask or position ids makes no host sync (on a GPU a
+read of a device tensor, `.item()` or `bool()`, waits for every kernel queued before it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.activations import GELUTanh, NewGELUActivation
+
+from acco.loss import causal_lm_loss
+from acco.models import build_model
+
+TINY = dict(
+    hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=8, intermediate_size=64
+)
+
+
+def _kinds(model) -> set[type]:
+    return {type(m) for m in model.modules()}
+
+
+def test_gelu_new_runs_fused_and_equal_within_rounding():
+    x = torch.linspace(-6, 6, 4001, dtype=torch.float64)
+    exact = NewGELUActivation()(x)
+    torch.testing.assert_close(GELUTanh()(x.float()).double(), exact, rtol=1e-6, atol=1e-6)  # fp32
+    x16 = x.bfloat16()
+    exact = NewGELUActivation()(x16.double())
+    ours, theirs = GELUTanh()(x16).double(), NewGELUActivation()(x16).double()
+    # one rounding to bf16 (half an ulp: 2^-8 relative at most) where gelu_new's eight bf16 ops round eight times
+    assert ((ours - exact).abs() <= 2**-8 * exact.abs() + 1e-6).all()
+    assert (ours - exact).abs().max() <= (theirs - exact).abs().max()
+    torch.manual_seed(0)
+    model = build_model(TINY | {"arch": "gpt_neo"}, vocab_size=97)
+    assert model.config.activation_function == "gelu_new"  # the config, hence a saved model, unchanged
+    assert GELUTanh in _kinds(model) and NewGELUActivation not in _kinds(model)
+    reference = build_model(TINY | {"arch": "gpt_neo"}, vocab_size=97)
+    reference.load_state_dict(model.state_dict())
+    for block in reference.transformer.h:
+        block.mlp.act = NewGELUActivation()
+    ids = torch.randint(0, 97, (2, 16))
+    torch.testing.assert_close(
+        model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "llama"])
+def test_saved_models_load_with_the_fused_gelu(tmp_path, arch):
+    """A folder saved with gelu_new (acco's GPT-Neo, or a Llama whose config names it) loads with
+    the fused activation, the same state dict, and the same logits within rounding."""
+    torch.manual_seed(0)
+    if arch == "gpt_neo":
+        saved = build_model(TINY | {"arch": arch}, vocab_size=97)
+    else:
+        config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, hidden_act="gelu_new")  # fmt: skip
+        saved = transformers.LlamaForCausalLM(config)
+        assert NewGELUActivation in _kinds(saved)
+    saved.save_pretrained(tmp_path)
+    loaded = build_model(TINY | {"arch": arch, "pretrained": str(tmp_path)}, vocab_size=97)
+    assert GELUTanh in _kinds(loaded) and NewGELUActivation not in _kinds(loaded)
+    assert loaded.state_dict().keys() == saved.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.state_dict().items())
+    ids = torch.randint(0, 97, (2, 16))
+    torch.testing.assert_close(
+        loaded(input_ids=ids).logits, saved(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+    )
+    loaded.save_pretrained(tmp_path / "again")  # and saves the same config again
+    again = transformers.AutoConfig.from_pretrained(tmp_path / "again")
+    assert getattr(again, "activation_function", getattr(again, "hidden_act", None)) == "gelu_new"
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records every op that copies a device value to the host (what `.item()`, `bool()`, `.all()`
+    in an `if`, `.tolist()` reach): on CPU tensors it costs nothing, on a GPU it is a sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero", "equal"):
+            self.syncs.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "llama"])
+def test_a_training_step_makes_no_host_sync(arch):
+    torch.manual_seed(0)
+    model = build_model(TINY | {"arch": arch}, vocab_size=97)
+    ids = torch.randint(0, 97, (2, 16))  # 16 tokens > window 8: GPT-Neo's local layers masked
+    with HostSyncs() as seen:
+        loss, n = causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+        (loss / n).backward()
+    assert seen.syncs == []
+    with torch.no_grad(), HostSyncs() as seen:  # evaluation
+        causal_lm_loss(model.eval(), {"input_ids": ids, "labels": ids})
+    assert seen.syncs == []
+    # The detector sees the check where it still runs: position ids given, which may pack sequences
+    with HostSyncs() as seen:
+        model(input_ids=ids, position_ids=torch.arange(16).expand(2, -1))
+    assert seen.syncs
