@@ -90,12 +90,12 @@ class CheckpointWriter:
         return self.written
 
     def close(self, timeout_s: float) -> None:
-        """After training failed: give the save in flight `timeout_s` to finish (it fails by
-        itself within the collective timeout when a peer is gone), and never raise its error over
-        the one that is propagating."""
-        if self._thread is None:
-            return
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            print(f"acco: the checkpoint being written was abandoned after {timeout_s:.0f} s", file=sys.stderr, flush=True)
-        self._thread = self._error = None
+        """The end of training: free the host buffers. After a failure, give the save in flight
+        `timeout_s` to finish (it fails by itself within the collective timeout when a peer is
+        gone), and never raise its error over the one that is propagating."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                print(f"acco: the checkpoint being written was abandoned after {timeout_s:.0f} s", file=sys.stderr)
+            self._thread = self._error = None
+        self._buffers = {}

@@ -138,3 +138,17 @@ def test_a_run_writes_the_same_checkpoints_in_the_background_as_blocking(tmp_pat
         assert flat.keys() == dict(checkpoint.floating_tensors(blocking["engine"])).keys()
         for key, tensor in checkpoint.floating_tensors(blocking["engine"]):
             assert torch.equal(flat[key], tensor), f"{name}: {key}"
+
+
+def test_after_a_failure_close_gives_up_on_a_stuck_write_without_raising(tmp_path, monkeypatch, capsys):
+    """A write waiting on a dead peer must not hold the failing worker: close() returns after its
+    timeout with a line, raises nothing over the error in flight, and frees the host buffers."""
+    stuck = threading.Event()
+    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: stuck.wait(60))
+    writer = CheckpointWriter(torch.device("cpu"), background=True)
+    _save(_Engine([]), tmp_path, 1, writer, torch.zeros(3))
+    assert writer._buffers
+    writer.close(timeout_s=0.2)
+    assert "the checkpoint being written was abandoned after 0 s" in capsys.readouterr().err
+    assert not writer._buffers
+    stuck.set()
