@@ -24,9 +24,12 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from acco.engine.config import ConfigError, EngineConfig, EngineSettings
+from acco.model_config import ARCHS, GPT_NEO_WINDOW, ModelError, check_model_config, gpt_neo_attention_types
 
 __all__ = [
+    "ARCHS",
     "DEFAULT_CACHE_DIR",
+    "GPT_NEO_WINDOW",
     "AlreadyCompleted",
     "Config",
     "DataConfig",
@@ -35,8 +38,10 @@ __all__ = [
     "ModelConfig",
     "ModelError",
     "TrainArgs",
+    "check_model_config",
     "check_values",
     "compose",
+    "gpt_neo_attention_types",
     "one_line_error",
     "register_schema",
 ]
@@ -143,7 +148,9 @@ class TrainArgs(EngineSettings, _Method):
             raise ConfigError(f"train.save_step must be >= 0, got {self.save_step!r}")
         limit = self.save_total_limit
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ConfigError(f"train.save_total_limit must be null (keep all) or a positive integer, got {limit!r}")
+            raise ConfigError(
+                f"train.save_total_limit must be null (keep all) or a positive integer, got {limit!r}"
+            )
         if self.resume_from_checkpoint is True:  # transformers' convention: the newest checkpoint
             self.resume_from_checkpoint = "latest"
         elif self.resume_from_checkpoint is False or self.resume_from_checkpoint == "":
@@ -151,12 +158,16 @@ class TrainArgs(EngineSettings, _Method):
         self.save_on_signal = list(self.save_on_signal or [])
         for name in self.save_on_signal:
             if name not in CATCHABLE_SIGNALS:
-                raise ConfigError(f"train.save_on_signal: {name!r} is not a signal acco can catch "
-                                  f"(one of {', '.join(sorted(CATCHABLE_SIGNALS))})")
+                raise ConfigError(
+                    f"train.save_on_signal: {name!r} is not a signal acco can catch "
+                    f"(one of {', '.join(sorted(CATCHABLE_SIGNALS))})"
+                )
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
         if self.stop_at_eval_loss is not None and not math.isfinite(self.stop_at_eval_loss):
-            raise ConfigError(f"train.stop_at_eval_loss must be null or a finite number, got {self.stop_at_eval_loss!r}")
+            raise ConfigError(
+                f"train.stop_at_eval_loss must be null or a finite number, got {self.stop_at_eval_loss!r}"
+            )
         if not 1 <= self.slowdown < math.inf:
             raise ConfigError(f"train.slowdown must be >= 1, got {self.slowdown!r}")
         if not 0 < self.timeout_s < math.inf:
@@ -171,11 +182,15 @@ class TrainArgs(EngineSettings, _Method):
             if neutral is not None and value != neutral:
                 raise ConfigError(f"train.{key}={value!r} is not supported by acco (only {neutral!r})")
             if key == "run_baseline_ddp" and value and self.method_name != "ddp":
-                raise ConfigError(f"train.run_baseline_ddp=true conflicts with method_name={self.method_name!r}: "
-                                  "set method_name=ddp instead")
+                raise ConfigError(
+                    f"train.run_baseline_ddp=true conflicts with method_name={self.method_name!r}: "
+                    "set method_name=ddp instead"
+                )
         if seen:
-            warnings.warn(f"ignoring the seed's train key(s) {', '.join(seen)}: they have no effect in acco",
-                          stacklevel=4)
+            warnings.warn(
+                f"ignoring the seed's train key(s) {', '.join(seen)}: they have no effect in acco",
+                stacklevel=4,
+            )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_mapping(dataclasses.asdict(self), key_prefix="train.")
@@ -239,12 +254,14 @@ class LaunchConfig:
     """The ``launch`` group: how a plain ``python main.py`` starts its workers."""
 
     nproc: Any = "auto"  # local workers: a positive integer, or "auto" (one per GPU, else 2)
-    timeout_s: float = 30.0  # a collective that waits longer fails the run
+    timeout_s: float = TrainArgs.timeout_s  # a collective that waits longer fails the run (train.timeout_s)
     debug: bool = False  # full tracebacks instead of one-line errors
 
     def __post_init__(self) -> None:
         nproc = self.nproc
-        if nproc not in (None, "auto") and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        if nproc not in (None, "auto") and (
+            isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1
+        ):
             raise ConfigError(f"launch.nproc must be a positive integer or 'auto', got {nproc!r}")
         if not 0 < self.timeout_s < math.inf:
             raise ConfigError(f"launch.timeout_s must be a positive finite number, got {self.timeout_s!r}")
@@ -313,7 +330,9 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="acco_schema", node=schema)
 
 
-def compose(overrides: list[str], config_module: str = "acco.conf", config_name: str = "config") -> DictConfig:
+def compose(
+    overrides: list[str], config_module: str = "acco.conf", config_name: str = "config"
+) -> DictConfig:
     """The config for these command-line overrides, composed once; one ``InputError`` line for an
     unknown group, option or key, a value of the wrong type or that its group refuses, or an override
     that does not parse."""
@@ -380,72 +399,3 @@ def hydra_message(e: Exception, argv: list[str]) -> str:
     if isinstance(e, OverrideParseException) and "Error parsing override" not in text:
         text = f"cannot parse override: {text}"
     return text
-
-
-# --------------------------------------------------------------------------- model values
-
-ARCHS = ("gpt_neo", "llama")
-
-
-class ModelError(ValueError):
-    """A model config or a pretrained model that cannot serve the requested run."""
-
-
-def _require(cfg: dict, key: str) -> Any:
-    value = cfg.get(key)
-    if value is None:
-        raise ModelError(f"model config {cfg.get('name', '?')!r} (arch {cfg.get('arch')!r}) needs {key!r}")
-    return value
-
-
-def _positive_int(cfg: dict, key: str) -> int:
-    value = _require(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelError(f"model config {cfg.get('name', '?')!r}: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def gpt_neo_attention_types(num_layers: int) -> list:
-    """EleutherAI's alternating pattern: global, local, global, local, ... (one per layer)."""
-    types: list = []
-    if num_layers // 2:
-        types.append([["global", "local"], num_layers // 2])
-    if num_layers % 2:
-        types.append([["global"], 1])
-    return types
-
-
-def check_model_config(c: Mapping, vocab_size: int | None = None, *, bos_token_id: int | None = None,
-                       eos_token_id: int | None = None, pad_token_id: int | None = None) -> int:  # fmt: skip
-    """The values of a new model's config (a mapping of the ``model`` group's keys), checked without
-    transformers; returns the vocabulary size (``vocab_size``, else the config's)."""
-    arch = c.get("arch")
-    name = c.get("name", "?")
-    if arch not in ARCHS:
-        raise ModelError(f"unknown model arch {arch!r} in model config {name!r}; expected one of {', '.join(ARCHS)}")
-    if vocab_size is None:
-        vocab_size = c.get("vocab_size")
-        if vocab_size is None:
-            raise ModelError(f"model config {name!r}: no vocab_size given and none in the config")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise ModelError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    for key, tid in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-        if tid is not None and not 0 <= tid < vocab_size:
-            raise ModelError(f"{key} {tid} is outside the vocabulary (size {vocab_size})")
-    hidden, layers, heads = (_positive_int(c, k) for k in ("hidden_size", "num_layers", "num_heads"))
-    _positive_int(c, "max_position_embeddings")
-    if hidden % heads:
-        raise ModelError(f"model config {name!r}: hidden_size {hidden} is not a multiple of num_heads {heads}")
-    if arch == "gpt_neo":
-        attention_types = c.get("attention_types") or gpt_neo_attention_types(layers)
-        n_types = sum(len(kinds) * n for kinds, n in attention_types)
-        if n_types != layers:
-            raise ModelError(f"model config {name!r}: attention_types describe {n_types} layers, num_layers is {layers}")
-        if c.get("window_size") is not None:
-            _positive_int(c, "window_size")
-    else:
-        kv_heads = c.get("num_kv_heads") or heads
-        if heads % kv_heads:
-            raise ModelError(f"model config {name!r}: num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
-        _positive_int(c, "intermediate_size")
-    return vocab_size

@@ -42,6 +42,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from acco.config import (
+    GPT_NEO_WINDOW,
     DataConfig,
     InputError,
     ModelError,
@@ -203,8 +204,8 @@ def check_flash_window(model: Mapping, pretrained_config: Any, max_length: int) 
     if pretrained_config is not None:
         arch, window = pretrained_config.model_type, getattr(pretrained_config, "window_size", None)
         local = "local" in (getattr(pretrained_config, "attention_layers", None) or [])
-    else:  # checked by check_model_config; 256 is acco.models' and transformers' default window
-        arch, window = model.get("arch"), model.get("window_size") or 256
+    else:  # checked by check_model_config; GPT_NEO_WINDOW: acco.models' and transformers' default window
+        arch, window = model.get("arch"), model.get("window_size") or GPT_NEO_WINDOW
         types = model.get("attention_types") or gpt_neo_attention_types(model["num_layers"])
         local = any("local" in kinds and n for kinds, n in types)
     if arch == "gpt_neo" and local and max_length > window:

@@ -33,8 +33,7 @@ NCCL_MIN_TIMEOUT_S = 300.0
 # (SIGSTOP, a hung file system) during one-off work ends the run within that timeout, not after
 # the hour that the work itself may take.
 _ALIVE = "acco/alive/{}"
-_heartbeat: dict = {"timeout_s": 30.0}
-
+_heartbeat: dict = {}  # "timeout_s" (the collective timeout) and "stop", set by start_heartbeat
 
 
 def _no_gpu_reason() -> str | None:
@@ -67,7 +66,9 @@ def _check_gpu_for(backend: str) -> None:
     if reason is not None:
         from acco.config import InputError
 
-        raise InputError(f"backend {backend} needs a CUDA GPU and none is visible ({reason}): use gloo on the CPU")
+        raise InputError(
+            f"backend {backend} needs a CUDA GPU and none is visible ({reason}): use gloo on the CPU"
+        )
 
 
 def _device_for(local_rank: int, use_cuda: bool):
@@ -98,7 +99,7 @@ def backend_settings(backend: str, timeout_s: float) -> tuple[float, dict[str, s
     return max(float(timeout_s), NCCL_MIN_TIMEOUT_S), {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
-def init_distributed(timeout_s: float = 30, backend: str | None = None):
+def init_distributed(timeout_s: float | None = None, backend: str | None = None):
     """Join (or create) the default process group; returns ``(rank, world_size, local_rank, device)``.
 
     - An existing process group is reused as it is.
@@ -107,14 +108,18 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
       gloo on CPU otherwise (``backend`` overrides).
     - With no launcher at all, a one-process group on an in-memory store (no port, no network),
       so that collectives work unchanged with world_size 1.
-    Collectives time out after ``timeout_s`` seconds instead of torch's 30 minutes (NCCL: at least
-    ``NCCL_MIN_TIMEOUT_S``, see ``backend_settings``).
+    Collectives time out after ``timeout_s`` seconds (None: train.timeout_s's default) instead of
+    torch's 30 minutes (NCCL: at least ``NCCL_MIN_TIMEOUT_S``, see ``backend_settings``).
     NCCL with no backend for CPU tensors (asked for, or the existing group's) where no GPU is
     visible is one ``InputError`` line, raised before any group, rendezvous or heartbeat.
     """
     import torch
     import torch.distributed as dist
 
+    if timeout_s is None:
+        from acco.config import TrainArgs
+
+        timeout_s = TrainArgs.timeout_s
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         # get_backend() is "undefined" when the user let torch pick, or "cpu:gloo,cuda:nccl"
@@ -152,7 +157,12 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
     # The rendezvous waits as long as a slow node's start-up may take (under srun every rank
     # imports torch first); only the collectives get the short timeout.
     store, rank, world_size = next(
-        dist.rendezvous("env://", rank=env["rank"], world_size=env["world_size"], timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        dist.rendezvous(
+            "env://",
+            rank=env["rank"],
+            world_size=env["world_size"],
+            timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+        )
     )
     # device_id on CUDA binds the process to its GPU and creates the NCCL communicator now, inside
     # init_process_group's timeout, rather than at the first collective.
@@ -160,7 +170,6 @@ def init_distributed(timeout_s: float = 30, backend: str | None = None):
                             device_id=device if device.type == "cuda" else None)  # fmt: skip
     start_heartbeat(timeout_s)
     return rank, world_size, env["local_rank"], device
-
 
 
 def start_heartbeat(timeout_s: float) -> None:
@@ -203,8 +212,12 @@ def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) ->
     are alive, but fail within the collective timeout once one of them stops (LostWorkerError)."""
     import torch.distributed as dist
 
-
     store, world, me = dist.distributed_c10d._get_default_store(), dist.get_world_size(), dist.get_rank()
+    timeout_s = _heartbeat.get("timeout_s")
+    if timeout_s is None:  # no beat started here (a group made elsewhere): the default timeout
+        from acco.config import TrainArgs
+
+        timeout_s = TrainArgs.timeout_s
     start = time.monotonic()
     seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
     # Polls with `check`, not a blocking `wait`: the store client holds its lock for the whole of
@@ -227,10 +240,10 @@ def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) ->
             last = seen.get(rank)
             if last is None or count != last[0]:
                 seen[rank] = (count, now)
-            elif now - last[1] > _heartbeat["timeout_s"]:
+            elif now - last[1] > timeout_s:
                 message = (
                     f"rank {rank} stopped responding (died or stalled) while the workers waited for {what}: "
-                    f"no sign of life for {now - last[1]:.0f} s (launch.timeout_s={_heartbeat['timeout_s']:g})"
+                    f"no sign of life for {now - last[1]:.0f} s (launch.timeout_s={timeout_s:g})"
                 )
                 report_lost_ranks(me, [rank], message)
                 raise LostWorkerError(message, lost=[rank])
