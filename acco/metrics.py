@@ -56,7 +56,9 @@ class RunLog:
             return
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total_samples, initial=initial_samples, unit="mb", dynamic_ncols=True, desc="train")
+        self._bar = tqdm(
+            total=total_samples, initial=initial_samples, unit="mb", dynamic_ncols=True, desc="train"
+        )
 
     def update(self, record: UpdateRecord) -> dict:
         self.records.append(record)
@@ -142,7 +144,8 @@ class RunLog:
         compute, comm = median(r.compute_s for r in steady), median(r.comm_s for r in steady)
         step_time = median(steps)
         by_worker = [
-            statistics.fmean(r.micro_batches[w] for r in steady) if steady else 0.0 for w in range(self.world_size)
+            statistics.fmean(r.micro_batches[w] for r in steady) if steady else 0.0
+            for w in range(self.world_size)
         ]
         summary = {
             "method": method,
@@ -217,11 +220,24 @@ def plot_runs(runs: dict[str, str | Path], path: str | Path) -> None:
         train, evals = read_metrics(run_dir)
         if not train:
             continue
-        line = by_samples.plot([t["samples"] for t in train], [t["loss"] for t in train], label=f"{name} train")[0]
-        by_time.plot([t["wall_time"] for t in train], [t["loss"] for t in train], color=line.get_color(), label=f"{name} train")
+        line = by_samples.plot(
+            [t["samples"] for t in train], [t["loss"] for t in train], label=f"{name} train"
+        )[0]
+        by_time.plot(
+            [t["wall_time"] for t in train],
+            [t["loss"] for t in train],
+            color=line.get_color(),
+            label=f"{name} train",
+        )
         if evals:
             steps = {t["step"]: t["wall_time"] for t in train}
-            by_samples.plot([e["samples"] for e in evals], [e["eval_loss"] for e in evals], "--", color=line.get_color(), label=f"{name} eval")
+            by_samples.plot(
+                [e["samples"] for e in evals],
+                [e["eval_loss"] for e in evals],
+                "--",
+                color=line.get_color(),
+                label=f"{name} eval",
+            )
             timed = [(steps[e["step"]], e["eval_loss"]) for e in evals if e["step"] in steps]
             if timed:
                 by_time.plot(*zip(*timed), "--", color=line.get_color(), label=f"{name} eval")

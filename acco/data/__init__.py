@@ -19,18 +19,18 @@ import importlib
 
 _MODULES = {
     "errors": ["DataError"],
-    "instruct": ["ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "IGNORE_INDEX", "cached_instructions", "format_alpaca",
-                 "tokenize_instructions"],
+    "instruct": ["ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "IGNORE_INDEX", "cached_instructions",
+                 "format_alpaca", "tokenize_instructions"],
     "loader": ["MicroBatchStream", "Rows", "as_columns", "eval_batches", "split_train_eval"],
     "packing": ["blocks_of", "cache_path", "pack_documents", "packing_cache_key", "token_stream"],
-    "prepare": ["build_tokenizer", "is_prepared", "load_corpus_rank0_first", "prepare_dataset", "prepare_tokenizer",
-                "rank0_first", "split_corpus"],
+    "prepare": ["build_tokenizer", "is_prepared", "load_corpus_rank0_first", "prepare_dataset",
+                "prepare_tokenizer", "rank0_first", "split_corpus"],
     "synthetic": ["synthetic_corpus", "unigram_entropy"],
-    "text": ["corpus_fingerprint", "is_hf_dataset", "load_corpus", "load_documents", "load_records", "open_documents",
-             "text_bytes"],
+    "text": ["corpus_fingerprint", "is_hf_dataset", "load_corpus", "load_documents", "load_records",
+             "open_documents", "text_bytes"],
     "tokenized": ["pad_token_ids"],
-    "tokenizer": ["EOS_TOKEN", "as_saved", "bos_to_prepend", "bpe_cache_folder", "load_tokenizer", "tokenizer_fingerprint",
-                  "train_bpe"],
+    "tokenizer": ["EOS_TOKEN", "as_saved", "bos_to_prepend", "bpe_cache_folder", "load_tokenizer",
+                  "tokenizer_fingerprint", "train_bpe"],
 }  # fmt: skip
 _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -63,7 +63,9 @@ def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> di
         raise DataError(f"max_length must be >= 2, got {max_length}")
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     if eos is None or pad is None:
-        raise DataError("instruction data needs a tokenizer with eos and pad tokens (use acco.data.load_tokenizer)")
+        raise DataError(
+            "instruction data needs a tokenizer with eos and pad tokens (use acco.data.load_tokenizer)"
+        )
 
     prompts, responses = zip(*(format_alpaca(r) for r in records)) if records else ((), ())
     # Batched calls: the fast tokenizer encodes a list in parallel in Rust.
@@ -91,7 +93,9 @@ def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> di
         log.warning("%d of %d instruction examples dropped: prompt longer than max_length %d",
                     n_dropped, len(records), max_length)
     if not rows_ids:
-        raise DataError(f"no instruction example fits in max_length {max_length} ({len(records)} records given)")
+        raise DataError(
+            f"no instruction example fits in max_length {max_length} ({len(records)} records given)"
+        )
     return {
         "input_ids": torch.tensor(rows_ids, dtype=torch.long),
         "labels": torch.tensor(rows_labels, dtype=torch.long),
@@ -102,7 +106,9 @@ def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> di
 _CACHE_VERSION = "instruct-v1"  # bump when the masking or layout rule changes
 
 
-def cached_instructions(records: list[dict], tokenizer, max_length: int, cache_dir) -> dict[str, torch.Tensor]:
+def cached_instructions(
+    records: list[dict], tokenizer, max_length: int, cache_dir
+) -> dict[str, torch.Tensor]:
     """`tokenize_instructions`, computed once per (records, tokenizer, max_length) and kept in
     `cache_dir`: the next run, and the other ranks, memory-map the file instead of tokenizing
     again. Written atomically, so ranks sharing a cache never read half a file."""

@@ -72,9 +72,13 @@ def as_columns(data: Array | Mapping[str, Array]) -> dict[str, Array]:
     n = len(columns["input_ids"])
     for key, value in columns.items():
         if not isinstance(value, torch.Tensor | np.ndarray):
-            raise DataError(f"dataset column {key!r} is a {type(value).__name__}, not a torch.Tensor or numpy array")
+            raise DataError(
+                f"dataset column {key!r} is a {type(value).__name__}, not a torch.Tensor or numpy array"
+            )
         if len(value) != n:
-            raise DataError(f"dataset columns differ in length: input_ids has {n} rows, {key} has {len(value)}")
+            raise DataError(
+                f"dataset columns differ in length: input_ids has {n} rows, {key} has {len(value)}"
+            )
     return columns
 
 
@@ -96,7 +100,11 @@ class Rows:
     def select(self, idx: torch.Tensor | np.ndarray | Sequence[int]) -> Rows:
         idx = np.asarray(idx, dtype=np.int64)
         rows = Rows.__new__(Rows)
-        rows.columns, rows.index, rows._n = self.columns, idx if self.index is None else self.index[idx], len(idx)
+        rows.columns, rows.index, rows._n = (
+            self.columns,
+            idx if self.index is None else self.index[idx],
+            len(idx),
+        )
         return rows
 
     def take(self, idx: torch.Tensor | np.ndarray | Sequence[int]) -> dict[str, torch.Tensor]:

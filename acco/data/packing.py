@@ -62,7 +62,9 @@ def blocks_of(stream: np.ndarray, max_length: int) -> np.ndarray:
     """The stream cut into rows of `max_length`, the partial last row dropped (a view, no copy)."""
     n_blocks = len(stream) // max_length
     if n_blocks == 0:
-        raise DataError(f"the corpus gives {len(stream)} tokens, fewer than one block of max_length {max_length}")
+        raise DataError(
+            f"the corpus gives {len(stream)} tokens, fewer than one block of max_length {max_length}"
+        )
     return stream[: n_blocks * max_length].reshape(n_blocks, max_length)
 
 
@@ -204,7 +206,9 @@ def _parallel_chunks(docs, tokenizer, text_column: str, dtype: np.dtype, num_pro
     pool = multiprocessing.get_context("fork").Pool(procs) if procs > 1 else None
     bar = tqdm(total=len(docs), unit="docs", desc=f"tokenizing ({procs} process{'es' if procs > 1 else ''})")
     try:
-        for start, chunk in zip(starts, pool.imap(_encode_from, starts) if pool else map(_encode_from, starts)):
+        for start, chunk in zip(
+            starts, pool.imap(_encode_from, starts) if pool else map(_encode_from, starts)
+        ):
             bar.update(min(_TOKENIZE_BATCH, len(docs) - start))
             yield chunk
     finally:

@@ -47,7 +47,9 @@ def load_documents(
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise DataError(f"{_where(source)}, row {i}: {text_column!r} is a {type(text).__name__}, not a string")
+                raise DataError(
+                    f"{_where(source)}, row {i}: {text_column!r} is a {type(text).__name__}, not a string"
+                )
             docs.append(text)
 
     docs = [d for d in docs if d.strip()]
@@ -201,7 +203,9 @@ def _sources(spec: str) -> list[Path | str]:
         return files
     if path.is_file():
         if path.suffix not in LOCAL_SUFFIXES:
-            raise DataError(f"{spec}: unsupported file type {path.suffix!r} (expected {', '.join(LOCAL_SUFFIXES)})")
+            raise DataError(
+                f"{spec}: unsupported file type {path.suffix!r} (expected {', '.join(LOCAL_SUFFIXES)})"
+            )
         return [path]
     if looks_like_local_path(spec):
         raise DataError(f"{spec}: no such file or folder")

@@ -36,7 +36,9 @@ def pad_token_ids(dataset, max_length: int, pad_token_id: int | None) -> dict[st
     width = int(lengths.max())
     padded = bool((lengths < width).any())
     if padded and pad_token_id is None:
-        raise DataError("pre-tokenized examples differ in length: padding them needs a tokenizer with a pad token")
+        raise DataError(
+            "pre-tokenized examples differ in length: padding them needs a tokenizer with a pad token"
+        )
     # Row-major boolean mask: its True cells, in order, are where the flat tokens go.
     mask = np.arange(width) < lengths[:, None]
 
@@ -53,7 +55,9 @@ def pad_token_ids(dataset, max_length: int, pad_token_id: int | None) -> dict[st
         values, their_lengths = column
         if not np.array_equal(their_lengths, lengths):
             i = int(np.flatnonzero(their_lengths != lengths)[0])
-            raise DataError(f"pre-tokenized example {i}: {key} has {their_lengths[i]} values, input_ids {lengths[i]}")
+            raise DataError(
+                f"pre-tokenized example {i}: {key} has {their_lengths[i]} values, input_ids {lengths[i]}"
+            )
         columns[key] = pad(values, fill, np.int8 if key == "attention_mask" else np.int32)
     columns.setdefault("labels", pad(ids, IGNORE_INDEX))
     if padded:

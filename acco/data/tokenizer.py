@@ -41,7 +41,9 @@ def train_bpe(texts, vocab_size: int = 8192, text_column: str = "text") -> PreTr
         raise DataError("cannot train a BPE tokenizer: no training texts were given")
     n_bytes = len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size <= n_bytes:
-        raise DataError(f"BPE vocab_size must exceed the {n_bytes} byte symbols + 1 special token, got {vocab_size}")
+        raise DataError(
+            f"BPE vocab_size must exceed the {n_bytes} byte symbols + 1 special token, got {vocab_size}"
+        )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -177,7 +179,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:  # a slow (pure Python) tokenizer has no serialization: use its vocabulary
         h.update(type(tokenizer).__name__.encode())
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(f"eos={tokenizer.eos_token_id} pad={tokenizer.pad_token_id} bos={bos_to_prepend(tokenizer)}".encode())
+    h.update(
+        f"eos={tokenizer.eos_token_id} pad={tokenizer.pad_token_id} bos={bos_to_prepend(tokenizer)}".encode()
+    )
     return h.hexdigest()
 
 
@@ -193,7 +197,9 @@ def _load_folder(folder: str) -> PreTrainedTokenizerFast:
             with open(vocab_file, encoding="utf-8") as f:
                 n_vocab = len(json.load(f))
             if len(tokenizer) < n_vocab:
-                raise DataError(f"tokenizer folder {folder!r}: loaded {len(tokenizer)} tokens, vocab.json has {n_vocab}")
+                raise DataError(
+                    f"tokenizer folder {folder!r}: loaded {len(tokenizer)} tokens, vocab.json has {n_vocab}"
+                )
             return tokenizer
     except DataError:
         raise

@@ -166,7 +166,9 @@ class EstimateSplit:
 class CommRound:
     """Collectives + sharded optimizer for one worker. Runs in whichever thread calls it."""
 
-    def __init__(self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None, split: EstimateSplit):
+    def __init__(
+        self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None, split: EstimateSplit
+    ):
         self.cfg = cfg
         self.group = group
         self.layout = flat.layout
@@ -198,11 +200,15 @@ class CommRound:
         # its all-gather adds the delta to theta_t, the model's parameters during that round.
         self.int8 = None
         if cfg.method == "acco" and cfg.estimate_comm == "int8":
-            self.int8 = quantize.Int8EstimateComm(self.world_size, self.layout.rank, self.layout.shard_numel,
-                                                  device, group, block=quantize.BLOCK)  # (read now: tests set it)
+            # the block size, quantize.BLOCK, read now: tests set it
+            self.int8 = quantize.Int8EstimateComm(
+                self.world_size, self.layout.rank, self.layout.shard_numel, device, group, quantize.BLOCK
+            )
             self.params = flat.params
-        self.split = split  # read here: the split in effect (the estimate round's LR) and this worker's proposal
-        self.stop_requested = False  # set by the engine's request_stop (any thread): sent from the next round on
+        # read here: the split in effect (the estimate round's LR) and this worker's proposal
+        self.split = split
+        # set by the engine's request_stop (any thread): sent from the next round on
+        self.stop_requested = False
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
@@ -263,7 +269,8 @@ class CommRound:
         commits = is_update and weight > 0
         # An estimate round estimates the update that follows it, which adds the micro-batches computed
         # during the estimate round: e per worker to the payload's 2k - e (estimate_micro_batches; k to k
-        # by default), exactly so with a fixed batch. During warm-up it takes that update's LR, not a smaller one.
+        # by default), exactly so with a fixed batch. During warm-up it takes that update's LR, not a
+        # smaller one.
         k2 = 2 * self.cfg.n_grad_accumulation
         update_micro_batches = total if is_update else total * k2 // (k2 - self.split.e)
         grad_norm = float("nan")
@@ -281,7 +288,9 @@ class CommRound:
             weight=weight,
             grad_norm=grad_norm,
             # every worker reads the same rows: the same split
-            agreed_split=int(max(row[SPLIT_PROPOSAL] for row in rows)) if self.split.auto and is_update else None,
+            agreed_split=int(max(row[SPLIT_PROPOSAL] for row in rows))
+            if self.split.auto and is_update
+            else None,
         )
 
     def _step(self, result: RoundResult, predict: bool, int8: bool) -> torch.Tensor | None:
@@ -308,7 +317,9 @@ class CommRound:
             self.previous_master.copy_(self.master)
         self.optimizer.commit(self.grad_shard, lr)
         if predict:
-            self.new_param_shard.copy_(torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master))
+            self.new_param_shard.copy_(
+                torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master)
+            )
         else:
             self.new_param_shard.copy_(self.master)
         if self.lean and self.estimate_pending:  # e_{t+1} = theta~_{t+1} - theta_{t+1}
@@ -363,7 +374,9 @@ class BackgroundComm:
         # High priority (lower is higher): the round's kernels go first when both streams have
         # work queued, so a round is not held up behind the next micro-batch's compute.
         self.stream = self.ops.new_stream(priority=-1)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acco-comm", initializer=self.ops.bind_thread)
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="acco-comm", initializer=self.ops.bind_thread
+        )
 
     def submit(self, round_fn: Callable[[], T]) -> Future[Timed[T]]:
         payload_ready = self.ops.event()

@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine import collectives, progress
+from acco.engine import collectives, diloco_state, progress
 from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
-from acco.engine.config import LOCAL_SGD_METHODS, CheckpointError, EngineConfig, UpdateRecord
+from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn
 from acco.engine.device import device_ops
-from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, world_of
+from acco.engine.flat import FlatParams, broadcast_module, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate
 
 _END = object()
@@ -55,7 +55,9 @@ def fragment_slices(flat: FlatParams, module: nn.Module, num_fragments: int) -> 
         offset += p.numel()
     ordered = [p for p in module.parameters() if p.requires_grad]
     if num_fragments > len(ordered):
-        raise ValueError(f"num_fragments={num_fragments} but the model has only {len(ordered)} parameter tensors")
+        raise ValueError(
+            f"num_fragments={num_fragments} but the model has only {len(ordered)} parameter tensors"
+        )
     total, before, last = flat.layout.numel, 0, -1
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(num_fragments)]
     for k, p in enumerate(ordered):
@@ -246,7 +248,10 @@ class DiLoCoEngine:
         self.last_merge[i] = self.step
 
     def _due(self, i: int, delay: int) -> bool:
-        return self.step >= self.offsets[i] + delay and (self.step - self.offsets[i] - delay) % self.cfg.sync_every == 0
+        return (
+            self.step >= self.offsets[i] + delay
+            and (self.step - self.offsets[i] - delay) % self.cfg.sync_every == 0
+        )
 
     def _fragments_step(self) -> tuple[float, float]:
         """The prepares and syncs due at this inner step (torchft's order: prepares first)."""
@@ -310,10 +315,20 @@ class DiLoCoEngine:
                 next_compute = time.perf_counter() - start
             norm, weight = self._read_stats(n)
             self.last_wall_time = time.perf_counter() - t0
-            yield UpdateRecord(step=self.step, samples=self.samples, loss=self._last_loss, lr=lr,
-                               micro_batches=[n] * self.world_size, compute_s=compute, wait_s=wait, comm_s=busy,
-                               wall_time=self.last_wall_time, weight=weight * self.world_size, grad_norm=norm,
-                               stop=self._stop_agreed)  # fmt: skip
+            yield UpdateRecord(
+                step=self.step,
+                samples=self.samples,
+                loss=self._last_loss,
+                lr=lr,
+                micro_batches=[n] * self.world_size,
+                compute_s=compute,
+                wait_s=wait,
+                comm_s=busy,
+                wall_time=self.last_wall_time,
+                weight=weight * self.world_size,
+                grad_norm=norm,
+                stop=self._stop_agreed,
+            )
             if finished:
                 return
             n, compute, self.computed_ahead = self.computed_ahead, next_compute, 0
@@ -358,82 +373,18 @@ class DiLoCoEngine:
         return contextlib.nullcontext()
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this worker holds for training, by component."""
-        def size(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        out = {"params": size(self.flat.params), "grads": size(self.flat.grads), "local_fp32": size(self.local),
-               "exp_avg": size(self.inner.exp_avg), "exp_avg_sq": size(self.inner.exp_avg_sq),
-               "global_params": size(self.global_params), "outer_momentum": size(self.outer_momentum),
-               "wire": size(self.wire) + size(self.wire_shard), "averaged": size(self.averaged)}  # fmt: skip
-        if self.grad is not self.flat.grads:
-            out["grad_fp32"] = size(self.grad)
-        return out
+        """Bytes this worker holds for training, by component (diloco_state.state_bytes)."""
+        return diloco_state.state_bytes(self)
 
     # ---- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """This worker's local parameters and inner AdamW state (its own: not sharded); rank 0 alone
-        saves what every worker holds identically: the global parameters, the outer momentum and a
-        landed all-reduce result not yet applied."""
-        self.quiesce()
-        shared = self.rank == 0
-        averaged = self.averaged_fragment
-        n = sum(s.stop - s.start for s in self.fragments[averaged]) if averaged is not None else 0
-        landed = self.averaged[:n] if shared and n else None
-        if landed is not None and n < self.averaged.numel():  # torch.save writes a view's whole storage:
-            landed = landed.clone()  # a fragment shorter than the buffer (the largest one's) is copied out
-        return {
-            "method": self.cfg.method, "order": FLAT_ORDER, "numel": self.flat.layout.numel,
-            "world_size": self.world_size, "rank": self.rank, "samples": self.samples, "step": self.step,
-            "wall_time": self.last_wall_time, "fragments": self.cfg.num_fragments,
-            "sync_every": self.cfg.sync_every, "last_merge": list(self.last_merge),
-            "inner_steps": self.inner.step_count,
-            "master": self.local, "exp_avg": self.inner.exp_avg, "exp_avg_sq": self.inner.exp_avg_sq,
-            "global_params": self.global_params if shared else None,
-            "outer_momentum": self.outer_momentum if shared else None,
-            "averaged_fragment": averaged, "averaged": landed,
-            "stop": self._stop,
-            # the next step's micro-batches, computed ahead of this record: a resume reads them again
-            "dropped_micro_batches": self.computed_ahead,
-        }  # fmt: skip
+        """This worker's own state, and on rank 0 the shared one (diloco_state.state_dict)."""
+        return diloco_state.state_dict(self)
 
     def load_state_dict(self, state: dict, old_state=None) -> bool:
-        """Restore a worker's state exactly; only on the world size it was saved with (every
-        worker's local parameters and inner moments are its own). Every worker calls it together:
-        the shared tensors are broadcast from rank 0."""
-        if state["method"] != self.cfg.method:
-            raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}")
-        if state["numel"] != self.flat.layout.numel or state.get("order") != FLAT_ORDER:
-            raise CheckpointError(f"checkpoint holds {state['numel']:,} parameters in another order or number; "
-                                  f"the model has {self.flat.layout.numel:,}")
-        if state["world_size"] != self.world_size or state["rank"] != self.rank:
-            raise CheckpointError(f"{self.cfg.method} resumes only on the world size it was saved with "
-                                  f"({state['world_size']} workers; every worker's local state is its own)")
-        if (state["fragments"], state["sync_every"]) != (self.cfg.num_fragments, self.cfg.sync_every):
-            raise CheckpointError(f"checkpoint synchronised {state['fragments']} fragment(s) every {state['sync_every']} "
-                                  f"steps; this run: {self.cfg.num_fragments} every {self.cfg.sync_every}")
-        self.samples, self.step = int(state["samples"]), int(state["step"])
-        self.wall_time_offset = float(state["wall_time"])
-        self.last_merge = list(state["last_merge"])
-        self._stop = bool(state.get("stop", False))
-        self.local.copy_(state["master"])
-        self.inner.exp_avg.copy_(state["exp_avg"])
-        self.inner.exp_avg_sq.copy_(state["exp_avg_sq"])
-        self.inner.restore_step(int(state["inner_steps"]))
-        if self.rank == 0:
-            self.global_params.copy_(state["global_params"])
-            self.outer_momentum.copy_(state["outer_momentum"])
-        self.averaged_fragment = state["averaged_fragment"]
-        n = sum(s.stop - s.start for s in self.fragments[self.averaged_fragment]) if self.averaged_fragment is not None else 0
-        if self.rank == 0 and n:
-            self.averaged[:n].copy_(state["averaged"])
-        if self.world_size > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            for t in (self.global_params, self.outer_momentum, self.averaged[:n]) if n else (self.global_params, self.outer_momentum):
-                dist.broadcast(t, src=src, group=self.group)
-        self.flat.params.copy_(self.local)
-        return True
+        """Restore a worker's state exactly, on its world size only (diloco_state.load_state_dict)."""
+        return diloco_state.load_state_dict(self, state, old_state)
 
     def close(self) -> None:
         self.background.close()

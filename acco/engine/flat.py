@@ -54,7 +54,8 @@ class FlatParams:
         if not trainable:
             raise ValueError("the module has no trainable parameters")
         self.trainable = [p for p in trainable if p.dim() >= 2] + [p for p in trainable if p.dim() < 2]
-        self.decay_numel = sum(p.numel() for p in self.trainable if p.dim() >= 2)  # weight decay: [0, decay_numel)
+        # weight decay: [0, decay_numel)
+        self.decay_numel = sum(p.numel() for p in self.trainable if p.dim() >= 2)
         device = self.trainable[0].device
         numel = sum(p.numel() for p in self.trainable)
         self.layout = ShardLayout(numel, world_size, rank)
@@ -82,7 +83,8 @@ class FlatParams:
                 p.data = p.data.to(dtype)
 
     def check_grad_views(self) -> None:
-        """Fail loudly if something (e.g. zero_grad(set_to_none=True)) detached a .grad from the flat buffer."""
+        """Fail loudly if something (e.g. zero_grad(set_to_none=True)) detached a .grad from the flat
+        buffer."""
         lo = self.grads.data_ptr()
         hi = lo + self.grads.numel() * self.grads.element_size()
         for p in self.trainable:

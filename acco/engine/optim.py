@@ -40,7 +40,9 @@ class ShardedAdamW:
     """AdamW over one flat fp32 master shard: weight decay on its first `decayed` elements (the
     matrices and embeddings, FlatParams puts them first), none on the rest (biases, norms)."""
 
-    def __init__(self, master: torch.Tensor, cfg: EngineConfig, decayed: int | None = None, trial: bool = True):
+    def __init__(
+        self, master: torch.Tensor, cfg: EngineConfig, decayed: int | None = None, trial: bool = True
+    ):
         self.master = master
         self.beta1, self.beta2 = cfg.adam_beta1, cfg.adam_beta2
         self.eps, self.weight_decay = cfg.adam_eps, cfg.weight_decay
@@ -63,8 +65,11 @@ class ShardedAdamW:
         # Moments exist from the start (torch creates them lazily) so trial steps can read them
         # and checkpoints always have them.
         for view, r in self.views:
-            self.opt.state[view] = {"step": torch.zeros((), dtype=torch.float32, device=master.device),
-                                    "exp_avg": self.exp_avg[r], "exp_avg_sq": self.exp_avg_sq[r]}  # fmt: skip
+            self.opt.state[view] = {
+                "step": torch.zeros((), dtype=torch.float32, device=master.device),
+                "exp_avg": self.exp_avg[r],
+                "exp_avg_sq": self.exp_avg_sq[r],
+            }
         # trial-step workspace, allocated once, for acco only (the one method with trial steps)
         self._work = torch.empty_like(master) if trial else None
         self._steps = 0  # host copy of the step count: a trial step reads it without a device sync

@@ -57,7 +57,9 @@ def _parts(n: int, block: int):
         yield slice(full * block, n), slice(full, full + 1), (1, n - full * block)
 
 
-def quantize_(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, work: torch.Tensor, block: int = BLOCK) -> None:
+def quantize_(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, work: torch.Tensor, block: int = BLOCK
+) -> None:
     """``q`` (int8, ``n``) and ``scales`` (fp32, ``n_blocks(n)``) of ``x`` (``n`` elements, any float
     dtype). ``work``: an fp32 scratch of ``n`` elements, which may be ``x`` itself (then ``x`` is
     overwritten)."""
@@ -136,7 +138,9 @@ class Int8EstimateComm:
             if w:
                 out.add_(self.work)
 
-    def all_gather_delta(self, new_params: torch.Tensor, estimate: torch.Tensor, params: torch.Tensor) -> None:
+    def all_gather_delta(
+        self, new_params: torch.Tensor, estimate: torch.Tensor, params: torch.Tensor
+    ) -> None:
         """``new_params`` = ``params`` (theta_t, held by every worker, model dtype) + the gathered,
         dequantized deltas ``estimate - theta_t`` of every shard (``estimate``: this worker's fp32
         shard of theta~_{t+1}). The delta is taken against this worker's shard of ``params``, the

@@ -26,9 +26,9 @@ The tuning (BENCHMARKS.md, "torch-ddp: why it is slower, and its tuning"):
   engine holds the whole averaged gradient: no clipping by its global norm (max_grad_norm, on by
   default), no division by the loss weight summed over all workers (known from the statistics
   all-gather after backward). (2) Its functional AdamW takes one parameter group, and decay on the
-  matrices but not on biases and norms needs two (unless weight_decay is 0). (3) The functional AdamW reads its learning rate
-  from its own defaults, which ZeroRedundancyOptimizer's param_groups never reach: the per-update
-  schedule would be silently dropped. (4) The first two updates (three with static_graph) do not
+  matrices but not on biases and norms needs two (unless weight_decay is 0). (3) The functional AdamW reads
+  its learning rate from its own defaults, which ZeroRedundancyOptimizer's param_groups never reach: the
+  per-update schedule would be silently dropped. (4) The first two updates (three with static_graph) do not
   step the optimizer at all: ZeRO waits for DDP's rebuilt buckets before it assigns its shards, so
   those updates' micro-batches would count in the budget without training (torch's docs suggest
   dummy inputs first). (5) gloo is refused (it may hang, pytorch/pytorch#62300): nothing here could
@@ -104,9 +104,13 @@ class TorchDDPEngine:
         self.static_graph = most.item() == 1
         # DDP broadcasts rank 0's parameters and buffers at construction.
         self.ddp = DistributedDataParallel(
-            module, device_ids=device_ids, process_group=group, bucket_cap_mb=cfg.bucket_cap_mb,
-            gradient_as_bucket_view=True, static_graph=self.static_graph,
-        )  # fmt: skip
+            module,
+            device_ids=device_ids,
+            process_group=group,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            gradient_as_bucket_view=True,
+            static_graph=self.static_graph,
+        )
         if cfg.use_mixed_precision:
             # torch refuses its own bf16 hook without CUDA and NCCL; gloo all-reduces bf16 too
             on_nccl = self.device.type == "cuda" and dist.get_backend(group) == "nccl"
@@ -114,8 +118,10 @@ class TorchDDPEngine:
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = ZeroRedundancyOptimizer(
             # weight decay on the matrices and embeddings, not biases and norms (as FlatParams)
-            [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-             {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}],
+            [
+                {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+            ],
             optimizer_class=torch.optim.AdamW,
             process_group=group,
             # the updated shards are broadcast bucket by bucket, not parameter by parameter
@@ -123,7 +129,7 @@ class TorchDDPEngine:
             lr=cfg.learning_rate,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
-        )  # fmt: skip
+        )
         self.stats = new_stats(self.device)
         self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
         self.step = 0  # committed updates
@@ -256,12 +262,18 @@ class TorchDDPEngine:
         """Restore on the world size the state was saved with (ZeRO shards by parameter); `old_state`
         (resharding, DecoupledEngine's) is refused by the world-size check below."""
         if state["method"] != "torch-ddp":
-            raise CheckpointError(f"checkpoint was written by method {state['method']!r}, this run is 'torch-ddp'")
+            raise CheckpointError(
+                f"checkpoint was written by method {state['method']!r}, this run is 'torch-ddp'"
+            )
         if state["world_size"] != self.world_size:
-            raise CheckpointError("torch-ddp resumes only on the world size it was saved with (ZeRO shards by parameter)")
+            raise CheckpointError(
+                "torch-ddp resumes only on the world size it was saved with (ZeRO shards by parameter)"
+            )
         params, layout = list(self.module.parameters()), self._layout()
         if state["numel"] != layout.numel:
-            raise CheckpointError(f"checkpoint holds {state['numel']:,} parameters, the model has a different size")
+            raise CheckpointError(
+                f"checkpoint holds {state['numel']:,} parameters, the model has a different size"
+            )
         flat = torch.empty(layout.padded_numel, dtype=self._dtype(), device=self.device)
         shard = state["params_shard"].to(self.device)
         collectives.all_gather(flat, shard, group=self.group)
@@ -290,9 +302,12 @@ class TorchDDPEngine:
             return sum(t.numel() * t.element_size() for t in tensors)
 
         local = [p for group in self.optimizer.optim.param_groups for p in group["params"]]
-        return {"params": size(self.module.parameters()),
-                "grads": size(p for p in self.module.parameters() if p.requires_grad),
-                "exp_avg": size(local), "exp_avg_sq": size(local)}  # fmt: skip
+        return {
+            "params": size(self.module.parameters()),
+            "grads": size(p for p in self.module.parameters() if p.requires_grad),
+            "exp_avg": size(local),
+            "exp_avg_sq": size(local),
+        }
 
     @contextlib.contextmanager
     def committed_params(self):
