@@ -106,16 +106,22 @@ class Engine(Protocol):
 
 
 def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
-    """The engine for `cfg.method`; the module must already be on its device."""
+    """The engine for `cfg.method`; the module must already be on its device. With `cfg.compile`
+    the module's blocks are compiled in place once the engine holds its parameters (compiling.py)."""
+    from acco.engine.compiling import compile_module, compile_options
+
     if cfg.method == "torch-ddp":
         # Imported here: torch.distributed.optim costs seconds of start-up for every other method.
         from acco.engine.torch_ddp import TorchDDPEngine
 
-        return TorchDDPEngine(module, cfg, group)
-    if cfg.method in LOCAL_SGD_METHODS:
+        engine = TorchDDPEngine(module, cfg, group)
+    elif cfg.method in LOCAL_SGD_METHODS:
         from acco.engine.diloco import DiLoCoEngine
 
-        return DiLoCoEngine(module, cfg, group)
-    from acco.engine.decoupled import DecoupledEngine
+        engine = DiLoCoEngine(module, cfg, group)
+    else:
+        from acco.engine.decoupled import DecoupledEngine
 
-    return DecoupledEngine(module, cfg, group)
+        engine = DecoupledEngine(module, cfg, group)
+    compile_module(module, compile_options(cfg.compile, engine.device.type))
+    return engine

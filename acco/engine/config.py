@@ -120,6 +120,10 @@ class EngineSettings:
     """diloco / streaming-diloco: the outer Nesterov SGD's learning rate."""
     outer_momentum: float = 0.9
     """diloco / streaming-diloco: the outer Nesterov SGD's momentum."""
+    compile: Any = "auto"
+    """torch.compile on each transformer block, in place, and on the loss's per-chunk pass
+    (acco/engine/compiling.py): "auto" on CUDA only, true, false, or a torch.compile backend name
+    ("aot_eager", "inductor"). The engine, its comm thread and the optimizer stay eager."""
 
 
 @dataclass
@@ -164,6 +168,8 @@ class EngineConfig(EngineSettings):
         if not 0 < self.bucket_cap_mb < math.inf:
             raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
         self._validate_local_sgd()
+        if not (self.compile in (True, False) or (isinstance(self.compile, str) and self.compile)):
+            raise ConfigError(f"compile must be auto, true, false or a torch.compile backend, got {self.compile!r}")
 
     def _validate_split(self) -> None:
         e, most = self.estimate_micro_batches, 2 * int(self.n_grad_accumulation) - 1

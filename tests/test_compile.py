@@ -1,0 +1,158 @@
+"""``compile`` (acco/engine/compiling.py): compiled and eager training give the same losses, gradient
+norms and parameters, for every method on 2 gloo workers, with no recompile after the first update;
+the GPT-Neo blocks and the loss's per-chunk pass are compiled in place (state dict, saved model
+unchanged). backend="aot_eager" traces and runs the same aten ops without generating code, which
+keeps these tests to seconds; inductor's code generation runs on a GPU (acco-bench gpu)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch._dynamo
+from distributed import run_distributed
+from engine_helpers import assert_close, config, loss_fn, make_model, stream
+from torch.nn.utils import parameters_to_vector
+
+import acco.loss
+from acco.config import TrainArgs
+from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine.compiling import blocks, compile_options
+from acco.loss import causal_lm_loss
+from acco.models import build_model
+
+
+@contextlib.contextmanager
+def no_recompiles(active: bool):
+    """Inside: a recompile raises (torch._dynamo.config.error_on_recompile)."""
+    before = torch._dynamo.config.error_on_recompile
+    torch._dynamo.config.error_on_recompile = active
+    try:
+        yield
+    finally:
+        torch._dynamo.config.error_on_recompile = before
+
+
+def _train(engine, model, batches, loss):
+    """Every record, with recompiles refused from the second update on."""
+    records = []
+    run = engine.run(batches, loss)
+    records.append(next(run))
+    with no_recompiles(engine.cfg.compile is not False):
+        records.extend(run)
+    engine.close()
+    return records
+
+
+def _methods(rank, world, compiled_first):
+    out = {}
+    n, updates = 2, 3
+    budget = n * world * updates
+    cfgs = {
+        "ddp": config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget),
+        "torch-ddp": config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget),
+        "acco": config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget),
+        "dpu": config(method="dpu", n_grad_accumulation=n, nb_steps_tot=budget),
+        "wp": config(method="wp", n_grad_accumulation=n, nb_steps_tot=budget),
+        "diloco": config(method="diloco", n_grad_accumulation=1, nb_steps_tot=world * 4, sync_every=2),
+        "streaming-diloco": config(method="streaming-diloco", n_grad_accumulation=1, nb_steps_tot=world * 4,
+                                   sync_every=2, num_fragments=2),
+    }  # fmt: skip
+    for method, cfg in cfgs.items():
+        cfg.max_grad_norm = 100.0  # no clipping, but the records carry the gradient norm
+        for compiled in (compiled_first, not compiled_first):
+            cfg.compile = "aot_eager" if compiled else False
+            model = make_model("block")
+            engine = build_engine(model, cfg)
+            assert getattr(model, "_compiled_call_impl", None) is not None or not compiled
+            records = _train(engine, model, stream("block", rank, world), loss_fn)
+            out[method, compiled] = (parameters_to_vector(model.parameters()).detach(), records)
+    return out
+
+
+def test_every_method_trains_the_same_compiled():
+    results = run_distributed(_methods, 2, True)[0]
+    for method in ("ddp", "torch-ddp", "acco", "dpu", "wp", "diloco", "streaming-diloco"):
+        (eager, eager_rec), (compiled, compiled_rec) = results[method, False], results[method, True]
+        assert len(compiled_rec) == len(eager_rec) >= 2, method
+        assert_close(compiled, eager, f"{method}: parameters")
+        assert_close(
+            torch.tensor([r.loss for r in compiled_rec]), torch.tensor([r.loss for r in eager_rec]), method
+        )
+        norms = [r.grad_norm for r in compiled_rec], [r.grad_norm for r in eager_rec]
+        assert_close(torch.tensor(norms[0]), torch.tensor(norms[1]), f"{method}: gradient norms")
+    assert not torch.allclose(results["ddp", True][0], results["acco", True][0])  # not vacuous
+
+
+NEO = dict(
+    arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=8
+)
+
+
+def _neo_run(compile_setting, tmp_path=None):
+    torch.manual_seed(0)
+    model = build_model(NEO, vocab_size=97)
+    keys = list(model.state_dict())
+    cfg = EngineConfig(method="ddp", n_grad_accumulation=2, nb_steps_tot=6, compile=compile_setting,
+                       accumulate_while_waiting=False)  # fmt: skip
+    engine = build_engine(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(6):
+        ids = torch.randint(0, 97, (2, 20), generator=gen)  # 40 positions: chunks of 16, 16 and 8
+        batches.append({"input_ids": ids, "labels": ids})
+    records = _train(engine, model, iter(batches), causal_lm_loss)
+    assert list(model.state_dict()) == keys  # no _orig_mod. anywhere
+    with torch.no_grad():  # evaluation compiles its own variant, once
+        evaluation = causal_lm_loss(model.eval(), batches[0])[0]
+    return model, records, evaluation
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_gpt_neo_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend):
+    """aot_eager in make test; inductor (C++ code generated for the CPU) in the slow tier."""
+    monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
+    eager, eager_rec, eager_eval = _neo_run(False)
+    assert eager.acco_compile is None
+    calls, real = [], acco.loss._compiled_pass
+
+    def spy(**options):
+        compiled_pass = real(**options)
+        assert hasattr(compiled_pass, "_torchdynamo_orig_callable")  # what torch.compile returns
+
+        def counted(*args):
+            calls.append(args[-1])  # whether it computed the logits' gradient
+            return compiled_pass(*args)
+
+        return counted
+
+    monkeypatch.setattr(acco.loss, "_compiled_pass", spy)
+    model, records, evaluation = _neo_run(backend)
+    assert model.acco_compile == {"backend": backend}
+    compiled = blocks(model)
+    assert compiled == list(model.transformer.h)
+    assert all(block._compiled_call_impl is not None for block in compiled)
+    assert calls.count(True) == 6 * 3 and calls.count(False) == 3  # the per-chunk pass ran compiled
+    torch.testing.assert_close([r.loss for r in records], [r.loss for r in eager_rec], rtol=1e-6, atol=0)
+    torch.testing.assert_close(parameters_to_vector(model.parameters()), parameters_to_vector(eager.parameters()),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(evaluation, eager_eval, rtol=1e-6, atol=0)
+    model.save_pretrained(tmp_path)
+    reloaded = build_model(NEO | {"pretrained": str(tmp_path)}, vocab_size=97)
+    assert reloaded.state_dict().keys() == model.state_dict().keys()
+
+
+def test_the_setting():
+    assert compile_options("auto", "cuda") == {"backend": "inductor"}
+    assert compile_options("auto", "cpu") is None
+    assert compile_options(True, "cpu") == {"backend": "inductor"}
+    assert compile_options(False, "cuda") is None
+    assert compile_options("aot_eager", "cpu") == {"backend": "aot_eager"}
+    assert EngineConfig().compile == "auto"
+    assert (
+        TrainArgs.from_any({"compile": "aot_eager"}).engine_config().compile == "aot_eager"
+    )  # train.compile
+    for bad in ("", 3, None):
+        with pytest.raises(ConfigError, match="compile must be"):
+            EngineConfig(compile=bad)
