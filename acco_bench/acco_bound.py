@@ -21,9 +21,17 @@ def int8_ratio(elem_bytes: int) -> float:
     return (1 + 4 / INT8_BLOCK) / elem_bytes
 
 
-def acco_update_time(c: float, m: float, *, elem_bytes: int = 4, latency_s: float = 0.0,
-                     estimate_comm: str = "full", split: int | str | None = None, micro_batches: int | None = None,
-                     accumulate: bool = False) -> float:
+def acco_update_time(
+    c: float,
+    m: float,
+    *,
+    elem_bytes: int = 4,
+    latency_s: float = 0.0,
+    estimate_comm: str = "full",
+    split: int | str | None = None,
+    micro_batches: int | None = None,
+    accumulate: bool = False,
+) -> float:
     """Lower bound on an acco update's seconds from ddp's compute ``c`` and comm ``m`` per update.
 
     The update runs two rounds, each hiding the micro-batches computed meanwhile: the estimate round
@@ -45,7 +53,12 @@ def acco_update_time(c: float, m: float, *, elem_bytes: int = 4, latency_s: floa
         return max(c, m_est + m)
     if split is None:
         return max(c / 2, m_est) + max(c / 2, m)
-    if isinstance(split, bool) or not isinstance(split, int) or not micro_batches or not 1 <= split < micro_batches:
+    if (
+        isinstance(split, bool)
+        or not isinstance(split, int)
+        or not micro_batches
+        or not 1 <= split < micro_batches
+    ):
         raise BenchError(f"estimate_micro_batches must be auto, null or e in [1, 2k - 1] of the 2k = "
                          f"{micro_batches} micro-batches per update, got {split!r}")
     share = split / micro_batches  # e / 2k of the update's compute runs under the estimate round

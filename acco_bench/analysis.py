@@ -42,8 +42,14 @@ def summary_stats(values: list[float]) -> dict:
     values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
         return {"n": 0, "values": []}
-    return {"n": len(values), "values": values, "mean": statistics.fmean(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
+    return {
+        "n": len(values),
+        "values": values,
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+    }
 
 
 def _median(xs):
@@ -185,8 +191,21 @@ def combine_repeats(results: list[dict]) -> dict:
     quiet = [r for r in ok if ((r.get("load") or {}).get("other_cpu_cores") or 0.0) <= BUSY_CORES]
     pool = sorted(quiet or ok, key=lambda r: r["step_time_s"] or float("inf"))
     chosen = dict(pool[(len(pool) - 1) // 2])
-    chosen["repeats"] = [{k: r.get(k) for k in ("step_time_s", "samples_per_s", "compute_s_per_update",
-                                                  "comm_s_per_update", "load", "error", "run_dir")} for r in results]
+    chosen["repeats"] = [
+        {
+            k: r.get(k)
+            for k in (
+                "step_time_s",
+                "samples_per_s",
+                "compute_s_per_update",
+                "comm_s_per_update",
+                "load",
+                "error",
+                "run_dir",
+            )
+        }
+        for r in results
+    ]
     chosen["repeats_used"] = len(pool)
     return chosen
 
@@ -252,7 +271,8 @@ def add_comparisons(methods: dict, settings: BenchSettings | None = None) -> dic
         spec = method_acco_spec(settings or BenchSettings(), name)
         if b and res.get("speedup_step_vs_ddp"):
             res["fraction_of_ideal_overlap"] = res["speedup_step_vs_ddp"] / b["ideal_overlap"]
-            if spec and spec["estimate_comm"] == "full" and spec["split"] is None:  # plain acco's two full rounds
+            # plain acco's two full rounds
+            if spec and spec["estimate_comm"] == "full" and spec["split"] is None:
                 res["fraction_of_ideal_acco"] = res["speedup_step_vs_ddp"] / b["ideal_acco"]
         if b and spec:
             c, m = b["ddp_compute_s"], b["ddp_comm_s"]

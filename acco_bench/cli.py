@@ -4,9 +4,9 @@
     acco-bench sweep       [--bandwidths 50mbit,200mbit,1000mbit,unshaped ...]
     acco-bench convergence --data ../shared/data/tinystories/TinyStories-valid-head.txt [--seeds 0,1 ...]
                            [--batch-sizes 1,2,4,8: small per-worker batches at the same samples]
-    acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco --bandwidth 100mbit]
-    acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
-    acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
+    acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco --bandwidth
+    100mbit] acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH
+    ...] acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
     acco-bench map         [--compute-s C --comm-s M --workers W ...]  (where each method wins; runs nothing)
     acco-bench faults      [--workers 2 --faults 10 --save-step 2 --seed 0]  (a fault drill under torchrun)
     acco-bench report DIR                      (re-render a finished run's tables and plots)
@@ -33,7 +33,9 @@ def _methods(text: str) -> tuple[str, ...]:
     ms = tuple(m.strip() for m in text.split(",") if m.strip())
     bad = [m for m in ms if m not in KNOWN_METHODS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown method(s) {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}"
+        )
     return ms
 
 
@@ -42,7 +44,9 @@ def _slow(text: str) -> tuple[int, float]:
         rank, factor = text.split(":")
         return int(rank), float(factor)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--slow-worker takes RANK:FACTOR (e.g. 1:2), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--slow-worker takes RANK:FACTOR (e.g. 1:2), got {text!r}"
+        ) from None
 
 
 def _none(text: str) -> str | None:
@@ -69,8 +73,13 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
     p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--slow-worker", type=_slow, default=d.slow_worker, metavar="RANK:FACTOR",
-                   help="emulate a slower device: that rank sleeps (FACTOR-1) x its compute time per micro-batch")
+    p.add_argument(
+        "--slow-worker",
+        type=_slow,
+        default=d.slow_worker,
+        metavar="RANK:FACTOR",
+        help="emulate a slower device: that rank sleeps (FACTOR-1) x its compute time per micro-batch",
+    )
     p.add_argument("--accumulate-while-waiting", action="store_true",
                    help="overlapped methods keep computing until the round is done (the paper's setting; the "
                         "batch per update then varies: compare samples/s). Default: fixed batch, "
@@ -78,7 +87,9 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
     p.add_argument("--mixed-precision", action="store_true", help="bf16 (slower than fp32 on most CPUs)")
     p.add_argument("--loopback", action="store_true",
                    help="no namespaces: local processes on 127.0.0.1, unshaped")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per method before its workers are killed")
+    p.add_argument(
+        "--timeout", type=float, default=d.timeout_s, help="seconds per method before its workers are killed"
+    )
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="run every method that many times (interleaved) and report the median run")
     p.add_argument("--retry-disturbed", type=int, default=d.retry_disturbed,
@@ -87,11 +98,17 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
     p.add_argument("--sched", choices=("normal", "batch"), default=d.sched,
                    help="scheduling policy of the workers: batch (SCHED_BATCH) stops gloo's I/O thread from "
                         "preempting the compute thread at every packet on a machine without spare cores")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker (default cores // hosts)")
+    p.add_argument(
+        "--threads", type=int, default=d.threads, help="torch threads per worker (default cores // hosts)"
+    )
     p.add_argument("--data", default=d.data,
                    help="a data config name (synthetic, tinystories, ...) or the path of a local text file")
     p.add_argument("--data-path", default=d.data_path, help="data.path, with a data config name in --data")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="model.tokenizer (bpe, or a folder with vocab.json+merges.txt)")
+    p.add_argument(
+        "--tokenizer",
+        default=d.tokenizer,
+        help="model.tokenizer (bpe, or a folder with vocab.json+merges.txt)",
+    )
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for every worker (repeatable)")
     p.add_argument("--out", default=out, help=f"output folder (default {out})")
@@ -112,12 +129,30 @@ def _settings(a, **kw) -> BenchSettings:
     size = {k: v for k, v in (("hidden_size", a.hidden_size), ("num_layers", a.num_layers),
                               ("num_heads", a.num_heads)) if v}
     return BenchSettings(
-        hosts=a.hosts, methods=a.methods, model=a.model, model_size=size, nb_steps_tot=a.nb_steps_tot,
-        grad_accum=a.grad_accum, batch_size=a.batch_size, max_length=a.max_length, seed=a.seed,
-        slow_worker=a.slow_worker, accumulate_while_waiting=a.accumulate_while_waiting,
-        mixed_precision=a.mixed_precision, loopback=a.loopback, timeout_s=a.timeout, threads=a.threads, repeats=a.repeats,
-        retry_disturbed=a.retry_disturbed, sched=a.sched,
-        data=data, data_path=data_path, tokenizer=a.tokenizer, extra=tuple(a.override), **kw)
+        hosts=a.hosts,
+        methods=a.methods,
+        model=a.model,
+        model_size=size,
+        nb_steps_tot=a.nb_steps_tot,
+        grad_accum=a.grad_accum,
+        batch_size=a.batch_size,
+        max_length=a.max_length,
+        seed=a.seed,
+        slow_worker=a.slow_worker,
+        accumulate_while_waiting=a.accumulate_while_waiting,
+        mixed_precision=a.mixed_precision,
+        loopback=a.loopback,
+        timeout_s=a.timeout,
+        threads=a.threads,
+        repeats=a.repeats,
+        retry_disturbed=a.retry_disturbed,
+        sched=a.sched,
+        data=data,
+        data_path=data_path,
+        tokenizer=a.tokenizer,
+        extra=tuple(a.override),
+        **kw,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,8 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, "outputs/bench/convergence", 1600)
     from acco_bench.convergence import TINYSTORIES
 
-    p.set_defaults(data=str(TINYSTORIES) if TINYSTORIES.exists() else "synthetic", hidden_size=0, num_layers=0,
-                   num_heads=0, max_length=64, loopback=True)
+    p.set_defaults(
+        data=str(TINYSTORIES) if TINYSTORIES.exists() else "synthetic",
+        hidden_size=0,
+        num_layers=0,
+        num_heads=0,
+        max_length=64,
+        loopback=True,
+    )
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     p.add_argument("--netns", dest="loopback", action="store_false",
                    help="run on emulated hosts instead of loopback (unshaped by default)")
@@ -155,12 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-closeness", action="store_true", help="skip the update-closeness measurement")
     p.add_argument("--closeness-steps", default="1,10,50,100,200",
                    help="Adam steps before each closeness measurement")
-    p.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
-                   help="small per-worker batches: the methods at each of these sequences per micro-batch, with "
-                        "the same sequences in all (--nb-steps-tot x --batch-size); no closeness measurement")
+    p.add_argument(
+        "--batch-sizes",
+        default=None,
+        metavar="1,2,4,8",
+        help="small per-worker batches: the methods at each of these sequences per micro-batch, with "
+        "the same sequences in all (--nb-steps-tot x --batch-size); no closeness measurement",
+    )
 
-    p = sub.add_parser("lr-sweep", help="final eval loss against the learning rate for ddp, acco and dpu, "
-                                        "several seeds where ddp trains best; a reference check of the engine")
+    p = sub.add_parser(
+        "lr-sweep",
+        help="final eval loss against the learning rate for ddp, acco and dpu, "
+        "several seeds where ddp trains best; a reference check of the engine",
+    )
     _add_common(p, "outputs/bench/lr-sweep", 800, methods=("ddp", "acco", "dpu"))
     p.set_defaults(loopback=True)
     p.add_argument("--learning-rates", default="5e-4,1e-3,1.5e-3,2e-3,3e-3",
@@ -168,45 +216,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default="0", help="seeds run at every learning rate (default 0)")
     p.add_argument("--extra-seeds", default="1,2",
                    help="more seeds at ddp's best learning rate and the one nearest half of it ('' for none)")
-    p.add_argument("--eval-step", type=int, default=0, help="also evaluate every that many updates (0: at the end)")
-    p.add_argument("--reference-updates", type=int, default=20,
-                   help="updates of the plain reference run beside the engine at ddp's best learning rate (0: none)")
+    p.add_argument(
+        "--eval-step", type=int, default=0, help="also evaluate every that many updates (0: at the end)"
+    )
+    p.add_argument(
+        "--reference-updates",
+        type=int,
+        default=20,
+        help="updates of the plain reference run beside the engine at ddp's best learning rate (0: none)",
+    )
 
-    p = sub.add_parser("race", help="time to ddp's final eval loss: ddp to its budget, then every other method "
-                                    "until its eval loss reaches ddp's or it has seen twice ddp's samples")
+    p = sub.add_parser(
+        "race",
+        help="time to ddp's final eval loss: ddp to its budget, then every other method "
+        "until its eval loss reaches ddp's or it has seen twice ddp's samples",
+    )
     from acco_bench.race import RACE_BUDGET, RACE_METHODS
 
     _add_common(p, "outputs/bench/race", RACE_BUDGET, methods=RACE_METHODS)
     p.set_defaults(accumulate_while_waiting=True, retry_disturbed=0)  # every method once: nothing to retry
-    p.add_argument("--fixed-batch", dest="accumulate_while_waiting", action="store_false",
-                   help="overlapped methods compute exactly their micro-batches per round (default: they keep "
-                        "accumulating while it runs, the paper's setting)")
+    p.add_argument(
+        "--fixed-batch",
+        dest="accumulate_while_waiting",
+        action="store_false",
+        help="overlapped methods compute exactly their micro-batches per round (default: they keep "
+        "accumulating while it runs, the paper's setting)",
+    )
     p.add_argument("--bandwidth", type=_none, default=DEFAULTS.bandwidth, help="as for cluster")
     p.add_argument("--latency", type=_none, default=DEFAULTS.latency, help="as for cluster")
     p.add_argument("--eval-step", type=int, default=2, help="evaluate every that many updates (every method)")
     p.add_argument("--eval-batches", type=int, default=8, help="eval batches per worker per evaluation")
-    p.add_argument("--scheduler", choices=("constant", "cosine", "linear"), default="constant",
-                   help="LR schedule after a warm-up of a tenth of the budget (a decaying one ends at each run's "
-                        "own budget: ddp's, or the cap; see acco_bench/race.py)")
+    p.add_argument(
+        "--scheduler",
+        choices=("constant", "cosine", "linear"),
+        default="constant",
+        help="LR schedule after a warm-up of a tenth of the budget (a decaying one ends at each run's "
+        "own budget: ddp's, or the cap; see acco_bench/race.py)",
+    )
 
     p = sub.add_parser("report", help="re-render the tables and plots of a finished run (cluster runs: "
                                       "the figures are recomputed from the run folders)")
     p.add_argument("dir", help="the --out folder of an acco-bench cluster, sweep or convergence run")
 
-    p = sub.add_parser("gpu", help="GPT-Neo 125M bf16 through the engine vs a fused-AdamW loop; side-stream check")
+    p = sub.add_parser(
+        "gpu", help="GPT-Neo 125M bf16 through the engine vs a fused-AdamW loop; side-stream check"
+    )
     from acco_bench import gpu
 
     gpu.add_arguments(p)
 
-    p = sub.add_parser("map", help="where each method wins: bounds from ddp's compute C and comm M per update, "
-                                   "checked against BENCHMARKS.md, and the paper's settings (runs nothing)")
+    p = sub.add_parser(
+        "map",
+        help="where each method wins: bounds from ddp's compute C and comm M per update, "
+        "checked against BENCHMARKS.md, and the paper's settings (runs nothing)",
+    )
     from acco_bench import map as map_
 
     map_.add_arguments(p)
 
-    p = sub.add_parser("faults", help="a fault drill: a fixed-batch job under torchrun's elastic agent, workers "
-                                      "killed K times (SIGKILL at random moments, SIGTERM during a save, a kill in "
-                                      "the warm start), compared with an uninterrupted run of the same seed")
+    p = sub.add_parser(
+        "faults",
+        help="a fault drill: a fixed-batch job under torchrun's elastic agent, workers "
+        "killed K times (SIGKILL at random moments, SIGTERM during a save, a kill in "
+        "the warm start), compared with an uninterrupted run of the same seed",
+    )
     from acco_bench import faults
 
     faults.add_arguments(p)
@@ -239,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
 
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
             if args.data == "synthetic":
-                print("[acco-bench] the TinyStories slice (../shared/data) is not here: running on the synthetic "
-                      "corpus; pass --data PATH for real text", flush=True)
+                print(
+                    "[acco-bench] the TinyStories slice (../shared/data) is not here: running on the "
+                    "synthetic corpus; pass --data PATH for real text",
+                    flush=True,
+                )
             s = _settings(args, bandwidth=args.bandwidth, latency=None, eval_step=args.eval_step)
             if args.batch_sizes is not None:
                 from acco_bench.convergence import run_batch_sizes
@@ -250,14 +326,21 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
                 except ValueError:
-                    raise BenchError(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
+                    raise BenchError(
+                        f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}"
+                    ) from None
                 table = run_batch_sizes(s, seeds, sizes, Path(args.out))
                 print(f"[acco-bench] wrote {args.out}/batch_sizes.json and batch_sizes.md")
                 print((Path(args.out) / "batch_sizes.md").read_text())
                 return 1 if table["failed"] else 0
-            conv = run_convergence(s, seeds, Path(args.out), closeness=not args.no_closeness,
-                                   closeness_only=args.closeness_only,
-                                   closeness_steps=[int(x) for x in args.closeness_steps.split(",") if x.strip()])
+            conv = run_convergence(
+                s,
+                seeds,
+                Path(args.out),
+                closeness=not args.no_closeness,
+                closeness_only=args.closeness_only,
+                closeness_steps=[int(x) for x in args.closeness_steps.split(",") if x.strip()],
+            )
             print(f"[acco-bench] wrote {args.out}/convergence.json and convergence.md")
             print((Path(args.out) / "convergence.md").read_text())
             return 1 if conv.get("failed") else 0
@@ -288,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
             race = run_race(s, Path(args.out), scheduler=args.scheduler, eval_batches=args.eval_batches)
             print(f"[acco-bench] wrote {args.out}/bench.json, race.md and race.png")
             print((Path(args.out) / "race.md").read_text())
-            return 1 if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values()) else 0
+            return (
+                1
+                if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values())
+                else 0
+            )
         if args.command == "report":
             from acco_bench import report
             from acco_bench.cluster import rerender
@@ -318,10 +405,14 @@ def main(argv: list[str] | None = None) -> int:
             elif (d / "batch_sizes.json").exists():
                 from acco_bench.convergence import batch_sizes_markdown
 
-                (d / "batch_sizes.md").write_text(batch_sizes_markdown(report.load_json(d / "batch_sizes.json")))
+                (d / "batch_sizes.md").write_text(
+                    batch_sizes_markdown(report.load_json(d / "batch_sizes.json"))
+                )
                 print((d / "batch_sizes.md").read_text())
             elif (d / "convergence.json").exists():
-                report.write_convergence_report(report.load_json(d / "convergence.json"), d)
+                from acco_bench.training_report import write_convergence_report
+
+                write_convergence_report(report.load_json(d / "convergence.json"), d)
                 print((d / "convergence.md").read_text())
             else:
                 raise BenchError(f"{d}: no bench.json, sweep.json or convergence.json")

@@ -67,7 +67,9 @@ def check_worker_available() -> None:
     import importlib.util
 
     if importlib.util.find_spec("acco.cli") is None:
-        raise BenchError("the training CLI (acco.cli) is not installed: acco-bench drives `python -m acco.cli`")
+        raise BenchError(
+            "the training CLI (acco.cli) is not installed: acco-bench drives `python -m acco.cli`"
+        )
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -197,8 +199,10 @@ def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Networ
             if failed:
                 rank, code = failed[0]
                 stop_processes(procs)
-                raise BenchError(f"{method}: rank {rank} exited with code {code}; its log "
-                                 f"({logs / f'rank{rank}.log'}) ends with:\n{_tail(logs / f'rank{rank}.log')}")
+                raise BenchError(
+                    f"{method}: rank {rank} exited with code {code}; its log "
+                    f"({logs / f'rank{rank}.log'}) ends with:\n{_tail(logs / f'rank{rank}.log')}"
+                )
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
@@ -235,10 +239,14 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
         for rep in range(settings.repeats):
             for method in settings.methods:
                 run_dir = out / method if settings.repeats == 1 else out / method / f"rep{rep}"
-                log(f"[acco-bench] {method}{f' (repeat {rep + 1}/{settings.repeats})' if settings.repeats > 1 else ''}: "
+                log(
+                    "[acco-bench] "
+                    f"{method}{f' (repeat {rep + 1}/{settings.repeats})' if settings.repeats > 1 else ''}: "
                     f"{settings.hosts} workers, {settings.grad_accum_for(method)} micro-batches per "
-                    f"{'round' if method == 'acco' else 'update'} of {settings.batch_size}x{settings.max_length} "
-                    f"tokens, nb_steps_tot={settings.nb_steps_tot}")
+                    f"{'round' if method == 'acco' else 'update'} of "
+                    f"{settings.batch_size}x{settings.max_length} tokens, "
+                    f"nb_steps_tot={settings.nb_steps_tot}"
+                )
                 attempts = 0
                 while True:
                     if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
@@ -259,17 +267,27 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
                         res["disturbed_attempts"] = attempts
                         break
                     attempts += 1
-                    log(f"[acco-bench] {method}: other processes used {other:.2f} CPU cores during the run; "
-                        f"running it again ({attempts}/{settings.retry_disturbed}) after {RETRY_PAUSE_S:.0f} s")
+                    log(
+                        f"[acco-bench] {method}: other processes used {other:.2f} CPU cores during the run; "
+                        f"running it again ({attempts}/{settings.retry_disturbed}) after {RETRY_PAUSE_S:.0f} "
+                        "s"
+                    )
                     time.sleep(RETRY_PAUSE_S)
                 runs[method].append(res)
                 if "error" not in res:
                     other = res["load"].get("other_cpu_cores")
-                    busy = (f"; WARNING: other processes used {other:.2f} CPU cores meanwhile, timings are disturbed"
-                            if other is not None and other > BUSY_CORES else "")
-                    log(f"[acco-bench] {method}: step {res['step_time_s']:.3f} s, compute "
+                    busy = (
+                        f"; WARNING: other processes used {other:.2f} CPU cores meanwhile, timings are "
+                        "disturbed"
+                        if other is not None and other > BUSY_CORES
+                        else ""
+                    )
+                    log(
+                        f"[acco-bench] {method}: step {res['step_time_s']:.3f} s, compute "
                         f"{res['compute_s_per_update']:.3f} s, comm {res['comm_s_per_update']:.3f} s, "
-                        f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} samples/s{busy}")
+                        f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} "
+                        f"samples/s{busy}"
+                    )
         methods = {m: combine_repeats(rs) for m, rs in runs.items()}
         comparisons = add_comparisons(methods, settings)
         bench = {
@@ -366,14 +384,26 @@ def run_sweep(settings: BenchSettings, bandwidths: Sequence[str | None], out: Pa
         bench = run_bench(s, out / label.replace("/", "_"), log=log)
         points.append({"label": label, "bandwidth": bw,
                        "bandwidth_bps": parse_rate(bw) if bw else None, "bench": bench})
-    sweep = {"config": {**settings.describe(), "bandwidths": [sweep_label(b) for b in bandwidths],
-                        "machine": machine_description()},
-             "points": [{"label": p["label"], "bandwidth_bps": p["bandwidth_bps"],
-                         "network": p["bench"]["config"]["network"],
-                         "bounds": p["bench"].get("bounds", {}),
-                         "methods": {m: {k: v for k, v in r.items() if k not in ("summary", "timers_by_worker")}
-                                     for m, r in p["bench"]["methods"].items()}}
-                        for p in points]}
+    sweep = {
+        "config": {
+            **settings.describe(),
+            "bandwidths": [sweep_label(b) for b in bandwidths],
+            "machine": machine_description(),
+        },
+        "points": [
+            {
+                "label": p["label"],
+                "bandwidth_bps": p["bandwidth_bps"],
+                "network": p["bench"]["config"]["network"],
+                "bounds": p["bench"].get("bounds", {}),
+                "methods": {
+                    m: {k: v for k, v in r.items() if k not in ("summary", "timers_by_worker")}
+                    for m, r in p["bench"]["methods"].items()
+                },
+            }
+            for p in points
+        ],
+    }
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2, default=str) + "\n")
     report.write_sweep_report(sweep, out)
     return sweep

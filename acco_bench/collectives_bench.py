@@ -108,7 +108,10 @@ def _report(res: dict, args, world: int, where: str) -> None:
                 print(f"{dname:5} {op:24} {med:9.3f} {bound:8.3f} {med / bound:7.2f}x")
             else:
                 print(f"{dname:5} {op:24} {med:9.4f} {'-':>8} {'-':>8}")
-        rs = res[f"{dname}/reduce_scatter_tensor"]["median_s"] / res[f"{dname}/ring_reduce_scatter"]["median_s"]
+        rs = (
+            res[f"{dname}/reduce_scatter_tensor"]["median_s"]
+            / res[f"{dname}/ring_reduce_scatter"]["median_s"]
+        )
         ag = res[f"{dname}/all_gather_into_tensor"]["median_s"] / res[f"{dname}/ring_all_gather"]["median_s"]
         print(f"{dname:5} ring speed-up: reduce-scatter {rs:.2f}x, all-gather {ag:.2f}x; "
               f"ring == gloo: {res[f'{dname}/ring_matches_gloo']}")

@@ -37,7 +37,9 @@ from acco_bench.cluster import check_worker_available, run_workers
 from acco_bench.network import Network
 from acco_bench.settings import BenchSettings, model_settings
 
-TINYSTORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"
+TINYSTORIES = (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"
+)
 
 
 def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closeness: bool = True,
@@ -68,20 +70,33 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
                         conv["failed"].append({"method": method, "seed": seed, "error": str(e)})
                         continue
                     rows = read_jsonl(run_dir / "metrics.jsonl")
-                    evals = [(r["samples"] * s.batch_size, r["eval_loss"]) for r in rows if r.get("type") == "eval"]
+                    evals = [
+                        (r["samples"] * s.batch_size, r["eval_loss"]) for r in rows if r.get("type") == "eval"
+                    ]
                     train = [r for r in rows if r.get("type") == "train"]
-                    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+                    summary = (
+                        json.loads((run_dir / "summary.json").read_text())
+                        if (run_dir / "summary.json").exists()
+                        else {}
+                    )
                     final = summary.get("final_eval_loss", evals[-1][1] if evals else None)
                     conv["runs"].setdefault(method, {})[str(seed)] = {
-                        "final_eval_loss": final, "samples": train[-1]["samples"] * s.batch_size if train else None,
-                        "updates": len(train), "wall_s": wall, "final_train_loss": train[-1]["loss"] if train else None}
+                        "final_eval_loss": final,
+                        "samples": train[-1]["samples"] * s.batch_size if train else None,
+                        "updates": len(train),
+                        "wall_s": wall,
+                        "final_train_loss": train[-1]["loss"] if train else None,
+                    }
                     conv["curves"].setdefault(method, {})[str(seed)] = evals
                     log(f"[acco-bench] {method} seed {seed}: final eval loss {final}")
         for method, by_seed in conv["runs"].items():
             conv["final_eval_loss"][method] = summary_stats([r["final_eval_loss"] for r in by_seed.values()])
             ddp = conv["runs"].get("ddp", {})
-            diffs = [r["final_eval_loss"] - ddp[k]["final_eval_loss"] for k, r in by_seed.items()
-                     if k in ddp and r["final_eval_loss"] is not None and ddp[k]["final_eval_loss"] is not None]
+            diffs = [
+                r["final_eval_loss"] - ddp[k]["final_eval_loss"]
+                for k, r in by_seed.items()
+                if k in ddp and r["final_eval_loss"] is not None and ddp[k]["final_eval_loss"] is not None
+            ]
             if method != "ddp" and diffs:
                 conv["final_eval_loss"][method]["paired_diff_vs_ddp"] = summary_stats(diffs)
     if closeness:
@@ -95,9 +110,9 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
             log(f"[acco-bench] update closeness failed: {type(e).__name__}: {e}")
             conv["update_closeness"] = {"error": f"{type(e).__name__}: {e}"}
     (out / "convergence.json").write_text(json.dumps(conv, indent=2, default=str) + "\n")
-    from acco_bench import report
+    from acco_bench.training_report import write_convergence_report
 
-    report.write_convergence_report(conv, out)
+    write_convergence_report(conv, out)
     return conv
 
 
@@ -197,13 +212,24 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
                        "algorithm": closeness(u_algo, u_adam), "noise": closeness(u_other, u_adam),
                        "estimate_error": float((theta_est - theta).norm() / (theta - prev_theta).norm()),
                        "u_adam_norm": float(u_adam.norm())})
-    return {"model": model, "model_size": model_size or {}, "params": count_parameters(net), "data": data_path or "synthetic",
-            "tokenizer": tokenizer, "batch_size": batch_size, "max_length": max_length,
-            "micro_batches": 2 * k, "lr": lr, "weight_decay": cfg.weight_decay, "betas": [cfg.adam_beta1, cfg.adam_beta2], "seed": seed,
-            "points": points,
-            "mean_brief": statistics.fmean(p["brief"] for p in points),
-            "mean_algorithm": statistics.fmean(p["algorithm"] for p in points),
-            "mean_noise": statistics.fmean(p["noise"] for p in points)}
+    return {
+        "model": model,
+        "model_size": model_size or {},
+        "params": count_parameters(net),
+        "data": data_path or "synthetic",
+        "tokenizer": tokenizer,
+        "batch_size": batch_size,
+        "max_length": max_length,
+        "micro_batches": 2 * k,
+        "lr": lr,
+        "weight_decay": cfg.weight_decay,
+        "betas": [cfg.adam_beta1, cfg.adam_beta2],
+        "seed": seed,
+        "points": points,
+        "mean_brief": statistics.fmean(p["brief"] for p in points),
+        "mean_algorithm": statistics.fmean(p["algorithm"] for p in points),
+        "mean_noise": statistics.fmean(p["noise"] for p in points),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +248,9 @@ def batch_size_settings(settings: BenchSettings, b: int) -> BenchSettings:
     return replace(settings, batch_size=b, nb_steps_tot=samples // b, eval_step=eval_step)
 
 
-def run_batch_sizes(settings: BenchSettings, seeds: list[int], batch_sizes: list[int], out: Path, log=print) -> dict:
+def run_batch_sizes(
+    settings: BenchSettings, seeds: list[int], batch_sizes: list[int], out: Path, log=print
+) -> dict:
     """:func:`run_convergence` (no closeness measurement) at every per-worker micro-batch size in
     ``batch_sizes``, each in ``out/bs{b}``; then ``batch_sizes.json`` and ``batch_sizes.md``: the
     final eval loss of every method at each size, mean over the seeds, and acco's paired
@@ -264,14 +292,33 @@ def batch_sizes_markdown(table: dict) -> str:
             pd = (losses.get(m) or {}).get("paired_diff_vs_ddp") or {}
             ref = (losses.get("ddp") or {}).get("mean")
             rel = pd["mean"] / ref * 100 if pd.get("n") and ref else None
-            row.append(f"{fmt(pd.get('mean'), 4)} ± {fmt(pd.get('std'), 4)} ({fmt(rel, 2, '%')})" if pd.get("n") else "-")
+            row.append(
+                f"{fmt(pd.get('mean'), 4)} ± {fmt(pd.get('std'), 4)} ({fmt(rel, 2, '%')})"
+                if pd.get("n")
+                else "-"
+            )
         rows.append(row)
-    header = ["sequences per micro-batch", "micro-batches (all workers)", *(f"{m} final eval loss" for m in methods),
-              *(f"{m} - ddp, same seed" for m in methods if m != "ddp")]
-    return "\n".join([
-        f"# acco-bench convergence: small per-worker batches ({cfg.get('data_path') or cfg.get('data')})", "",
-        f"{cfg['hosts']} workers, {cfg['samples']} sequences of {cfg['max_length']} tokens in all at every size, "
-        f"{cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per round), "
-        f"seeds {cfg['seeds']} (mean ± std), accumulate_while_waiting {cfg['accumulate_while_waiting']}. "
-        "nb_steps_tot and the evaluation step scale with 1 / size: the same samples, more updates.", "",
-        md_table(header, rows), ""]) + "\n"
+    header = [
+        "sequences per micro-batch",
+        "micro-batches (all workers)",
+        *(f"{m} final eval loss" for m in methods),
+        *(f"{m} - ddp, same seed" for m in methods if m != "ddp"),
+    ]
+    return (
+        "\n".join(
+            [
+                "# acco-bench convergence: small per-worker batches "
+                f"({cfg.get('data_path') or cfg.get('data')})",
+                "",
+                f"{cfg['hosts']} workers, {cfg['samples']} sequences of {cfg['max_length']} tokens in all at "
+                f"every size, {cfg['grad_accum']} micro-batches per worker per update (acco "
+                f"{cfg['grad_accum'] // 2} per round), seeds {cfg['seeds']} (mean ± std), "
+                f"accumulate_while_waiting {cfg['accumulate_while_waiting']}. "
+                "nb_steps_tot and the evaluation step scale with 1 / size: the same samples, more updates.",
+                "",
+                md_table(header, rows),
+                "",
+            ]
+        )
+        + "\n"
+    )

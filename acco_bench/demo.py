@@ -30,22 +30,39 @@ from acco_bench.settings import BenchSettings
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo")
-    parser.add_argument("--nb-steps-tot", type=int, default=360, help="ddp's budget, micro-batches over both workers")
+    parser.add_argument(
+        "--nb-steps-tot", type=int, default=360, help="ddp's budget, micro-batches over both workers"
+    )
     parser.add_argument("--bandwidth", default="100mbit", help="the emulated link's rate (a tc rate)")
-    parser.add_argument("--loopback", action="store_true", help="run on 127.0.0.1 even where a link can be emulated")
+    parser.add_argument(
+        "--loopback", action="store_true", help="run on 127.0.0.1 even where a link can be emulated"
+    )
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for both runs")
     args = parser.parse_args(argv)
     reason = None if args.loopback else netns_unavailable_reason()
     loopback = args.loopback or reason is not None
-    settings = BenchSettings(methods=("ddp", "acco"), nb_steps_tot=args.nb_steps_tot, bandwidth=None if loopback else args.bandwidth,
-                             loopback=loopback, accumulate_while_waiting=False, grad_accum=6, eval_step=2,
-                             extra=tuple(args.extra))
+    settings = BenchSettings(
+        methods=("ddp", "acco"),
+        nb_steps_tot=args.nb_steps_tot,
+        bandwidth=None if loopback else args.bandwidth,
+        loopback=loopback,
+        accumulate_while_waiting=False,
+        grad_accum=6,
+        eval_step=2,
+        extra=tuple(args.extra),
+    )
     if loopback:
         why = "--loopback" if args.loopback else reason.rstrip(".")
-        print(f"demo: on loopback ({why}): with nothing to communicate over a slow link, acco has nothing to "
-              "hide and the two tie in wall-clock time; run as root with iproute2 to see the difference.", flush=True)
+        print(
+            f"demo: on loopback ({why}): with nothing to communicate over a slow link, acco has nothing to "
+            "hide and the two tie in wall-clock time; run as root with iproute2 to see the difference.",
+            flush=True,
+        )
     else:
-        print(f"demo: two emulated hosts on a {args.bandwidth} link (network namespaces, removed at the end)", flush=True)
+        print(
+            f"demo: two emulated hosts on a {args.bandwidth} link (network namespaces, removed at the end)",
+            flush=True,
+        )
     out = Path(args.out)
     try:
         race = run_race(settings, out)
@@ -56,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if target is None or any("error" in r for r in race["methods"].values()):
         print(f"demo: a run failed; its logs are under {out}", file=sys.stderr)
         return 1
-    header = f"{'method':<8}{'time to ' + format(target, '.3f') + ' (s)':>22}{'samples then':>14}{'MiB sent/worker':>17}"
+    header = (
+        f"{'method':<8}{'time to ' + format(target, '.3f') + ' (s)':>22}{'samples then':>14}"
+        f"{'MiB sent/worker':>17}"
+    )
     print("\n" + header + "\n" + "-" * len(header))
     for name, r in race["methods"].items():
         t = r["time_to_target_s"]

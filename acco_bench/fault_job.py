@@ -76,7 +76,9 @@ class Job:
         self._log = open(log_path, "w")
         self._log.write("$ " + " ".join(shlex.quote(a) for a in cmd) + "\n")
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def workers(self) -> dict[int, tuple[int, int]]:
         """rank -> (pid, attempt) of the agent's running workers."""
@@ -101,8 +103,10 @@ class Job:
             if value:
                 return value
             if self.proc.poll() is not None:
-                raise BenchError(f"torchrun exited with code {self.proc.returncode} while the drill waited for "
-                                 f"{what}; see {self.log_path}\n{self.tail()}")
+                raise BenchError(
+                    f"torchrun exited with code {self.proc.returncode} while the drill waited for "
+                    f"{what}; see {self.log_path}\n{self.tail()}"
+                )
             if pids is not None and not any(running(p) for p in pids):
                 raise AttemptEnded(what)
             if time.monotonic() > deadline:
@@ -113,7 +117,9 @@ class Job:
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise BenchError(f"torchrun did not finish within {timeout_s:.0f} s; see {self.log_path}") from None
+            raise BenchError(
+                f"torchrun did not finish within {timeout_s:.0f} s; see {self.log_path}"
+            ) from None
 
     def stop(self) -> None:
         """torchrun's whole process group (it started the workers in it): SIGTERM, SIGKILL after 10 s."""

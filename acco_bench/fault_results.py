@@ -10,7 +10,9 @@ from pathlib import Path
 
 from acco_bench.fault_job import metrics
 
-_EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)|exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+_EXIT = re.compile(
+    r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)|exitcode\s*: (-?\d+) \(pid: (\d+)\)"
+)
 
 
 def worker_exit_codes(log_path: Path) -> dict[int, int]:
@@ -59,8 +61,13 @@ def compare_runs(straight: Path, faulted: Path) -> dict:
 
     a_ck, b_ck = checkpoint.list_checkpoints(straight)[-1], checkpoint.list_checkpoints(faulted)[-1]
     out = {"straight_checkpoint": a_ck.name, "faulted_checkpoint": b_ck.name}
-    a_model, b_model = load_file(straight / "model" / "model.safetensors"), load_file(faulted / "model" / "model.safetensors")
-    out["model_bit_equal"] = a_model.keys() == b_model.keys() and all(bits_equal(a_model[k], b_model[k]) for k in a_model)
+    a_model, b_model = (
+        load_file(straight / "model" / "model.safetensors"),
+        load_file(faulted / "model" / "model.safetensors"),
+    )
+    out["model_bit_equal"] = a_model.keys() == b_model.keys() and all(
+        bits_equal(a_model[k], b_model[k]) for k in a_model
+    )
     meta = checkpoint.load_meta(a_ck)
     world = int(meta["world_size"])
     differing, master, compared = [], True, 0
@@ -73,14 +80,21 @@ def compare_runs(straight: Path, faulted: Path) -> dict:
             if not same:
                 differing.append(f"rank{rank}{name}")
                 master = master and name != "/engine/master"
-    out.update(master_bit_equal=master and a_ck.name == b_ck.name, checkpoint_tensors_compared=compared,
-               checkpoint_tensors_differing=differing)  # fmt: skip
+    out.update(
+        master_bit_equal=master and a_ck.name == b_ck.name,
+        checkpoint_tensors_compared=compared,
+        checkpoint_tensors_differing=differing,
+    )
     out["final_params_bit_equal"] = bool(out["model_bit_equal"] and out["master_bit_equal"])
     a_m, b_m = metrics(straight), metrics(faulted)
     losses = [{x["step"]: x.get("loss") for x in m if x["type"] == "train"} for m in (a_m, b_m)]
     evals = [[x["eval_loss"] for x in m if x["type"] == "eval"] for m in (a_m, b_m)]
-    out.update(train_losses_equal=losses[0] == losses[1], eval_losses_equal=evals[0] == evals[1],
-               final_eval_loss=evals[1][-1] if evals[1] else None, updates=max(losses[1]) if losses[1] else 0)  # fmt: skip
+    out.update(
+        train_losses_equal=losses[0] == losses[1],
+        eval_losses_equal=evals[0] == evals[1],
+        final_eval_loss=evals[1][-1] if evals[1] else None,
+        updates=max(losses[1]) if losses[1] else 0,
+    )
     return out
 
 
@@ -96,10 +110,14 @@ def summarize(bench: dict) -> dict:
     recover = [f["recover_s"] for f in faults if f.get("recover_s") is not None]
     startup = [f["training_s"] - f["restart_s"] for f in faults if f.get("training_s") is not None]
     return {
-        "faults_planned": s["faults"], "faults_injected": len(faults),
-        "faults_survived": sum(f["survived"] for f in faults), "unplanned_failures": len(faulted["unplanned"]),
-        "restarts": faulted["attempts"] - 1, "finished": finished,
-        "lost_updates_max": max(lost) if lost else None, "lost_updates_total": sum(lost),
+        "faults_planned": s["faults"],
+        "faults_injected": len(faults),
+        "faults_survived": sum(f["survived"] for f in faults),
+        "unplanned_failures": len(faulted["unplanned"]),
+        "restarts": faulted["attempts"] - 1,
+        "finished": finished,
+        "lost_updates_max": max(lost) if lost else None,
+        "lost_updates_total": sum(lost),
         "lost_updates_mean": round(statistics.mean(lost), 2) if lost else None,
         "at_most_one_save_interval_lost": bool(lost) and max(lost) <= s["save_step"],
         "recover_s_median": round(statistics.median(recover), 2) if recover else None,
@@ -110,13 +128,19 @@ def summarize(bench: dict) -> dict:
         "all_checkpoint_tensors_bit_equal": not cmp_["checkpoint_tensors_differing"],
         "losses_equal": cmp_["train_losses_equal"] and cmp_["eval_losses_equal"],
         "overhead_s": round(faulted["wall_s"] - bench["straight"]["wall_s"], 1),
-    }  # fmt: skip
+    }
 
 
 def passed(bench: dict) -> bool:
     m = bench.get("summary") or {}
-    return bool(m and m["finished"] and m["faults_survived"] == m["faults_planned"] and not m["unplanned_failures"]
-                and m["final_params_bit_equal"] and m["at_most_one_save_interval_lost"])  # fmt: skip
+    return bool(
+        m
+        and m["finished"]
+        and m["faults_survived"] == m["faults_planned"]
+        and not m["unplanned_failures"]
+        and m["final_params_bit_equal"]
+        and m["at_most_one_save_interval_lost"]
+    )
 
 
 def markdown(bench: dict) -> str:
@@ -127,52 +151,101 @@ def markdown(bench: dict) -> str:
     if bench.get("command"):
         lines += [f"Command: `{bench['command']}`", ""]
     m = bench.get("machine") or {}
-    lines += [f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), torch {m.get('torch')}, gloo. Job: acco, "
-              f"fixed batch, model {c['model']}, synthetic data, a checkpoint every {c['save_step']} updates, "
-              f"{c['budget_updates']} updates; {c['store']}.", ""]  # fmt: skip
+    lines += [
+        f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), torch {m.get('torch')}, gloo. Job: acco, "
+        f"fixed batch, model {c['model']}, synthetic data, a checkpoint every {c['save_step']} updates, "
+        f"{c['budget_updates']} updates; {c['store']}.",
+        "",
+    ]
     if bench.get("error"):
         lines += ["**The drill failed:**", "", "```", bench["error"], "```", ""]
     faulted = bench.get("faulted")
     if faulted:
-        rows = [[i + 1, f["kind"], f["signal"], f["rank"], f["attempt"], f["during"], f["resumed_from"], f["reached"],
-                 f.get("next_resumed_from", "-"), f.get("lost_updates", "-"), fmt(f["down_s"], 1),
-                 fmt(f.get("restart_s"), 1), fmt(f.get("training_s"), 1), fmt(f.get("recover_s"), 1),
-                 ", ".join(f"rank {r}: {v}" for r, v in f.get("worker_exit_codes", {}).items())]
-                for i, f in enumerate(faulted["faults"])]  # fmt: skip
-        lines += [md_table(["#", "fault", "signal", "rank", "attempt", "during", "resumed from", "reached",
-                            "next resumed from", "lost (updates)", "down s", "restart s", "training s", "recover s",
-                            "first exit"], rows), ""]  # fmt: skip
-        lines += ["*reached*: the newest update any worker logged before the group ended; *lost* = reached minus "
-                  "the update the next attempt resumed from; *down*: from the signal to the last worker's exit; "
-                  "*restart*: to the next group's workers; *training*: to its start of training (rank 0's "
-                  "TensorBoard file: the workers have imported, loaded the data and the model); *recover*: to its "
-                  "first new update (none when that group was itself killed in its warm start); *first exit*: the "
-                  "exit code of the worker that failed first, as torchrun logs it (75: checkpointed on the "
-                  "signal).", ""]  # fmt: skip
+        rows = [
+            [
+                i + 1,
+                f["kind"],
+                f["signal"],
+                f["rank"],
+                f["attempt"],
+                f["during"],
+                f["resumed_from"],
+                f["reached"],
+                f.get("next_resumed_from", "-"),
+                f.get("lost_updates", "-"),
+                fmt(f["down_s"], 1),
+                fmt(f.get("restart_s"), 1),
+                fmt(f.get("training_s"), 1),
+                fmt(f.get("recover_s"), 1),
+                ", ".join(f"rank {r}: {v}" for r, v in f.get("worker_exit_codes", {}).items()),
+            ]
+            for i, f in enumerate(faulted["faults"])
+        ]
+        lines += [
+            md_table(
+                [
+                    "#",
+                    "fault",
+                    "signal",
+                    "rank",
+                    "attempt",
+                    "during",
+                    "resumed from",
+                    "reached",
+                    "next resumed from",
+                    "lost (updates)",
+                    "down s",
+                    "restart s",
+                    "training s",
+                    "recover s",
+                    "first exit",
+                ],
+                rows,
+            ),
+            "",
+        ]
+        lines += [
+            "*reached*: the newest update any worker logged before the group ended; *lost* = reached minus "
+            "the update the next attempt resumed from; *down*: from the signal to the last worker's exit; "
+            "*restart*: to the next group's workers; *training*: to its start of training (rank 0's "
+            "TensorBoard file: the workers have imported, loaded the data and the model); *recover*: to its "
+            "first new update (none when that group was itself killed in its warm start); *first exit*: the "
+            "exit code of the worker that failed first, as torchrun logs it (75: checkpointed on the "
+            "signal).",
+            "",
+        ]
         if faulted["unplanned"]:
             lines += [f"Attempts that ended without a fault of the drill: {faulted['unplanned']}", ""]
     s = bench.get("summary")
     if s:
         st = bench["straight"]
+        differing = bench["comparison"].get("checkpoint_tensors_differing", [])
         lines += [
-            f"- Faults injected {s['faults_injected']} of {s['faults_planned']}, survived {s['faults_survived']}; "
-            f"restarts {s['restarts']}, failures not injected by the drill {s['unplanned_failures']}; the job "
+            f"- Faults injected {s['faults_injected']} of {s['faults_planned']}, survived "
+            f"{s['faults_survived']}; restarts {s['restarts']}, failures not injected by the drill "
+            f"{s['unplanned_failures']}; the job "
             + ("finished (exit 0)." if s["finished"] else "did **not** finish."),
             f"- Work lost per fault: at most {s['lost_updates_max']} updates (mean {s['lost_updates_mean']}, "
             f"{s['lost_updates_total']} in all; a save every {c['save_step']}): "
-            + ("at most one save interval." if s["at_most_one_save_interval_lost"] else "**more than one save interval**."),
-            f"- Time to recover (signal to the first new update): median {fmt(s['recover_s_median'], 1)} s, max "
-            f"{fmt(s['recover_s_max'], 1)} s, of which the new group's start-up (its workers started to its start "
-            f"of training) median {fmt(s.get('startup_s_median'), 1)} s; the group was down within "
+            + (
+                "at most one save interval."
+                if s["at_most_one_save_interval_lost"]
+                else "**more than one save interval**."
+            ),
+            f"- Time to recover (signal to the first new update): median {fmt(s['recover_s_median'], 1)} s, "
+            f"max {fmt(s['recover_s_max'], 1)} s, of which the new group's start-up (its workers started to "
+            f"its start of training) median {fmt(s.get('startup_s_median'), 1)} s; the group was down within "
             f"{fmt(s['down_s_max'], 1)} s of a signal at most.",
-            f"- Final parameters bit-equal to the uninterrupted run's: **{'yes' if s['final_params_bit_equal'] else 'no'}** "
-            f"(the saved model and every rank's master shard); every tensor of the final checkpoint "
+            "- Final parameters bit-equal to the uninterrupted run's: "
+            f"**{'yes' if s['final_params_bit_equal'] else 'no'}** (the saved model and every rank's master "
+            "shard); every tensor of the final checkpoint "
             f"({bench['comparison']['checkpoint_tensors_compared']}): "
-            f"{'equal' if s['all_checkpoint_tensors_bit_equal'] else 'differ: ' + ', '.join(bench['comparison']['checkpoint_tensors_differing'])}; "
+            f"{'equal' if s['all_checkpoint_tensors_bit_equal'] else 'differ: ' + ', '.join(differing)}; "
             f"losses and evaluations: {'equal' if s['losses_equal'] else 'differ'}.",
-            f"- Wall clock: uninterrupted {st['wall_s']:.0f} s ({st['update_s']:.2f} s per update), under faults "
+            f"- Wall clock: uninterrupted {st['wall_s']:.0f} s ({st['update_s']:.2f} s per update), under "
+            "faults "
             f"{faulted['wall_s']:.0f} s; other processes used {fmt(st.get('other_cpu_cores'), 2)} and "
             f"{fmt(faulted.get('other_cpu_cores'), 2)} CPU cores meanwhile (of {m.get('cpus')}).",
             "",
-        ]  # fmt: skip
+        ]
     return "\n".join(lines)

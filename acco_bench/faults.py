@@ -49,115 +49,26 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import re
 import shlex
-import signal
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.fault_job import POLL_S, AttemptEnded, Job, OtherLoad, metrics, newest_checkpoint, running
+from acco_bench.fault_plan import (
+    KINDS,
+    SIGNALS,
+    DrillSettings,
+    job_env,
+    plan_faults,
+    torchrun_command,
+)
 from acco_bench.fault_results import compare_runs, markdown, passed, summarize, worker_exit_codes
 
-KINDS = {
-    "kill-warm-start": "SIGKILL right after the group starts training, before its first update",
-    "kill": "SIGKILL at a random moment: a random update 1..2 save intervals after the resume point, "
-            "a random fraction of an update later",
-    "term-save": "SIGTERM while a checkpoint is written (its checkpoint-N.tmp exists): the worker checkpoints "
-                 "and exits 75",
-}
-SIGNALS = {"kill-warm-start": signal.SIGKILL, "kill": signal.SIGKILL, "term-save": signal.SIGTERM}
-# The kinds after the first fault (always a kill in the warm start): one of each at least, then drawn.
-WEIGHTS = {"kill": 0.6, "term-save": 0.25, "kill-warm-start": 0.15}
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-               "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ACCO_JOB_CONFIG")  # fmt: skip
 _SAVE_POLL_S = 0.001  # while it waits for a save to begin (a tiny model's save takes milliseconds)
-
-
-@dataclass(frozen=True)
-class DrillSettings:
-    workers: int = 2
-    faults: int = 10
-    seed: int = 0  # the drill's RNG: which rank, which moment (the job's own seed is train.seed)
-    save_step: int = 2
-    model: str = "tiny"
-    grad_accum: int = 2  # train.n_grad_accumulation: micro-batches per worker per round (acco: 2 rounds per update)
-    timeout_s: float = 300.0  # the longest wait for any one event of the job
-    shared_store: bool = False
-    extra: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        if not 2 <= self.workers <= 16:
-            raise BenchError("--workers must be 2..16 (the drill kills one worker of a group)")
-        if self.faults < 1:
-            raise BenchError("--faults must be >= 1")
-        if self.save_step < 1 or self.grad_accum < 1:
-            raise BenchError("--save-step and --grad-accum must be >= 1")
-
-    @property
-    def budget_updates(self) -> int:
-        """Enough updates that the job cannot finish before its last fault: an attempt advances the
-        resume point by at most 2 save intervals and 2 updates (a SIGTERM stops the update after the
-        save it landed in, or the next), and the last attempt still has 2 save intervals to run."""
-        return self.faults * (2 * self.save_step + 2) + 2 * self.save_step
-
-    def overrides(self, run_dir: Path, cache_dir: Path) -> list[str]:
-        per_update = self.workers * 2 * self.grad_accum  # acco: two rounds of grad_accum per worker
-        updates = self.budget_updates
-        return [f"model={self.model}", "data=synthetic", "train=acco", f"train.n_grad_accumulation={self.grad_accum}",
-                f"train.nb_steps_tot={updates * per_update}", "train.accumulate_while_waiting=false",
-                f"train.save_step={self.save_step}", "train.save_total_limit=2", "train.resume_from_checkpoint=auto",
-                f"train.eval_step={updates}", f"train.output_dir={run_dir}", f"train.cache_dir={cache_dir}",
-                *self.extra]  # fmt: skip
-
-
-def plan_faults(s: DrillSettings) -> list[dict]:
-    """The K faults, from the seeded RNG: kind, rank and moment of each (one per attempt, in order)."""
-    rng = random.Random(s.seed)
-    rest = s.faults - 1
-    kinds = ["kill", "term-save", "kill-warm-start"][:rest]  # one of each, when there is room
-    kinds += rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()), k=rest - len(kinds))
-    rng.shuffle(kinds)
-    plan = []
-    for kind in ["kill-warm-start", *kinds]:
-        fault = {"kind": kind, "signal": SIGNALS[kind].name, "rank": rng.randrange(s.workers)}
-        if kind == "kill":
-            fault.update(after_updates=rng.randint(1, 2 * s.save_step), phase=round(rng.random(), 4))
-        elif kind == "term-save":
-            fault.update(nth_save=rng.randint(1, 2))
-        else:
-            fault.update(phase=round(rng.random(), 4))
-        plan.append(fault)
-    return plan
-
-
-# --------------------------------------------------------------------------------------------
-# the job as the drill sees it: torchrun, the agent's workers, the files they write
-
-
-def torchrun_command(s: DrillSettings, restarts: int, run_dir: Path, cache_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(s.workers),
-            "--max-restarts", str(restarts), "--monitor-interval", "0.1", "-m", "acco.cli",
-            *s.overrides(run_dir, cache_dir)]  # fmt: skip
-
-
-def job_env(s: DrillSettings) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))}  # fmt: skip
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.workers))
-    if not s.shared_store:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    else:
-        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    return env
-
-
-# --------------------------------------------------------------------------------------------
-# the two runs
 
 
 def run_straight(s: DrillSettings, run_dir: Path, cache_dir: Path, log_path: Path) -> dict:
@@ -209,11 +120,22 @@ def run_faulted(s: DrillSettings, plan: list[dict], run_dir: Path, cache_dir: Pa
             attempts.append(a)
             prev = faults[-1] if faults and "next_resumed_from" not in faults[-1] else None
             if prev is not None:  # the group the previous fault brought down is back
-                prev.update(next_resumed_from=a.resumed_from, lost_updates=prev["reached"] - a.resumed_from,
-                            restart_s=round(a.seen_at - prev["_at"], 3))  # fmt: skip
+                prev.update(
+                    next_resumed_from=a.resumed_from,
+                    lost_updates=prev["reached"] - a.resumed_from,
+                    restart_s=round(a.seen_at - prev["_at"], 3),
+                )
             try:
                 if not pending:  # the last attempt: it runs to the end of the budget
-                    _track(job, a, s, "the last attempt's first update", lambda a=a: a.first_update_at, None, prev)
+                    _track(
+                        job,
+                        a,
+                        s,
+                        "the last attempt's first update",
+                        lambda a=a: a.first_update_at,
+                        None,
+                        prev,
+                    )
                     break
                 fault = dict(pending[0], attempt=a.number, resumed_from=a.resumed_from)
                 _inject(job, a, s, fault, update_s, first_update_s, prev)
@@ -224,7 +146,10 @@ def run_faulted(s: DrillSettings, plan: list[dict], run_dir: Path, cache_dir: Pa
                     f"{fault['down_s']:.1f} s after it")
             except AttemptEnded as e:
                 unplanned.append({"attempt": a.number, "resumed_from": a.resumed_from, "while": str(e)})
-                log(f"[acco-bench] attempt {a.number} ended without a fault of the drill (while waiting for {e})")
+                log(
+                    f"[acco-bench] attempt {a.number} ended without a fault of the drill (while waiting for "
+                    f"{e})"
+                )
         rc = job.finish(s.timeout_s + 10 * s.budget_updates)
         if prev is not None and prev.get("recover_s") is None and attempts[-1].first_update_at is not None:
             prev["recover_s"] = round(attempts[-1].first_update_at - prev["_at"], 3)
@@ -233,13 +158,25 @@ def run_faulted(s: DrillSettings, plan: list[dict], run_dir: Path, cache_dir: Pa
     exit_codes = worker_exit_codes(log_path)
     for fault in faults:
         # the agent logs the exit code of the worker that failed first (the others it stops itself)
-        fault["worker_exit_codes"] = {r: exit_codes[pid] for r, pid in fault.pop("_pids").items() if pid in exit_codes}
+        fault["worker_exit_codes"] = {
+            r: exit_codes[pid] for r, pid in fault.pop("_pids").items() if pid in exit_codes
+        }
         fault.pop("_at", None)
     text = log_path.read_text(errors="replace")
-    return {"command": cmd, "exit_code": rc, "wall_s": round(time.monotonic() - start, 2),
-            "other_cpu_cores": load.cores(), "attempts": len(attempts), "faults": faults, "unplanned": unplanned,
-            "resumes": {"exact": text.count("resuming exactly from"), "resharded": text.count(", resharded to "),
-                        "stopped_on_signal_lines": len(re.findall(r"^acco: stopped on ", text, re.M))}}  # fmt: skip
+    return {
+        "command": cmd,
+        "exit_code": rc,
+        "wall_s": round(time.monotonic() - start, 2),
+        "other_cpu_cores": load.cores(),
+        "attempts": len(attempts),
+        "faults": faults,
+        "unplanned": unplanned,
+        "resumes": {
+            "exact": text.count("resuming exactly from"),
+            "resharded": text.count(", resharded to "),
+            "stopped_on_signal_lines": len(re.findall(r"^acco: stopped on ", text, re.M)),
+        },
+    }
 
 
 def _next_attempt(job: Job, s: DrillSettings, after: int) -> _Attempt:
@@ -254,11 +191,18 @@ def _next_attempt(job: Job, s: DrillSettings, after: int) -> _Attempt:
     now_ns, now = time.time_ns(), time.monotonic()
     # The old group has exited (the agent waits for that): the newest complete checkpoint is the one
     # every new worker resumes from.
-    return _Attempt(number=next(iter(found.values()))[1], pids={r: p for r, (p, _) in found.items()}, since_ns=now_ns,
-                    seen_at=now, resumed_from=newest_checkpoint(job.run_dir))  # fmt: skip
+    return _Attempt(
+        number=next(iter(found.values()))[1],
+        pids={r: p for r, (p, _) in found.items()},
+        since_ns=now_ns,
+        seen_at=now,
+        resumed_from=newest_checkpoint(job.run_dir),
+    )
 
 
-def _track(job: Job, a: _Attempt, s: DrillSettings, what: str, check, poll_s: float | None, prev: dict | None):
+def _track(
+    job: Job, a: _Attempt, s: DrillSettings, what: str, check, poll_s: float | None, prev: dict | None
+):
     """Wait for check(), noting meanwhile the attempt's start of training and first update (the
     previous fault's recovery)."""
     tb_pattern = f"events.out.tfevents.*.{a.pids[0]}.*"
@@ -289,7 +233,9 @@ def _inject(job: Job, a: _Attempt, s: DrillSettings, fault: dict, update_s: floa
         time.sleep(fault["phase"] * first_update_s)  # the moment: a random fraction of the warm start
     elif kind == "kill":
         target = a.resumed_from + fault["after_updates"]
-        _track(job, a, s, f"update {target}", lambda: (job.newest_step(a.since_ns) or 0) >= target, None, prev)
+        _track(
+            job, a, s, f"update {target}", lambda: (job.newest_step(a.since_ns) or 0) >= target, None, prev
+        )
         time.sleep(fault["phase"] * update_s)  # the moment: a random fraction of the next update
     else:  # term-save: the nth save after the resume point, as soon as its .tmp folder exists
         step = (a.resumed_from // s.save_step + fault["nth_save"]) * s.save_step
@@ -315,7 +261,9 @@ def _inject(job: Job, a: _Attempt, s: DrillSettings, fault: dict, update_s: floa
         fault["in_save"] = landed
     elif kind == "kill-warm-start":
         fault["in_warm_start"] = reached is None or reached <= a.resumed_from
-        fault["during"] = "the warm start" if fault["in_warm_start"] else f"update {reached + 1} (after the warm start)"
+        fault["during"] = (
+            "the warm start" if fault["in_warm_start"] else f"update {reached + 1} (after the warm start)"
+        )
     else:
         fault["during"] = f"update {fault['fired_at_update'] + 1}"
     fault["_pids"] = dict(a.pids)
@@ -345,19 +293,37 @@ def run_drill(s: DrillSettings, out: Path, log=print) -> dict:
     plan = plan_faults(s)
     from acco_bench.cluster import machine_description
 
-    bench = {"command": command_line(s, out),
-             "config": {**asdict(s), "budget_updates": s.budget_updates, "kinds": KINDS,
-                        "store": "shared agent store (torch's default)" if s.shared_store
-                        else "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store per attempt"},
-             "machine": machine_description(), "plan": plan}  # fmt: skip
+    bench = {
+        "command": command_line(s, out),
+        "config": {
+            **asdict(s),
+            "budget_updates": s.budget_updates,
+            "kinds": KINDS,
+            "store": "shared agent store (torch's default)"
+            if s.shared_store
+            else "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store per attempt",
+        },
+        "machine": machine_description(),
+        "plan": plan,
+    }
     try:
         log(f"[acco-bench] faults: the uninterrupted run ({s.workers} workers, {s.budget_updates} updates)")
         straight = run_straight(s, out / "straight", cache, out / "straight.log")
         bench["straight"] = straight
-        log(f"[acco-bench] uninterrupted: {straight['wall_s']:.1f} s, {straight['update_s']:.3f} s per update; "
-            f"now {s.faults} faults")
-        faulted = run_faulted(s, plan, out / "faulted", cache, out / "faulted.log", straight["update_s"],
-                              straight["first_update_s"], log)  # fmt: skip
+        log(
+            f"[acco-bench] uninterrupted: {straight['wall_s']:.1f} s, {straight['update_s']:.3f} s per "
+            f"update; now {s.faults} faults"
+        )
+        faulted = run_faulted(
+            s,
+            plan,
+            out / "faulted",
+            cache,
+            out / "faulted.log",
+            straight["update_s"],
+            straight["first_update_s"],
+            log,
+        )
         bench["faulted"] = faulted
         bench["comparison"] = compare_runs(out / "straight", out / "faulted")
         bench["summary"] = summarize(bench)
@@ -372,7 +338,12 @@ def run_drill(s: DrillSettings, out: Path, log=print) -> dict:
 
 def command_line(s: DrillSettings, out: Path) -> str:
     d = DrillSettings()
-    flags = [f"--workers {s.workers}", f"--faults {s.faults}", f"--seed {s.seed}", f"--save-step {s.save_step}"]
+    flags = [
+        f"--workers {s.workers}",
+        f"--faults {s.faults}",
+        f"--seed {s.seed}",
+        f"--save-step {s.save_step}",
+    ]
     flags += [f"--model {s.model}"] if s.model != d.model else []
     flags += [f"--grad-accum {s.grad_accum}"] if s.grad_accum != d.grad_accum else []
     flags += ["--shared-store"] if s.shared_store else []
@@ -386,25 +357,49 @@ def command_line(s: DrillSettings, out: Path) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DrillSettings()
-    p.add_argument("--workers", type=int, default=d.workers, help="local workers under torchrun (2-4 on a small machine)")
-    p.add_argument("--faults", type=int, default=d.faults, help="faults to inject, one per start of the group")
+    p.add_argument(
+        "--workers", type=int, default=d.workers, help="local workers under torchrun (2-4 on a small machine)"
+    )
+    p.add_argument(
+        "--faults", type=int, default=d.faults, help="faults to inject, one per start of the group"
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="the drill's RNG (which rank, which moment)")
-    p.add_argument("--save-step", type=int, default=d.save_step, help="train.save_step: a checkpoint every that many updates")
+    p.add_argument(
+        "--save-step",
+        type=int,
+        default=d.save_step,
+        help="train.save_step: a checkpoint every that many updates",
+    )
     p.add_argument("--model", default=d.model, help="model config name (acco/conf/model)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help="train.n_grad_accumulation (micro-batches per worker per round)")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds the drill waits for any one event")
-    p.add_argument("--shared-store", action="store_true",
-                   help="leave torchrun's agent store shared across restarts (torch's default; see the module doc)")
+    p.add_argument(
+        "--timeout", type=float, default=d.timeout_s, help="seconds the drill waits for any one event"
+    )
+    p.add_argument(
+        "--shared-store",
+        action="store_true",
+        help="leave torchrun's agent store shared across restarts (torch's default; see the module doc)",
+    )
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Hydra override for the job (repeatable)")
-    p.add_argument("--out", default="outputs/bench/faults", help="output folder (default outputs/bench/faults)")
+    p.add_argument(
+        "--out", default="outputs/bench/faults", help="output folder (default outputs/bench/faults)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    s = DrillSettings(workers=args.workers, faults=args.faults, seed=args.seed, save_step=args.save_step,
-                      model=args.model, grad_accum=args.grad_accum, timeout_s=args.timeout,
-                      shared_store=args.shared_store, extra=tuple(args.override))  # fmt: skip
+    s = DrillSettings(
+        workers=args.workers,
+        faults=args.faults,
+        seed=args.seed,
+        save_step=args.save_step,
+        model=args.model,
+        grad_accum=args.grad_accum,
+        timeout_s=args.timeout,
+        shared_store=args.shared_store,
+        extra=tuple(args.override),
+    )
     out = Path(args.out)
     bench = run_drill(s, out)
     print(f"[acco-bench] wrote {out}/bench.json and bench.md")

@@ -49,8 +49,15 @@ def nearest(values: list[float], target: float) -> float:
 
 def summarize(runs: dict, learning_rates: list[float], methods) -> dict:
     """Per method and learning rate: final eval loss statistics; best learning rates; acco's gaps."""
-    table = {m: {f"{lr:g}": summary_stats([r["final_eval_loss"] for r in runs.get(f"{lr:g}", {}).get(m, {}).values()])
-                 for lr in learning_rates} for m in methods}
+    table = {
+        m: {
+            f"{lr:g}": summary_stats(
+                [r["final_eval_loss"] for r in runs.get(f"{lr:g}", {}).get(m, {}).values()]
+            )
+            for lr in learning_rates
+        }
+        for m in methods
+    }
     best = {}
     for m in methods:
         scored = [(s["mean"], lr) for lr, s in table[m].items() if s.get("n")]
@@ -79,9 +86,14 @@ def summarize(runs: dict, learning_rates: list[float], methods) -> dict:
 def _pairs(by_method: dict, method: str) -> list[tuple[float, float]]:
     """(method's, ddp's) final eval loss for every seed both ran to a finite loss."""
     ddp = by_method.get("ddp", {})
-    pairs = [(r["final_eval_loss"], ddp[seed]["final_eval_loss"]) for seed, r in by_method.get(method, {}).items()
-             if seed in ddp]
-    return [(a, b) for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    pairs = [
+        (r["final_eval_loss"], ddp[seed]["final_eval_loss"])
+        for seed, r in by_method.get(method, {}).items()
+        if seed in ddp
+    ]
+    return [
+        (a, b) for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
+    ]
 
 
 def paired_ratio(by_method: dict, method: str) -> float | None:
@@ -96,11 +108,15 @@ def estimate_of(method: str, train: dict) -> str:
                  if o.startswith("train.acco_estimate=")), train["acco_estimate"])
 
 
-def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Path, updates: int, log=print) -> dict:
+def reference_check(
+    settings: BenchSettings, lr: float, seed: int, run_root: Path, updates: int, log=print
+) -> dict:
     """Train losses of the engine's runs (read from their metrics.jsonl) against the plain reference's."""
     from acco_bench.reference import build_case, simulate
 
-    overrides = replace(settings, seed=seed).overrides("ddp", run_root / "reference", 0) + [f"train.learning_rate={lr!r}"]
+    overrides = replace(settings, seed=seed).overrides("ddp", run_root / "reference", 0) + [
+        f"train.learning_rate={lr!r}"
+    ]
     overrides = [o for o in overrides if not o.startswith(("train=", "launch."))]
     case = build_case(overrides)
     result = {"learning_rate": lr, "seed": seed, "updates": updates, "methods": {}}
@@ -114,7 +130,9 @@ def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Pat
         estimate = estimate_of(method, case.train)
         engine = [r["loss"] for r in read_jsonl(metrics) if r.get("type") == "train"][:updates]
         ran = replace(case, train={**case.train, "acco_estimate": estimate})
-        ref = simulate(ran, base, settings.hosts, settings.grad_accum, max_updates=len(engine), final_eval=False)["loss"]
+        ref = simulate(
+            ran, base, settings.hosts, settings.grad_accum, max_updates=len(engine), final_eval=False
+        )["loss"]
         diff = max((abs(a - b) for a, b in zip(engine, ref)), default=float("nan"))
         result["methods"][method] = {"engine": engine, "reference": ref, "max_abs_diff": diff,
                                      "estimate": estimate if base == "acco" else None}
@@ -123,8 +141,15 @@ def reference_check(settings: BenchSettings, lr: float, seed: int, run_root: Pat
     return result
 
 
-def run_lr_sweep(settings: BenchSettings, learning_rates: list[float], seeds: list[int], extra_seeds: list[int],
-                 out: Path, reference_updates: int = 20, log=print) -> dict:
+def run_lr_sweep(
+    settings: BenchSettings,
+    learning_rates: list[float],
+    seeds: list[int],
+    extra_seeds: list[int],
+    out: Path,
+    reference_updates: int = 20,
+    log=print,
+) -> dict:
     if len(learning_rates) < 2 or any(not (lr > 0 and math.isfinite(lr)) for lr in learning_rates):
         raise BenchError(f"--learning-rates needs two or more positive numbers, got {learning_rates}")
     if not seeds:
@@ -182,9 +207,9 @@ def _previous(out: Path, settings: BenchSettings) -> dict | None:
 
 def write(sweep: dict, out: Path) -> None:
     """lr_sweep.json (every run), lr_sweep.md (the tables) and the plot; also for a partial sweep."""
-    from acco_bench import report
+    from acco_bench.training_report import write_lr_sweep_report
 
     lrs = [float(x) for x in sweep["config"]["learning_rates"]]
     sweep["summary"] = summarize(sweep["runs"], lrs, sweep["config"]["methods"])
     (out / "lr_sweep.json").write_text(json.dumps(sweep, indent=2, default=str) + "\n")
-    report.write_lr_sweep_report(sweep, out)
+    write_lr_sweep_report(sweep, out)

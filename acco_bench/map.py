@@ -11,7 +11,7 @@ compute, and its comm round, a ring reduce-scatter + all-gather of the whole mod
 3. computed for the user's own C and M (``--compute-s``, ``--comm-s``, or ``--bench`` a
    ``bench.json`` / ``sweep.json`` of ``acco-bench cluster`` / ``sweep``).
 
-The formulas are ``bounds`` (acco's, every variant's, ``acco_bench.acco_bound.acco_update_time``,
+The formulas are map_bounds.py's ``bounds`` (acco's, every variant's, ``acco_bound.acco_update_time``,
 which ``acco-bench cluster`` uses too); the assumptions are written into the output (``assumptions``).
 Memory per worker is docs/algorithm.md's table ("Memory per worker"), bytes per parameter.
 """
@@ -20,112 +20,48 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.acco_bound import INT8_BLOCK, acco_update_time, bench_settings, method_acco_spec
+from acco_bench.map_bounds import (
+    BACKWARD_SHARE,
+    FOLLOW_DDP,
+    METHODS,
+    Case,
+    bounds,
+    memory_bytes,
+    speedups,
+    winner,
+)
 from acco_bench.settings import base_method
-
-BACKWARD_SHARE = 2 / 3  # backward's share of a micro-batch's compute (2 of the 6 N FLOPs per token are forward)
-METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco", "acco-int8", "acco-int8-even", "diloco", "streaming-diloco")
-# methods whose committed update is the exact mean of the gradients of ddp's batch (acco: half of
-# them at the estimate); dpu/wp are one update stale, diloco takes local steps
-FOLLOW_DDP = ("ddp", "torch-ddp", "acco", "acco-int8", "acco-int8-even")
-
-
-@dataclass
-class Case:
-    """ddp's compute ``c`` and comm ``m`` (s per update) and what the bounds need besides."""
-
-    c: float
-    m: float
-    workers: int = 2
-    elem_bytes: int = 4  # ddp's wire: 4 in fp32, 2 in bf16 (mixed precision)
-    grad_accum: int = 4  # ddp's micro-batches per worker per update
-    buckets: int = 1  # torch-ddp's DDP buckets
-    sync_every: int = 10  # diloco's H
-    s_sync_every: int = 20  # streaming-diloco's H
-    fragments: int = 4  # streaming-diloco's F
-    fragment_delay: int = 1  # streaming-diloco's tau (inner steps a fragment's all-reduce overlaps)
-    latency_s: float = 0.0  # the part of m that is latency (does not shrink with the bytes)
-    accumulate: bool = False  # overlapped methods keep computing while a round runs (samples/s)
-
-
-def bounds(k: Case) -> dict[str, float]:
-    """Lower bounds on seconds per ddp-sized batch (one update; for diloco one inner step)."""
-    c, m = k.c, k.m
-    int8 = dict(estimate_comm="int8", elem_bytes=k.elem_bytes, latency_s=k.latency_s)  # the int8 estimate round
-    # torch-ddp: DDP's all-reduce (ddp's bytes, M) overlaps the backward of the last micro-batch
-    # only (the others run under no_sync), its last bucket starts when backward ends; then
-    # ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a ring round of 4-byte elements)
-    last = m / k.buckets
-    hidden = BACKWARD_SHARE * c / k.grad_accum
-    bcast = m / 2 * 4 / k.elem_bytes
-    t = {
-        "ddp": c + m,
-        "torch-ddp": c + max(0.0, m - last - hidden) + last + bcast,
-        "dpu": max(c, m),
-        "wp": max(c, m),
-        "acco": acco_update_time(c, m),  # two full rounds: max(C, 2M)
-        # micro-batches split between the rounds by their durations: max(C, M_est + M)
-        "acco-int8": acco_update_time(c, m, split="auto", **int8),
-        "acco-int8-even": acco_update_time(c, m, **int8),  # half the batch in each round
-        "diloco": c + m / k.sync_every,
-        "streaming-diloco": c + k.fragments * max(0.0, m / k.fragments - k.fragment_delay * c) / k.s_sync_every,
-    }
-    if k.accumulate:  # the overlapped methods never wait: their samples/s is bound by compute alone
-        for name in ("dpu", "wp", "acco", "acco-int8", "acco-int8-even"):
-            t[name] = c
-    return t
-
-
-def speedups(k: Case) -> dict[str, float]:
-    t = bounds(k)
-    return {n: t["ddp"] / v for n, v in t.items()}
-
-
-# docs/algorithm.md, "Memory per worker": bytes per parameter (model-sized, shard-sized / W) in
-# (bf16 mixed precision, fp32); acco-int8 adds two packed int8 buffers (2) and an fp32 shard (4 / W).
-def memory_bytes(method: str, workers: int, elem_bytes: int = 2, fragments: int = 4) -> float:
-    f = 1 / fragments
-    table = {  # method: ((model bf16, shard bf16), (model fp32, shard fp32))
-        "ddp": ((4, 20), (8, 20)), "torch-ddp": ((8, 8), (8, 8)), "dpu": ((6, 20), (12, 20)),
-        "wp": ((6, 24), (12, 24)), "acco": ((6, 28), (12, 28)), "acco-int8": ((8, 32), (14, 32)),
-        "acco-int8-even": ((8, 32), (14, 32)), "diloco": ((34, 2), (36, 4)),
-        "streaming-diloco": ((28 + 6 * f, 2 * f), (28 + 8 * f, 4 * f)),
-    }
-    model, shard = table[method][0 if elem_bytes == 2 else 1]
-    return model + shard / workers
-
-
-def winner(times: dict[str, float], mem: dict[str, float], candidates, tol: float = 0.01) -> str | None:
-    """The fastest candidate; within ``tol`` of it, the one needing the least memory."""
-    cands = [n for n in candidates if n in times]
-    if not cands:
-        return None
-    best = min(times[n] for n in cands)
-    return min((n for n in cands if times[n] <= best * (1 + tol)), key=lambda n: (mem[n], times[n]))
-
 
 # ----------------------------------------------------------------------- measured (BENCHMARKS.md)
 
-_SEC1 = dict(workers=2, elem_bytes=4, grad_accum=4, buckets=1)  # fp32, 4 micro-batches, DDP's 25 MiB: 1 bucket
-MEASURED = [  # ddp's C, M (s per update) and every method's measured speedup over ddp, as printed there
+# fp32, 4 micro-batches, DDP's 25 MiB: 1 bucket
+_SEC1 = dict(workers=2, elem_bytes=4, grad_accum=4, buckets=1)
+# ddp's C, M (s per update) and every method's measured speedup over ddp, as printed there
+MEASURED = [
     dict(source="§1 table (1 ms)", link="100mbit", c=0.393, m=0.296, case=_SEC1,
          speedup={"torch-ddp": 0.69, "dpu": 1.68, "wp": 1.66, "acco": 1.13}),
     dict(source="§1.4 (--sched batch)", link="100mbit", c=0.397, m=0.308, case=_SEC1,
          speedup={"torch-ddp": 0.71, "dpu": 1.66, "wp": 1.65, "acco": 1.08}),
     *[dict(source="§2 sweep", link=link, c=c, m=m, case=_SEC1,
            speedup=dict(zip(("torch-ddp", "dpu", "wp", "acco"), s))) for link, c, m, s in (
-        ("50mbit", 0.398, 0.619, (0.62, 1.59, 1.61, 0.79)), ("200mbit", 0.407, 0.157, (0.80, 1.15, 1.28, 1.06)),
-        ("1000mbit", 0.388, 0.034, (0.75, 0.96, 1.02, 1.00)), ("unshaped", 0.406, 0.009, (0.84, 0.75, 0.94, 1.01)))],
+        ("50mbit", 0.398, 0.619, (0.62, 1.59, 1.61, 0.79)),
+        ("200mbit", 0.407, 0.157, (0.80, 1.15, 1.28, 1.06)),
+        ("1000mbit", 0.388, 0.034, (0.75, 0.96, 1.02, 1.00)),
+        ("unshaped", 0.406, 0.009, (0.84, 0.75, 0.94, 1.01)))],
     *[dict(source="§2 sweep (--sched batch)", link=link, c=c, m=m, case=_SEC1,
            speedup=dict(zip(("torch-ddp", "dpu", "wp", "acco"), s))) for link, c, m, s in (
-        ("50mbit", 0.535, 0.620, (0.69, 1.79, 1.78, 0.90)), ("200mbit", 0.402, 0.156, (0.73, 1.06, 1.05, 0.99)),
-        ("1000mbit", 0.472, 0.032, (0.98, 1.21, 1.06, 0.95)), ("unshaped", 0.415, 0.006, (0.92, 0.91, 0.89, 0.96)))],
+        ("50mbit", 0.535, 0.620, (0.69, 1.79, 1.78, 0.90)),
+        ("200mbit", 0.402, 0.156, (0.73, 1.06, 1.05, 0.99)),
+        ("1000mbit", 0.472, 0.032, (0.98, 1.21, 1.06, 0.95)),
+        ("unshaped", 0.415, 0.006, (0.92, 0.91, 0.89, 0.96)))],
     # §5 race, 100 Mbit/s, the paper's setting (accumulating): samples / training time over ddp's
-    # 3840 / 39.5 s; torch-ddp at bucket_cap_mb=1 (4 buckets, §1.3), diloco H 10, streaming H 20, F 4, tau 1
+    # 3840 / 39.5 s; torch-ddp at bucket_cap_mb=1 (4 buckets, §1.3), diloco H 10, streaming H 20, F 4,
+    # tau 1
     dict(source="§5 race (accumulating; samples/s)", link="100mbit", c=0.337, m=0.300,
          case=dict(_SEC1, buckets=4, accumulate=True),
          speedup={n: round(s / t / (3840 / 39.5), 2) for n, s, t in (
@@ -138,7 +74,7 @@ MEASURED = [  # ddp's C, M (s per update) and every method's measured speedup ov
     *[dict(source="§5.0 cluster (int8 estimate)", link=link, c=c, m=m, case=_SEC1,
            speedup=dict(zip(("acco", "acco-int8-even", "acco-int8"), s))) for link, c, m, s in (
         ("50mbit", 0.469, 0.586, (0.88, 1.26, 1.30)), ("200mbit", 0.419, 0.153, (1.27, 1.28, 1.25)))],
-]
+]  # fmt: skip
 
 
 def check_rows(extra: list[dict] | None = None) -> list[dict]:
@@ -161,8 +97,13 @@ def from_bench_json(path: Path) -> list[dict]:
     except (OSError, ValueError) as e:
         raise BenchError(f"--bench {path}: {e}") from None
     cfg = data.get("config", {})
-    points = data.get("points") or [{"label": (cfg.get("network") or {}).get("label", Path(path).parent.name),
-                                     "bounds": data.get("bounds") or {}, "methods": data.get("methods") or {}}]
+    points = data.get("points") or [
+        {
+            "label": (cfg.get("network") or {}).get("label", Path(path).parent.name),
+            "bounds": data.get("bounds") or {},
+            "methods": data.get("methods") or {},
+        }
+    ]
     acc = bool(cfg.get("accumulate_while_waiting"))
     settings, plain = bench_settings(cfg), bench_settings({**cfg, "extra": ()})
     key = "speedup_samples_vs_ddp" if acc else "speedup_step_vs_ddp"
@@ -181,30 +122,51 @@ def from_bench_json(path: Path) -> list[dict]:
                 continue
             if base == "acco":
                 spec = method_acco_spec(settings, name)
-                split = {None: "even", "auto": "auto"}.get(spec["split"], f"{spec['split']}/{spec['micro_batches']}")
-                base = name if spec == method_acco_spec(plain, name) else f"{name} [{spec['estimate_comm']}, {split}]"
+                split = {None: "even", "auto": "auto"}.get(
+                    spec["split"], f"{spec['split']}/{spec['micro_batches']}"
+                )
+                base = (
+                    name
+                    if spec == method_acco_spec(plain, name)
+                    else f"{name} [{spec['estimate_comm']}, {split}]"
+                )
                 specs[base] = spec
             hk = (("sync_every" if base == "diloco" else "s_sync_every", int(h)),) \
                 if name != base and "diloco" in base and h.isdigit() else ()
             by_h.setdefault(hk, {})[base] = r[key]
         for hk, sp in by_h.items():
             if sp:
-                rows.append(dict(source=str(path) + "".join(f" ({'diloco' if n == 'sync_every' else 'streaming'} H {v})" for n, v in hk),
-                                 link=str(p.get("label")), c=b["ddp_compute_s"], m=b["ddp_comm_s"],
-                                 case={**case, **dict(hk)}, speedup=sp, acco=specs))
+                rows.append(
+                    dict(
+                        source=str(path)
+                        + "".join(
+                            f" ({'diloco' if n == 'sync_every' else 'streaming'} H {v})" for n, v in hk
+                        ),
+                        link=str(p.get("label")),
+                        c=b["ddp_compute_s"],
+                        m=b["ddp_comm_s"],
+                        case={**case, **dict(hk)},
+                        speedup=sp,
+                        acco=specs,
+                    )
+                )
     return rows
 
 
 # ----------------------------------------------------------------------- the paper's settings
 
-GPT_NEO = {"125M": dict(d=768, layers=12, vocab=50257, positions=1024),  # acco/conf/model/gptneo-*.yaml
-           "2.7B": dict(d=2560, layers=32, vocab=50257, positions=2048)}
-PAPER = [  # model, micro-batch sequences x tokens per GPU, ddp's micro-batches per update (train/ddp*.yaml), W
-    dict(name="GPT-Neo 125M, 24 x 1024 per GPU, 8 GPUs", model="125M", batch=24, seq=1024, grad_accum=2, workers=8),
-    dict(name="GPT-Neo 125M, 24 x 1024 per GPU, 32 GPUs", model="125M", batch=24, seq=1024, grad_accum=2, workers=32),
-    dict(name="GPT-Neo 2.7B, 4 x 512 per GPU, 16 GPUs (2 nodes)", model="2.7B", batch=4, seq=512, grad_accum=4,
-         workers=16),
-]
+# acco/conf/model/gptneo-*.yaml
+GPT_NEO = {"125M": dict(d=768, layers=12, vocab=50257, positions=1024),
+           "2.7B": dict(d=2560, layers=32, vocab=50257, positions=2048)}  # fmt: skip
+# model, micro-batch sequences x tokens per GPU, ddp's micro-batches per update (train/ddp*.yaml), W
+PAPER = [
+    dict(name="GPT-Neo 125M, 24 x 1024 per GPU, 8 GPUs", model="125M", batch=24, seq=1024, grad_accum=2,
+         workers=8),
+    dict(name="GPT-Neo 125M, 24 x 1024 per GPU, 32 GPUs", model="125M", batch=24, seq=1024, grad_accum=2,
+         workers=32),
+    dict(name="GPT-Neo 2.7B, 4 x 512 per GPU, 16 GPUs (2 nodes)", model="2.7B", batch=4, seq=512,
+         grad_accum=4, workers=16),
+]  # fmt: skip
 
 
 def gpt_neo_params(d: int, layers: int, vocab: int, positions: int) -> tuple[int, int]:
@@ -252,40 +214,47 @@ def summarize(k: Case, params: int | None, gpu_gib: float | None) -> dict:
 
 def assumptions(a) -> list[str]:
     return [
-        "Bounds are seconds per ddp-sized batch (one update; diloco: one inner step), from ddp's compute C and "
-        "comm M per update; comm time is taken to scale with the bytes (the latency part, where given, does not).",
+        "Bounds are seconds per ddp-sized batch (one update; diloco: one inner step), from ddp's compute C "
+        "and comm M per update; comm time is taken to scale with the bytes (the latency part, where given, "
+        "does not).",
         "ddp: C + M. dpu, wp: max(C, M). acco: max(C, 2M) (two full rounds per update).",
-        f"acco-int8 (estimate_comm: int8): max(C, M_est + M), M_est = M x (1 + 4/{INT8_BLOCK}) / e (int8 + an fp32 "
-        "scale per block, e = 4 bytes in fp32, 2 in bf16: 0.2505 M / 0.501 M), with the micro-batches split "
-        "between the rounds by their durations (estimate_micro_batches: auto); acco-int8-even: "
-        "max(C/2, M_est) + max(C/2, M), the even split (estimate_micro_batches: null) with a fixed batch; with e of the 2k "
-        "micro-batches per update during the estimate round (estimate_micro_batches): max(eC/2k, M_est) + "
-        "max((2k-e)C/2k, M). A --bench run's acco variants each get the bound of the overrides they ran with.",
-        f"torch-ddp: C + max(0, M - M/B - {BACKWARD_SHARE:.2f} C/k) + M/B + (M/2)(4/e): DDP's all-reduce (ddp's bytes) "
-        "overlaps only the last of k micro-batches' backward (2/3 of its compute), the last of B buckets cannot "
-        "overlap, then ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a round of 4-byte elements).",
+        f"acco-int8 (estimate_comm: int8): max(C, M_est + M), M_est = M x (1 + 4/{INT8_BLOCK}) / e (int8 + "
+        "an fp32 scale per block, e = 4 bytes in fp32, 2 in bf16: 0.2505 M / 0.501 M), with the "
+        "micro-batches split between the rounds by their durations (estimate_micro_batches: auto); "
+        "acco-int8-even: max(C/2, M_est) + max(C/2, M), the even split (estimate_micro_batches: null) with a "
+        "fixed batch; with e of the 2k micro-batches per update during the estimate round "
+        "(estimate_micro_batches): max(eC/2k, M_est) + max((2k-e)C/2k, M). A --bench run's acco variants "
+        "each get the bound of the overrides they ran with.",
+        f"torch-ddp: C + max(0, M - M/B - {BACKWARD_SHARE:.2f} C/k) + M/B + (M/2)(4/e): DDP's all-reduce "
+        "(ddp's bytes) overlaps only the last of k micro-batches' backward (2/3 of its compute), the last of "
+        "B buckets cannot overlap, then ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a round "
+        "of 4-byte elements).",
         "diloco: C + M/H (the whole model all-reduced every H inner steps, blocking). streaming-diloco: "
         "C + F max(0, M/F - tau C) / H (F fragments, each all-reduce overlapping tau inner steps). Per inner "
         "step; not counted: the extra samples diloco needs to reach ddp's loss (1.10-1.31x, "
         "BENCHMARKS.md, \"DiLoCo's sync period H\").",
-        "With accumulation (§5 race) the overlapped methods never wait: their samples/s bound is (C + M) / C.",
-        "Memory: docs/algorithm.md's bytes per parameter (model-sized + shard-sized / W), activations excluded; "
-        "acco-int8 adds 2 + 4/W.",
-        f"Paper settings: C = tokens per GPU per update x FLOPs per token / (peak x MFU), peak {a.peak_tflops:g} "
-        f"TFLOP/s (A100 dense bf16), MFU {a.mfu:g}, FLOPs per token 6N + 12 L d T (acco.models.flops_per_token); "
-        f"M = 2 (W-1)/W x P x 2 bytes (bf16) / bus bandwidth + 2 (W-1) x {a.latency_us:g} us, the bus bandwidth "
+        "With accumulation (§5 race) the overlapped methods never wait: their samples/s bound is (C + M) / "
+        "C.",
+        "Memory: docs/algorithm.md's bytes per parameter (model-sized + shard-sized / W), activations "
+        "excluded; acco-int8 adds 2 + 4/W.",
+        "Paper settings: C = tokens per GPU per update x FLOPs per token / (peak x MFU), peak "
+        f"{a.peak_tflops:g} TFLOP/s (A100 dense bf16), MFU {a.mfu:g}, FLOPs per token 6N + 12 L d T "
+        "(acco.models.flops_per_token); M = 2 (W-1)/W x P x 2 bytes (bf16) / bus bandwidth + 2 (W-1) x "
+        f"{a.latency_us:g} us, the bus bandwidth "
         "being the link rate (the ring's slowest link, between nodes); ddp's micro-batches per update as "
         "train/ddp.yaml (2) and ddp-ft.yaml (4); torch-ddp B = fp32 gradients / 25 MiB; diloco "
         f"H {a.sync_every}, streaming H {a.s_sync_every}, F {a.fragments}, tau {a.fragment_delay}; a method "
         f"fits when its state is at most {a.gpu_gib:g} GiB per GPU (A100 80 GB).",
         "Winner: the fastest bound (within 1%: the one needing less memory) among the methods that fit; "
-        "'follows ddp' keeps to ddp, torch-ddp and acco (dpu and wp are one update stale and end 27-30% above "
-        "ddp's loss; diloco takes local steps).",
+        "'follows ddp' keeps to ddp, torch-ddp and acco (dpu and wp are one update stale and end 27-30% "
+        "above ddp's loss; diloco takes local steps).",
     ]
 
 
-LEGEND = ("acco-int8 splits an update's micro-batches between the rounds by their durations "
-          "(estimate_micro_batches: auto); acco-int8-even is the even split (the default, null) with a fixed batch.")
+LEGEND = (
+    "acco-int8 splits an update's micro-batches between the rounds by their durations "
+    "(estimate_micro_batches: auto); acco-int8-even is the even split (the default, null) with a fixed batch."
+)
 
 
 def _f(x, d=2, suffix=""):
@@ -306,9 +275,11 @@ def _summary_table(rows: list[tuple[str, dict]], show_gib: bool) -> list[str]:
         def name(n, s=s):
             return "-" if n is None else f"{n} ({_f(s['speedup'][n])}x" + (
                 f", {_f(s['gib_per_gpu'][n], 1)} GiB)" if show_gib and s["gib_per_gpu"] else ")")
-        out.append([label, _f(c, 3), _f(m, 3), _f(100 * m / (c + m), 0), _f(c + m, 3)]
-                   + [_f(s["speedup"][n], 2, "x") + ("" if n in s["fits"] else " (no fit)") for n in METHODS[1:]]
-                   + [name(s["winner_follow_ddp"]), name(s["winner_all"])])
+        out.append(
+            [label, _f(c, 3), _f(m, 3), _f(100 * m / (c + m), 0), _f(c + m, 3)]
+            + [_f(s["speedup"][n], 2, "x") + ("" if n in s["fits"] else " (no fit)") for n in METHODS[1:]]
+            + [name(s["winner_follow_ddp"]), name(s["winner_all"])]
+        )
     return _table(header, out)
 
 
@@ -350,9 +321,18 @@ def markdown(r: dict) -> str:
               "Each cell: measured speedup over ddp / bound = measured as a share of the bound.", ""]
     names = list(dict.fromkeys(n for n in (*METHODS, *(n for row in r["check"] for n in row["methods"]))
                                if any(n in row["methods"] for row in r["check"])))
-    rows = [[row["source"], row["link"], _f(row["c"], 3), _f(row["m"], 3)]
-            + [(f"{_f(x['measured'])} / {_f(x['bound'])} = **{_f(x['ratio'])}**" if (x := row["methods"].get(n))
-                else "") for n in names] for row in r["check"]]
+    rows = [
+        [row["source"], row["link"], _f(row["c"], 3), _f(row["m"], 3)]
+        + [
+            (
+                f"{_f(x['measured'])} / {_f(x['bound'])} = **{_f(x['ratio'])}**"
+                if (x := row["methods"].get(n))
+                else ""
+            )
+            for n in names
+        ]
+        for row in r["check"]
+    ]
     lines += _table(["source", "link", "ddp C s", "ddp M s"] + names, rows) + [""]
     ratios = {n: [row["methods"][n]["ratio"] for row in r["check"] if n in row["methods"]] for n in names}
     lines += ["Measured / bound, range over the rows: " + "; ".join(
@@ -374,17 +354,26 @@ def markdown(r: dict) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--compute-s", type=float, default=None, help="your ddp's compute per update, seconds (C)")
     p.add_argument("--comm-s", type=float, default=None, help="your ddp's comm round per update, seconds (M)")
-    p.add_argument("--bench", action="append", default=None, metavar="PATH",
-                   help="a bench.json (acco-bench cluster) or sweep.json (sweep): its C, M and measured speedups "
-                        "join the check table (repeatable)")
+    p.add_argument(
+        "--bench",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a bench.json (acco-bench cluster) or sweep.json (sweep): its C, M and measured speedups "
+        "join the check table (repeatable)",
+    )
     p.add_argument("--workers", type=int, default=8, help="W, with --compute-s (default 8)")
     p.add_argument("--params", type=float, default=None, help="parameters, with --compute-s: GiB per GPU")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training precision (default bf16)")
+    p.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default="bf16", help="training precision (default bf16)"
+    )
     p.add_argument("--grad-accum", type=int, default=2, help="ddp's micro-batches per worker per update")
     p.add_argument("--buckets", type=int, default=None,
                    help="torch-ddp's DDP buckets (default: fp32 gradients / 25 MiB, or 1 without --params)")
     p.add_argument("--sync-every", type=int, default=10, help="diloco's H (inner steps per sync)")
-    p.add_argument("--streaming-sync-every", dest="s_sync_every", type=int, default=20, help="streaming-diloco's H")
+    p.add_argument(
+        "--streaming-sync-every", dest="s_sync_every", type=int, default=20, help="streaming-diloco's H"
+    )
     p.add_argument("--fragments", type=int, default=4, help="streaming-diloco's F")
     p.add_argument("--fragment-delay", type=int, default=1, help="streaming-diloco's tau, inner steps")
     p.add_argument("--peak-tflops", type=float, default=312.0, help="paper settings: peak FLOP/s (A100 bf16)")

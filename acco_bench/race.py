@@ -63,7 +63,11 @@ CAP_FACTOR = 2  # the other methods stop at this many times ddp's samples
 # 0.9M-parameter model: 7-10% faster per update than one). A key given with --override wins.
 RACE_METHOD_DEFAULTS = {
     "diloco": {"train.sync_every": "10"},
-    "streaming-diloco": {"train.sync_every": "20", "train.num_fragments": "4", "train.fragment_sync_delay": "1"},
+    "streaming-diloco": {
+        "train.sync_every": "20",
+        "train.num_fragments": "4",
+        "train.fragment_sync_delay": "1",
+    },
     "torch-ddp": {"train.bucket_cap_mb": "1"},
 }
 
@@ -98,8 +102,16 @@ def eval_curve(run_dir: Path, batch_size: int) -> list[dict]:
     for r in rows:
         if r.get("type") != "eval" or r["step"] not in wall:
             continue
-        curve.append({"step": r["step"], "samples": r["samples"] * batch_size, "eval_loss": r["eval_loss"],
-                      "time_s": wall[r["step"]] - eval_s, "wall_s": wall[r["step"]], "eval_s": r.get("eval_s")})
+        curve.append(
+            {
+                "step": r["step"],
+                "samples": r["samples"] * batch_size,
+                "eval_loss": r["eval_loss"],
+                "time_s": wall[r["step"]] - eval_s,
+                "wall_s": wall[r["step"]],
+                "eval_s": r.get("eval_s"),
+            }
+        )
         eval_s += r.get("eval_s") or 0.0
     return curve
 
@@ -109,8 +121,12 @@ def eval_interval(curve: list[dict]) -> dict:
     dt = [b["time_s"] - a["time_s"] for a, b in zip(curve, curve[1:])]
     ds = [b["samples"] - a["samples"] for a, b in zip(curve, curve[1:])]
     es = [c["eval_s"] for c in curve if c.get("eval_s") is not None]
-    return {"median_s": statistics.median(dt) if dt else None, "median_samples": statistics.median(ds) if ds else None,
-            "eval_s_median": statistics.median(es) if es else None, "evaluations": len(curve)}
+    return {
+        "median_s": statistics.median(dt) if dt else None,
+        "median_samples": statistics.median(ds) if ds else None,
+        "eval_s_median": statistics.median(es) if es else None,
+        "evaluations": len(curve),
+    }
 
 
 def add_targets(methods: dict, target: float) -> None:
@@ -128,7 +144,10 @@ def add_targets(methods: dict, target: float) -> None:
     for res in methods.values():
         if "error" in res:
             continue
-        for key, out in (("time_to_target_s", "time_to_target_vs_ddp"), ("samples_to_target", "samples_to_target_vs_ddp")):
+        for key, out in (
+            ("time_to_target_s", "time_to_target_vs_ddp"),
+            ("samples_to_target", "samples_to_target_vs_ddp"),
+        ):
             res[out] = res[key] / ref[key] if res.get(key) is not None and ref.get(key) else None
 
 
@@ -147,19 +166,26 @@ def race_overrides(settings: BenchSettings, budget: int, scheduler: str, eval_ba
             "train.max_eval_batches": str(eval_batches), **RACE_METHOD_DEFAULTS.get(method, {})}
     if target is not None:
         ours["train.stop_at_eval_loss"] = repr(float(target))
-    return tuple(f"{k}={v}" for k, v in ours.items() if not _has_key(settings.extra, k)) + tuple(settings.extra)
+    return tuple(f"{k}={v}" for k, v in ours.items() if not _has_key(settings.extra, k)) + tuple(
+        settings.extra
+    )
 
 
 def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sent: list[int] | None) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = (
+        json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    )
     curve = eval_curve(run_dir, s.batch_size)
     if not curve:
         raise BenchError(f"{run_dir}: no evaluation in metrics.jsonl")
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("type") == "train"]
     train_s = curve[-1]["time_s"]
     samples = train[-1]["samples"] * s.batch_size
-    timers = [json.loads(x) for x in (run_dir / "workers" / "rank0.jsonl").read_text().splitlines() if x.strip()] \
-        if (run_dir / "workers" / "rank0.jsonl").exists() else []
+    timers = (
+        [json.loads(x) for x in (run_dir / "workers" / "rank0.jsonl").read_text().splitlines() if x.strip()]
+        if (run_dir / "workers" / "rank0.jsonl").exists()
+        else []
+    )
 
     def median(key):
         xs = [r[key] for r in timers[1:] if r.get(key) is not None]
@@ -180,8 +206,13 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         "comm_s_per_update": median("comm_s"),
         "wait_s_per_update": median("wait_s"),
         # acco: e per worker while the estimate round runs, per update (auto moves it)
-        "estimate_micro_batches": dict(sorted(collections.Counter(
-            r["estimate_micro_batches"] for r in timers if r.get("estimate_micro_batches") is not None).items())),
+        "estimate_micro_batches": dict(
+            sorted(
+                collections.Counter(
+                    r["estimate_micro_batches"] for r in timers if r.get("estimate_micro_batches") is not None
+                ).items()
+            )
+        ),
         "eval_interval": eval_interval(curve),
         "eval_curve": curve,
         "harness_wall_s": wall,
@@ -210,8 +241,13 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
         log(f"[acco-bench] race: {net.note}")
         for method in order:
             ref = method == REFERENCE
-            s = replace(settings, nb_steps_tot=budget if ref else CAP_FACTOR * budget,
-                        extra=race_overrides(settings, budget, scheduler, eval_batches, None if ref else target, method))
+            s = replace(
+                settings,
+                nb_steps_tot=budget if ref else CAP_FACTOR * budget,
+                extra=race_overrides(
+                    settings, budget, scheduler, eval_batches, None if ref else target, method
+                ),
+            )
             run_dir = out / method
             if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
                 shutil.rmtree(run_dir)
@@ -229,7 +265,10 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                     # Training finished (rank 0 wrote summary.json) and a worker failed on its way
                     # out: the figures are whole; the failure is recorded with them.
                     exit_error, wall = str(e), None
-                    log(f"[acco-bench] {method}: a worker failed after training finished: {e.args[0].splitlines()[0]}")
+                    log(
+                        f"[acco-bench] {method}: a worker failed after training finished: "
+                        f"{e.args[0].splitlines()[0]}"
+                    )
                 after = net.tx_bytes()
                 sent = [b - a for a, b in zip(before, after)] if before is not None else None
                 methods[method] = _method_result(run_dir, s, wall, load.result(), sent)
@@ -246,18 +285,33 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                 log(f"[acco-bench] target: ddp's final eval loss {target:.4f}")
             add_targets({method: methods[method]}, target)
             r = methods[method]
-            log(f"[acco-bench] {method}: " + (f"reached {target:.4f} after {r['time_to_target_s']:.1f} s of training, "
-                f"{r['samples_to_target']:.0f} samples" if r["reached_target"] else
-                f"did not reach {target:.4f} in {r['samples']} samples ({r['training_time_s']:.1f} s)"))
+            log(
+                f"[acco-bench] {method}: "
+                + (
+                    f"reached {target:.4f} after {r['time_to_target_s']:.1f} s of training, "
+                    f"{r['samples_to_target']:.0f} samples"
+                    if r["reached_target"]
+                    else f"did not reach {target:.4f} in {r['samples']} samples "
+                    f"({r['training_time_s']:.1f} s)"
+                )
+            )
         network = net.describe()
     if target is not None:
         add_targets(methods, target)
     race = {
-        "config": {**settings.describe(), "methods": order, "budget_micro_batches": budget,
-                   "cap_micro_batches": CAP_FACTOR * budget, "scheduler": scheduler, "warmup": budget // 10,
-                   "eval_batches_per_worker": eval_batches, "network": network,
-                   "machine": machine_description(), "worker_command": worker_command(),
-                   "method_settings": {m: RACE_METHOD_DEFAULTS[m] for m in order if m in RACE_METHOD_DEFAULTS}},
+        "config": {
+            **settings.describe(),
+            "methods": order,
+            "budget_micro_batches": budget,
+            "cap_micro_batches": CAP_FACTOR * budget,
+            "scheduler": scheduler,
+            "warmup": budget // 10,
+            "eval_batches_per_worker": eval_batches,
+            "network": network,
+            "machine": machine_description(),
+            "worker_command": worker_command(),
+            "method_settings": {m: RACE_METHOD_DEFAULTS[m] for m in order if m in RACE_METHOD_DEFAULTS},
+        },
         "target_eval_loss": target,
         "methods": methods,
     }
@@ -285,30 +339,58 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         rows.append([name, fmt(r.get("time_to_target_s"), 1), fmt(r.get("time_to_target_vs_ddp"), 2, "x"),
                      fmt(r.get("samples_to_target"), 0), fmt(r.get("crossing_bracket"), 3),
                      fmt(r["final_eval_loss"], 4), f"{r['samples']} / {fmt(r['training_time_s'], 1)} s",
-                     fmt(sent / mb if sent is not None else None, 1), fmt(state / mb if state is not None else None, 1)])
-    header = ["method", "time to target s", "vs ddp", "samples to target", "crossing bracket", "last eval loss",
-              "samples / training time", "MiB sent per worker", "state MiB per worker"]
+                     fmt(sent / mb if sent is not None else None, 1),
+                     fmt(state / mb if state is not None else None, 1)])  # fmt: skip
+    header = ["method", "time to target s", "vs ddp", "samples to target", "crossing bracket",
+              "last eval loss", "samples / training time", "MiB sent per worker",
+              "state MiB per worker"]  # fmt: skip
     lines = [
-        "# acco-bench race: time to ddp's final eval loss", "",
+        "# acco-bench race: time to ddp's final eval loss",
+        "",
         f"{cfg['hosts']} hosts; {cfg['network']['note']}. Target: ddp's final eval loss at its budget of "
         f"{cfg['budget_micro_batches']} micro-batches, **{fmt(race.get('target_eval_loss'), 4)}**; the other "
         f"methods stop there or at {cfg['cap_micro_batches']} micro-batches. accumulate_while_waiting="
-        f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up {cfg['warmup']} "
-        f"micro-batches), evaluation every {cfg['eval_step']} updates on {cfg['eval_batches_per_worker']} batches "
-        "per worker." + ("".join(f" {m}: {', '.join(f'{k}={v}' for k, v in kv.items())}." for m, kv in
-                                 cfg.get("method_settings", {}).items())), "",
-        md_table(header, rows), "",
+        f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up "
+        f"{cfg['warmup']} micro-batches), evaluation every {cfg['eval_step']} updates on "
+        f"{cfg['eval_batches_per_worker']} batches "
+        "per worker."
+        + (
+            "".join(
+                f" {m}: {', '.join(f'{k}={v}' for k, v in kv.items())}."
+                for m, kv in cfg.get("method_settings", {}).items()
+            )
+        ),
+        "",
+        md_table(header, rows),
+        "",
         "Training time excludes the evaluations' own seconds. The crossing is interpolated between the last "
-        "evaluation above the target and the first at or below it; *crossing bracket* is the time between those "
-        "two evaluations over the time to target (the crossing is known to within it). Bytes sent: tx counters "
-        "of each host's link over the whole run (null on loopback); samples are sequences over all workers.", "",
-        md_table(["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations"],
-                 [[n, fmt(r["eval_interval"]["median_s"], 2), fmt(r["eval_interval"]["median_samples"], 0),
-                   fmt(r["eval_interval"]["eval_s_median"], 2), r["eval_interval"]["evaluations"]]
-                  for n, r in race["methods"].items() if "error" not in r]), "",
+        "evaluation above the target and the first at or below it; *crossing bracket* is the time between "
+        "those two evaluations over the time to target (the crossing is known to within it). Bytes sent: tx "
+        "counters of each host's link over the whole run (null on loopback); samples are sequences over all "
+        "workers.",
+        "",
+        md_table(
+            ["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations"],
+            [
+                [
+                    n,
+                    fmt(r["eval_interval"]["median_s"], 2),
+                    fmt(r["eval_interval"]["median_samples"], 0),
+                    fmt(r["eval_interval"]["eval_s_median"], 2),
+                    r["eval_interval"]["evaluations"],
+                ]
+                for n, r in race["methods"].items()
+                if "error" not in r
+            ],
+        ),
+        "",
     ]
-    lines += [f"{n}: a worker failed after training finished (figures kept): {r['worker_exit_error'].splitlines()[0]}\n"
-              for n, r in race["methods"].items() if r.get("worker_exit_error")]
+    lines += [
+        f"{n}: a worker failed after training finished (figures kept): "
+        f"{r['worker_exit_error'].splitlines()[0]}\n"
+        for n, r in race["methods"].items()
+        if r.get("worker_exit_error")
+    ]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -325,12 +407,19 @@ def plot_race(race: dict, out: Path) -> list[str]:
             continue
         c = r["eval_curve"]
         color = palette[name]
-        by_time.plot([p["time_s"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name)
-        by_samples.plot([p["samples"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name)
+        by_time.plot(
+            [p["time_s"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name
+        )
+        by_samples.plot(
+            [p["samples"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name
+        )
         if r.get("time_to_target_s") is not None:
             by_time.plot([r["time_to_target_s"]], [target], "o", mfc="none", ms=10, color=color)
             by_samples.plot([r["samples_to_target"]], [target], "o", mfc="none", ms=10, color=color)
-    for ax, xlabel in ((by_time, "training time (s, evaluations excluded)"), (by_samples, "samples (sequences)")):
+    for ax, xlabel in (
+        (by_time, "training time (s, evaluations excluded)"),
+        (by_samples, "samples (sequences)"),
+    ):
         if target is not None:
             ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.3f} (ddp's final)")
         ax.set_xlabel(xlabel)
@@ -338,7 +427,11 @@ def plot_race(race: dict, out: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     cfg, net = race["config"], race["config"]["network"]
-    link = "loopback" if net["kind"] == "loopback" else f"{net['bandwidth'] or 'unshaped'} links, latency {net['latency']}"
+    link = (
+        "loopback"
+        if net["kind"] == "loopback"
+        else f"{net['bandwidth'] or 'unshaped'} links, latency {net['latency']}"
+    )
     fig.suptitle(f"race to ddp's final eval loss: {cfg['hosts']} hosts, {link}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "race.png", dpi=120)

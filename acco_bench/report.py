@@ -9,7 +9,18 @@ from pathlib import Path
 COLORS = {"ddp": "#1f77b4", "torch-ddp": "#9467bd", "dpu": "#ff7f0e", "wp": "#8c564b", "acco": "#d62728",
           "acco-paper": "#e377c2", "acco-lean": "#2ca02c", "diloco": "#17becf", "streaming-diloco": "#bcbd22",
           "adam": "#7f7f7f"}
-_SPARE = ("#2ca02c", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94")
+_SPARE = (
+    "#2ca02c",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#c5b0d5",
+    "#c49c94",
+)
 
 
 def colors_for(names) -> dict:
@@ -61,19 +72,45 @@ def bench_table(bench: dict) -> str:
         if "error" in r:
             rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 13)
             continue
-        rows.append([
-            name, fmt(r.get("step_time_s")), fmt(r.get("compute_s_per_update")), fmt(r.get("comm_s_per_update")),
-            fmt(r.get("overlap_efficiency"), 2), fmt(r.get("samples_per_s"), 1), fmt(r.get("tokens_per_s"), 0),
-            fmt(r.get("speedup_step_vs_ddp"), 2, "x"), fmt(r.get("speedup_step_vs_torch-ddp"), 2, "x"),
-            fmt(r.get("speedup_samples_vs_ddp"), 2, "x"),
-            fmt(r.get("micro_batches_per_update_by_worker")), fmt(r.get("final_eval_loss"), 4),
-            fmt(r.get("time_to_target_loss_s"), 1),
-            fmt(r.get("peak_gpu_mem_mb") or r.get("peak_rss_mb"), 0), fmt((r.get("load") or {}).get("other_cpu_cores"), 2),
-        ])
-    return md_table(["method", "step s", "compute s", "comm s", "overlap eff.", "samples/s", "tokens/s",
-                     "speedup vs ddp (step)", "vs torch-ddp (step)", "vs ddp (samples/s)",
-                     "micro-batches/update by worker", "final eval loss", "s to target loss", "peak MiB (GPU allocator on a GPU, else RSS)",
-                     "other load (cores)"], rows)
+        rows.append(
+            [
+                name,
+                fmt(r.get("step_time_s")),
+                fmt(r.get("compute_s_per_update")),
+                fmt(r.get("comm_s_per_update")),
+                fmt(r.get("overlap_efficiency"), 2),
+                fmt(r.get("samples_per_s"), 1),
+                fmt(r.get("tokens_per_s"), 0),
+                fmt(r.get("speedup_step_vs_ddp"), 2, "x"),
+                fmt(r.get("speedup_step_vs_torch-ddp"), 2, "x"),
+                fmt(r.get("speedup_samples_vs_ddp"), 2, "x"),
+                fmt(r.get("micro_batches_per_update_by_worker")),
+                fmt(r.get("final_eval_loss"), 4),
+                fmt(r.get("time_to_target_loss_s"), 1),
+                fmt(r.get("peak_gpu_mem_mb") or r.get("peak_rss_mb"), 0),
+                fmt((r.get("load") or {}).get("other_cpu_cores"), 2),
+            ]
+        )
+    return md_table(
+        [
+            "method",
+            "step s",
+            "compute s",
+            "comm s",
+            "overlap eff.",
+            "samples/s",
+            "tokens/s",
+            "speedup vs ddp (step)",
+            "vs torch-ddp (step)",
+            "vs ddp (samples/s)",
+            "micro-batches/update by worker",
+            "final eval loss",
+            "s to target loss",
+            "peak MiB (GPU allocator on a GPU, else RSS)",
+            "other load (cores)",
+        ],
+        rows,
+    )
 
 
 def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
@@ -82,45 +119,64 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     lines = [f"# acco-bench cluster: {cfg['hosts']} hosts, {net.get('note', '')}", ""]
     slow = cfg.get("slow_worker")
     lines.append(
-        f"Model `{cfg['model']}` {cfg.get('model_size')}, micro-batch {cfg['batch_size']} x {cfg['max_length']} "
-        f"tokens, {cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per "
-        f"round, two rounds per update), nb_steps_tot {cfg['nb_steps_tot']}, seed {cfg['seed']}, "
-        f"accumulate_while_waiting {cfg['accumulate_while_waiting']}, mixed precision {cfg['mixed_precision']}, "
-        f"{cfg.get('worker_threads')} torch thread(s) per worker, scheduler {cfg.get('sched', 'normal')}"
-        + (f", rank {slow[0]} slowed down {slow[1]}x" if slow else "") + ".")
+        f"Model `{cfg['model']}` {cfg.get('model_size')}, micro-batch {cfg['batch_size']} x "
+        f"{cfg['max_length']} tokens, {cfg['grad_accum']} micro-batches per worker per update (acco "
+        f"{cfg['grad_accum'] // 2} per round, two rounds per update), nb_steps_tot {cfg['nb_steps_tot']}, "
+        f"seed {cfg['seed']}, accumulate_while_waiting {cfg['accumulate_while_waiting']}, mixed precision "
+        f"{cfg['mixed_precision']}, {cfg.get('worker_threads')} torch thread(s) per worker, scheduler "
+        f"{cfg.get('sched', 'normal')}"
+        + (f", rank {slow[0]} slowed down {slow[1]}x" if slow else "")
+        + "."
+    )
     m = cfg.get("machine", {})
     lines.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), torch {m.get('torch')}, gloo.")
     lines.append("")
     lines.append(bench_table(bench))
     b = bench.get("bounds") or {}
     if b:
-        lines += ["", f"ddp: compute C = {fmt(b['ddp_compute_s'])} s, comm M = {fmt(b['ddp_comm_s'])} s per update "
-                  f"(comm {fmt(100 * b['ddp_comm_fraction'], 0)}% of C+M). Ideal speedup of one overlapped round per "
-                  f"update (C+M)/max(C,M) = {fmt(b['ideal_overlap'], 2)}x; an acco update runs two rounds, plain "
-                  f"acco's bound is (C+M)/max(C,2M) = {fmt(b['ideal_acco'], 2)}x; each acco variant's is its own (M_est: an "
-                  "int8 estimate round's time, 2k micro-batches per worker per update, e of them during it):", ""]
+        lines += [
+            "",
+            f"ddp: compute C = {fmt(b['ddp_compute_s'])} s, comm M = {fmt(b['ddp_comm_s'])} s per update "
+            f"(comm {fmt(100 * b['ddp_comm_fraction'], 0)}% of C+M). Ideal speedup of one overlapped round "
+            f"per update (C+M)/max(C,M) = {fmt(b['ideal_overlap'], 2)}x; an acco update runs two rounds, "
+            f"plain acco's bound is (C+M)/max(C,2M) = {fmt(b['ideal_acco'], 2)}x; each acco variant's is its "
+            "own (M_est: an int8 estimate round's time, 2k micro-batches per worker per update, e of them "
+            "during it):",
+            "",
+        ]
         for name, a in bench["methods"].items():  # each acco variant against its own bound
             if a.get("bound_speedup") is not None:
                 acc = (a.get("bound_spec") or {}).get("accumulate")
-                lines.append(f"- {name}: {fmt(a.get('speedup_samples_vs_ddp' if acc else 'speedup_step_vs_ddp'), 2)}x "
-                             f"{'in samples/s' if acc else 'per update'}, {fmt(a.get('fraction_of_bound'), 2)} of "
-                             f"its bound {a['bound_formula']} = {fmt(a['bound_speedup'], 2)}x"
-                             + (f" ({a['bound_terms']})." if a.get("bound_terms") else "."))
-    lines += ["", "step s: median seconds per optimizer update; compute: slowest worker's compute per update; "
-              "comm: ddp's time in its comm round, an overlapped method's comm-thread busy time (acco: both "
-              "rounds), the smallest over workers; overlap eff. = max(compute, comm) / step; samples/s and "
-              "tokens/s: steady state, first update excluded (samples = sequences); s to target loss: wall time until "
-              f"the 3-update running mean of the training loss first reaches {fmt(bench.get('target_train_loss'), 3)}, "
-              "the highest of the methods' final losses; other load: CPU cores used by "
-              "processes other than the workers during the run (above 0.15 the timings are disturbed). "
-              "Ratios are from this one run" + (f" (median of {cfg.get('repeats')} repetitions per method)"
-                                                 if (cfg.get("repeats") or 1) > 1 else "") + "."]
+                lines.append(
+                    f"- {name}: {fmt(a.get('speedup_samples_vs_ddp' if acc else 'speedup_step_vs_ddp'), 2)}x "
+                    f"{'in samples/s' if acc else 'per update'}, {fmt(a.get('fraction_of_bound'), 2)} of "
+                    f"its bound {a['bound_formula']} = {fmt(a['bound_speedup'], 2)}x"
+                    + (f" ({a['bound_terms']})." if a.get("bound_terms") else ".")
+                )
+    lines += [
+        "",
+        "step s: median seconds per optimizer update; compute: slowest worker's compute per update; "
+        "comm: ddp's time in its comm round, an overlapped method's comm-thread busy time (acco: both "
+        "rounds), the smallest over workers; overlap eff. = max(compute, comm) / step; samples/s and "
+        "tokens/s: steady state, first update excluded (samples = sequences); s to target loss: wall time "
+        "until the 3-update running mean of the training loss first reaches "
+        f"{fmt(bench.get('target_train_loss'), 3)}, "
+        "the highest of the methods' final losses; other load: CPU cores used by "
+        "processes other than the workers during the run (above 0.15 the timings are disturbed). "
+        "Ratios are from this one run"
+        + (
+            f" (median of {cfg.get('repeats')} repetitions per method)"
+            if (cfg.get("repeats") or 1) > 1
+            else ""
+        )
+        + ".",
+    ]
     for p in plots or []:
         lines += ["", f"![{p}]({p})"]
     return "\n".join(lines) + "\n"
 
 
-def _write_report(data: dict, out: Path, markdown_name: str, markdown, plot) -> list[str]:
+def write_report(data: dict, out: Path, markdown_name: str, markdown, plot) -> list[str]:
     """The plots, then the Markdown that links them: a failed plot must never lose the numbers."""
     plots = []
     try:
@@ -132,7 +188,7 @@ def _write_report(data: dict, out: Path, markdown_name: str, markdown, plot) -> 
 
 
 def write_bench_report(bench: dict, out: Path) -> list[str]:
-    return _write_report(bench, out, "bench.md", bench_markdown, plot_bench)
+    return write_report(bench, out, "bench.md", bench_markdown, plot_bench)
 
 
 def plot_bench(bench: dict, out: Path) -> list[str]:
@@ -146,13 +202,19 @@ def plot_bench(bench: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(names))
     w = 0.27
-    ax.bar([i - w for i in x], [ok[n]["step_time_s"] or 0 for n in names], w, label="step (median)", color="#444")
+    ax.bar(
+        [i - w for i in x], [ok[n]["step_time_s"] or 0 for n in names], w, label="step (median)", color="#444"
+    )
     ax.bar(list(x), [ok[n]["compute_s_per_update"] or 0 for n in names], w, label="compute", color="#2ca02c")
-    ax.bar([i + w for i in x], [ok[n]["comm_s_per_update"] or 0 for n in names], w, label="comm", color="#17becf")
+    ax.bar(
+        [i + w for i in x], [ok[n]["comm_s_per_update"] or 0 for n in names], w, label="comm", color="#17becf"
+    )
     ax.set_xticks(list(x), names)
     ax.set_ylabel("seconds per optimizer update")
     net = bench["config"].get("network", {})
-    ax.set_title(f"{bench['config']['hosts']} hosts, {net.get('bandwidth') or net.get('kind')}: time per update")
+    ax.set_title(
+        f"{bench['config']['hosts']} hosts, {net.get('bandwidth') or net.get('kind')}: time per update"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "step_time.png", dpi=110)
@@ -185,8 +247,12 @@ def plot_bench(bench: dict, out: Path) -> list[str]:
         k = max(len(v) for v in mb.values())
         w = 0.8 / k
         for r in range(k):
-            ax.bar([i + (r - (k - 1) / 2) * w for i in x], [mb[n][r] if r < len(mb[n]) else 0 for n in names], w,
-                   label=f"rank {r}")
+            ax.bar(
+                [i + (r - (k - 1) / 2) * w for i in x],
+                [mb[n][r] if r < len(mb[n]) else 0 for n in names],
+                w,
+                label=f"rank {r}",
+            )
         ax.set_xticks(list(x), names)
         ax.set_ylabel("micro-batches per update")
         ax.legend()
@@ -214,7 +280,10 @@ def sweep_markdown(sweep: dict, plots: list[str]) -> str:
                fmt(100 * b["ddp_comm_fraction"], 0) if b.get("ddp_comm_fraction") is not None else "-",
                fmt(b.get("ideal_overlap"), 2, "x"), fmt(b.get("ideal_acco"), 2, "x")]
         ms = p["methods"]
-        row += [fmt(ms.get(m, {}).get("step_time_s")) if "error" not in ms.get(m, {}) else "FAILED" for m in methods]
+        row += [
+            fmt(ms.get(m, {}).get("step_time_s")) if "error" not in ms.get(m, {}) else "FAILED"
+            for m in methods
+        ]
         key = "speedup_samples_vs_ddp" if cfg.get("accumulate_while_waiting") else "speedup_step_vs_ddp"
         row += [fmt(ms.get(m, {}).get(key), 2, "x") for m in methods if m != "ddp"]
         rows.append(row)
@@ -227,7 +296,7 @@ def sweep_markdown(sweep: dict, plots: list[str]) -> str:
 
 
 def write_sweep_report(sweep: dict, out: Path) -> list[str]:
-    return _write_report(sweep, out, "sweep.md", sweep_markdown, plot_sweep)
+    return write_report(sweep, out, "sweep.md", sweep_markdown, plot_sweep)
 
 
 def plot_sweep(sweep: dict, out: Path) -> list[str]:
@@ -236,21 +305,33 @@ def plot_sweep(sweep: dict, out: Path) -> list[str]:
     if not points:
         return []
     methods = [m for m in sweep["config"]["methods"] if m != "ddp"]
-    key = "speedup_samples_vs_ddp" if sweep["config"].get("accumulate_while_waiting") else "speedup_step_vs_ddp"
+    key = (
+        "speedup_samples_vs_ddp" if sweep["config"].get("accumulate_while_waiting") else "speedup_step_vs_ddp"
+    )
     labels = [p["label"] for p in points]
     x = list(range(len(points)))
     fig, ax = plt.subplots(figsize=(7, 4))
     for m in methods:
         ys = [p["methods"].get(m, {}).get(key) for p in points]
-        ax.plot(x, [y if y is not None else float("nan") for y in ys], marker="o", label=m, color=COLORS.get(m))
+        ax.plot(
+            x, [y if y is not None else float("nan") for y in ys], marker="o", label=m, color=COLORS.get(m)
+        )
     ideal = [p.get("bounds", {}).get("ideal_overlap") for p in points]
     ideal_a = [p.get("bounds", {}).get("ideal_acco") for p in points]
     ax.plot(x, [y if y else float("nan") for y in ideal], ls="--", color="#999", label="(C+M)/max(C,M)")
-    ax.plot(x, [y if y else float("nan") for y in ideal_a], ls=":", color=COLORS["acco"], label="acco bound (C+M)/max(C,2M)")
+    ax.plot(
+        x,
+        [y if y else float("nan") for y in ideal_a],
+        ls=":",
+        color=COLORS["acco"],
+        label="acco bound (C+M)/max(C,2M)",
+    )
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(x, labels)
     ax.set_xlabel("link bandwidth per host")
-    ax.set_ylabel("speedup over ddp (step time)" if key == "speedup_step_vs_ddp" else "speedup over ddp (samples/s)")
+    ax.set_ylabel(
+        "speedup over ddp (step time)" if key == "speedup_step_vs_ddp" else "speedup over ddp (samples/s)"
+    )
     ax.set_title("where overlap starts to pay")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -263,185 +344,9 @@ def plot_sweep(sweep: dict, out: Path) -> list[str]:
 # convergence
 
 
-def convergence_markdown(conv: dict, plots: list[str]) -> str:
-    cfg = conv["config"]
-    lines = [f"# acco-bench convergence: {cfg.get('data_path') or cfg.get('data')}", ""]
-    size = cfg.get("model_size") or "(the config's own size)"
-    tok = cfg.get("tokenizer") or "the model config's (bpe: trained by the CLI on the corpus)"
-    lines.append(f"Model `{cfg['model']}` {size}, {cfg['hosts']} workers ({cfg.get('network')}), "
-                 f"tokenizer {tok}, micro-batch {cfg['batch_size']} x {cfg['max_length']}, "
-                 f"{cfg['grad_accum']} micro-batches per worker per update (acco {cfg['grad_accum'] // 2} per round), "
-                 f"nb_steps_tot {cfg['nb_steps_tot']}, seeds {cfg['seeds']}, accumulate_while_waiting "
-                 f"{cfg['accumulate_while_waiting']}.")
-    lines.append("")
-    rows = []
-    table = conv["final_eval_loss"]
-    ref = table.get("ddp", {}).get("mean")
-    for m, t in table.items():
-        rel = (t["mean"] / ref - 1) * 100 if ref and t.get("mean") is not None else None
-        pd = t.get("paired_diff_vs_ddp") or {}
-        paired = (f"{fmt(pd.get('mean'), 4)} ± {fmt(pd.get('std'), 4)}" if pd.get("n") else "-")
-        rows.append([m, fmt(t.get("mean"), 4), fmt(t.get("std"), 4), fmt(t.get("min"), 4), fmt(t.get("max"), 4),
-                     fmt(rel, 2, "%") if rel is not None else "-", paired, t.get("n"),
-                     ", ".join(fmt(v, 4) for v in t.get("values", []))])
-    lines.append(md_table(["method", "final eval loss (mean)", "std", "min", "max", "mean vs ddp",
-                           "paired diff vs ddp (same seed), mean ± std", "seeds", "per seed (seed order)"], rows))
-    uc = conv.get("update_closeness")
-    if uc:
-        lines += ["", "## Update closeness", "", uc_markdown(uc)]
-    for f in plots:
-        lines += ["", f"![{f}]({f})"]
-    return "\n".join(lines) + "\n"
-
-
-def uc_markdown(uc: dict) -> str:
-    if "error" in uc:
-        return f"not measured: {uc['error']}"
-    lines = [f"||u_acco - u_adam|| / (||u_acco|| + ||u_adam||) on `{uc['model']}` ({uc['params']} parameters), "
-             f"{uc['micro_batches']} micro-batches of {uc['batch_size']} x {uc['max_length']} per update "
-             f"(acco: half at each point), lr {uc['lr']}, measured after each listed number of plain Adam steps:", ""]
-    rows = []
-    for p in uc["points"]:
-        rows.append([p["after_steps"], fmt(p["brief"], 4), fmt(p["algorithm"], 4), fmt(p["noise"], 4)])
-    lines.append(md_table(["Adam steps before", "acco (theta~ = Opt_trial(theta, 1st half))",
-                           "acco (theta~_t = Opt_trial(theta_{t-1}, half batch))",
-                           "reference: Adam on another batch of the same size"], rows))
-    lines += ["", f"mean: {fmt(uc['mean_brief'], 4)} / {fmt(uc['mean_algorithm'], 4)} / {fmt(uc['mean_noise'], 4)} "
-              "(the paper's review quotes 0.07 to 0.11)."]
-    return "\n".join(lines)
-
-
-def write_convergence_report(conv: dict, out: Path) -> list[str]:
-    return _write_report(conv, out, "convergence.md", convergence_markdown, plot_convergence)
-
-
-def plot_convergence(conv: dict, out: Path) -> list[str]:
-    plt = pyplot()
-    curves = conv.get("curves", {})
-    if not curves:
-        return []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = colors_for(curves)
-    for m, by_seed in curves.items():
-        # align seeds on the eval points they share
-        series = [s for s in by_seed.values() if s]
-        if not series:
-            continue
-        common = sorted(set.intersection(*[set(x for x, _ in s) for s in series]))
-        if not common:
-            continue
-        vals = [[dict(s)[x] for s in series] for x in common]
-        mean = [sum(v) / len(v) for v in vals]
-        ax.plot(common, mean, label=m, color=colors[m], marker=".")
-        if len(series) > 1:
-            ax.fill_between(common, [min(v) for v in vals], [max(v) for v in vals], color=colors[m], alpha=0.15)
-    ax.set_xlabel("samples (sequences over all workers)")
-    ax.set_ylabel("eval loss")
-    ax.set_title("eval loss against samples (mean over seeds, band: min-max)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "eval_loss.png", dpi=110)
-    # zoomed on the last half
-    xs = [x for by_seed in curves.values() for s in by_seed.values() for x, _ in s]
-    ys = [y for by_seed in curves.values() for s in by_seed.values() for x, y in s if xs and x >= max(xs) / 2]
-    if ys:
-        ax.set_xlim(max(xs) / 2, max(xs) * 1.02)
-        lo, hi = min(ys), max(ys)
-        ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
-        ax.set_title("eval loss, second half of training")
-        fig.savefig(out / "eval_loss_zoom.png", dpi=110)
-    plt.close(fig)
-    return ["eval_loss.png", "eval_loss_zoom.png"] if ys else ["eval_loss.png"]
-
-
 def load_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
 # --------------------------------------------------------------------------------------------
 # learning-rate sweep
-
-
-def lr_sweep_markdown(sweep: dict, plots: list[str]) -> str:
-    cfg, summary = sweep["config"], sweep["summary"]
-    methods, table = cfg["methods"], summary["table"]
-    lrs = [f"{float(x):g}" for x in cfg["learning_rates"]]
-    lines = [f"# acco-bench lr-sweep: {cfg.get('data_path') or cfg.get('data')}, model {cfg.get('model')} "
-             f"{cfg.get('model_size') or ''}", "",
-             f"{cfg['hosts']} workers, {cfg['nb_steps_tot']} micro-batches of {cfg['batch_size']} x {cfg['max_length']}, "
-             f"{cfg['grad_accum']} per worker per update (acco {cfg['grad_accum'] // 2} per round), fixed batch; "
-             f"seeds {cfg['seeds']} (extra seeds {cfg.get('extra_seeds') or []} at ddp's best learning rate and half of it); "
-             f"extra overrides: {' '.join(cfg.get('extra') or []) or 'none'}.", "",
-             "Final eval loss, mean over seeds (n seeds, and min-max when more than one):", ""]
-
-    def cell(s: dict) -> str:
-        if not s.get("n"):
-            return "-"
-        spread = f" [{s['min']:.3f}-{s['max']:.3f}]" if s["n"] > 1 else ""
-        return f"{s['mean']:.3f} (n={s['n']}){spread}"
-
-    rows = [[lr] + [cell(table[m].get(lr, {})) for m in methods] for lr in lrs]
-    lines += [md_table(["learning rate"] + methods, rows), ""]
-    best = summary.get("best", {})
-    lines += [md_table(["method", "best learning rate", "best final eval loss"],
-                       [[m, f"{best[m]['learning_rate']:g}", fmt(best[m]["final_eval_loss"])] for m in methods if m in best]), ""]
-    gap_rows = [[m, name.replace("_", " "), f"{g['learning_rate']:g}", g["seeds"], fmt(g["mean_loss"]),
-                 fmt(g["ddp_mean_loss"]), fmt(g["ratio_to_ddp"])]
-                for m, by_point in summary.get("gaps", {}).items() for name, g in by_point.items()]
-    if gap_rows:
-        lines += ["Gap to ddp at ddp's best learning rate and at half of it (same seeds):", "",
-                  md_table(["method", "point", "learning rate", "seeds", "final eval loss", "ddp", "ratio to ddp"],
-                           gap_rows), ""]
-    ref = sweep.get("reference_check")
-    if ref and "error" not in ref:
-        lines += [f"Reference check at learning rate {ref['learning_rate']:g}, seed {ref['seed']}: training loss "
-                  "of the engine against the plain single-process recurrence (acco_bench.reference), first "
-                  f"{ref['updates']} updates:", "",
-                  md_table(["method", "updates", "max abs difference"],
-                           [[m, len(r["engine"]), f"{r['max_abs_diff']:.2e}"] for m, r in ref["methods"].items()]), ""]
-    elif ref:
-        lines += [f"Reference check failed: {ref['error']}", ""]
-    if sweep.get("failed"):
-        lines += ["Failed runs: " + "; ".join(f"{f['method']} lr {f['learning_rate']:g} seed {f['seed']}: {f['error']}"
-                                              for f in sweep["failed"]), ""]
-    lines += [f"![{p}]({p})" for p in plots]
-    return "\n".join(lines) + "\n"
-
-
-def write_lr_sweep_report(sweep: dict, out: Path) -> list[str]:
-    return _write_report(sweep, out, "lr_sweep.md", lr_sweep_markdown, plot_lr_sweep)
-
-
-def plot_lr_sweep(sweep: dict, out: Path) -> list[str]:
-    plt = pyplot()
-    table = sweep["summary"]["table"]
-    fig, (ax, rax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = colors_for(table)  # variants (acco-int8, ...) get colors of their own
-    for m, by_ratio in sweep["summary"].get("ratio_to_ddp", {}).items():
-        points = sorted((float(lr), r) for lr, r in by_ratio.items() if r is not None)
-        if points:
-            rax.plot([x for x, _ in points], [r for _, r in points], marker="o", label=m, color=colors.get(m))
-    rax.axhline(1.0, color=COLORS["ddp"], lw=1)
-    rax.axhline(1.03, color="grey", ls="--", lw=1, label="ddp + 3%")
-    rax.set_xscale("log")
-    rax.set_ylim(0.8, 1.6)
-    rax.set_xlabel("learning rate")
-    rax.set_ylabel("final eval loss / ddp's (same seeds)")
-    rax.set_title("ratio to ddp (clipped to 1.6)")
-    rax.legend()
-    for m, by_lr in table.items():
-        points = sorted((float(lr), s) for lr, s in by_lr.items() if s.get("n"))
-        if not points:
-            continue
-        xs = [x for x, _ in points]
-        ax.plot(xs, [s["mean"] for _, s in points], marker="o", label=m, color=colors[m])
-        ax.fill_between(xs, [s["min"] for _, s in points], [s["max"] for _, s in points], color=colors[m], alpha=0.15)
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("final eval loss")
-    ax.set_title("final eval loss against learning rate (mean over seeds, band: min-max)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "final_loss_vs_lr.png", dpi=110)
-    plt.close(fig)
-    return ["final_loss_vs_lr.png"]

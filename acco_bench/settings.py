@@ -77,7 +77,8 @@ class BenchSettings:
     loopback: bool = False
     timeout_s: float = 600.0  # per method
     repeats: int = 1  # every method runs that many times, interleaved; the median run is reported
-    retry_disturbed: int = 2  # run a method again (that many times at most) when other processes loaded the CPU
+    # run a method again (that many times at most) when other processes loaded the CPU
+    retry_disturbed: int = 2
     # "normal": workers under the default scheduler; "batch": under SCHED_BATCH, so that gloo's
     # I/O thread, woken thousands of times a second by a shaped link, does not preempt the compute
     # thread on every wake-up (see BENCHMARKS.md: the emulation's cores are shared with the network)

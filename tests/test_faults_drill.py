@@ -15,8 +15,8 @@ from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
 from acco import checkpoint
 from acco_bench.fault_job import last_step
+from acco_bench.fault_plan import DrillSettings, plan_faults
 from acco_bench.fault_results import bits_equal
-from acco_bench.faults import DrillSettings, plan_faults
 
 
 def test_the_plan_is_seeded_starts_with_a_warm_start_kill_and_has_every_kind():

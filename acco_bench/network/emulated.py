@@ -159,7 +159,9 @@ class EmulatedCluster:
             self._add_ns(ns)
             dev, peer = self.ifname(i), f"p{i}"
             # created inside the host namespace, peer moved straight into the bridge namespace
-            run_command(["ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", peer, "netns", br])
+            run_command(
+                ["ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", peer, "netns", br]
+            )
             run_command(["ip", "-n", br, "link", "set", peer, "master", "b0"])
             run_command(["ip", "-n", br, "link", "set", peer, "up"])
             run_command(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", dev])

@@ -83,7 +83,9 @@ class Network:
         self._port += 1
         return self.cluster.addr(0), self._port
 
-    def popen(self, rank: int, argv: list[str], env: dict, log, sched_batch: bool = False) -> subprocess.Popen:
+    def popen(
+        self, rank: int, argv: list[str], env: dict, log, sched_batch: bool = False
+    ) -> subprocess.Popen:
         kw = dict(env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                   start_new_session=True, preexec_fn=_preexec(sched_batch))
         if self.cluster is None:
