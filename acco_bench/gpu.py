@@ -3,20 +3,22 @@
 1. Throughput: tokens/s and MFU of GPT-Neo 125M (random init, random tokens) in bf16
    - through acco's engine, world size 1, method acco (the comm worker runs every round on its
      side stream and thread) and method ddp (the same pieces with no overlap);
-   - a plain PyTorch loop on the same model and data: bf16 parameters with fused AdamW (the same
-     arithmetic as the engine's bf16 model), and the usual recipe, fp32 parameters under bf16
-     autocast with fused AdamW;
+   - a plain loop on the same model and data: bf16 parameters with fused AdamW (the engine's
+     arithmetic), and fp32 parameters under bf16 autocast with fused AdamW (the usual recipe);
    - a variant name ending in ``-gc`` (``engine-acco-gc``, ``plain-bf16-gc``) runs the same with
      gradient checkpointing (transformers' non-reentrant, as ``train.gradient_checkpointing``):
-     each variant's peak GPU memory is measured from a reset, so the two can be compared.
+     each variant's peak GPU memory is measured from a reset, so the two can be compared;
+   - ``-compiled`` (``engine-acco-compiled``, ``plain-bf16-compiled``): blocks and the loss's
+     per-chunk pass compiled as ``train.compile`` does (``--compile-backend``); the others eager
+     (the side-stream check below runs compiled where ``engine-acco-compiled`` is asked).
    Every variant does ``2 * grad_accum`` micro-batches of ``batch_size x max_length`` tokens per
-   optimizer update (acco: ``grad_accum`` per round, two rounds per update) and is timed over
-   ``--steps`` updates after ``--warmup`` updates.
+   update (acco: ``grad_accum`` per round, two per update), timed over ``--steps`` after ``--warmup``.
 2. Side-stream overlap: the engine runs acco with ``accumulate_while_waiting`` on, once as is,
    once with ``engine.comm.delay_hook`` putting ``torch.cuda._sleep`` of ``--delay-ms`` on the comm
    side stream in every round, and once (negative control) with the same sleep on the compute
    stream. The first two must compute micro-batches at the same pace (ratio <= 1.10) while the
    delayed rounds really last longer (more micro-batches per round); the control must slow down.
+3. On CUDA (or ``--micro on``): a one-minute micro-benchmark of the pieces (gpu_micro.py).
 
 MFU = tokens/s x training FLOPs per token (``acco.models.flops_per_token``: 6N + 12 L H Q T) /
 the device's dense bf16 peak (a table of known devices, or ``--peak-tflops``).
@@ -24,16 +26,16 @@ the device's dense bf16 peak (a table of known devices, or ``--peak-tflops``).
 ``--nproc 2`` (or more) runs the engine variants and the side-stream check on that many processes,
 one GPU each, joined on NCCL through acco's own ``init_distributed`` (its NCCL timeout, error
 handling and ``device_id``): tokens/s are over all workers, the comm rounds really cross GPUs. The
-plain variants are single-process and are left out. Fewer GPUs than ``--nproc``: skipped, with why.
-(``--device cpu --nproc 2``: the same processes on gloo, to check the code path.)
+plain variants are single-process and are left out. Fewer GPUs than ``--nproc``: skipped, with why
+(``--device cpu --nproc 2``: the same processes on gloo, to check the code path).
 
-Without CUDA it says so and exits 0 (``--require-cuda``: exit 3), having written ``gpu.json`` with
-the reason. ``--device cpu`` runs the throughput part on the CPU (for checking the code path with a
-small model; no MFU, no stream check).
+Without CUDA it says so and exits 0 (``--require-cuda``: exit 3), the reason in ``gpu.json``.
+``--device cpu``: the throughput part on the CPU, a check of the code path (no MFU, no stream check).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -64,8 +66,11 @@ def add_arguments(p) -> None:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="side-stream sleep per comm round for the overlap check (0: 3 x a round's compute)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for MFU")
-    p.add_argument("--variants", default="engine-acco,engine-ddp,plain-bf16,plain-autocast,engine-acco-gc,plain-bf16-gc",
-                   help="throughput variants to run (a -gc suffix: with gradient checkpointing)")
+    p.add_argument("--variants", default="engine-acco-compiled,plain-bf16-compiled,engine-acco,engine-ddp,plain-bf16,"
+                   "plain-autocast,engine-acco-gc,plain-bf16-gc",
+                   help="throughput variants to run (suffix -compiled: train.compile; -gc: gradient checkpointing)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the -compiled variants")
+    p.add_argument("--micro", choices=("auto", "on", "off"), default="auto", help="the micro-benchmark (auto: CUDA)")
     p.add_argument("--no-stream-check", action="store_true", help="skip the side-stream check")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (code-path check only)")
     p.add_argument("--require-cuda", action="store_true", help=f"exit {NO_CUDA_EXIT} when there is no CUDA device")
@@ -93,11 +98,8 @@ def _random_batches(vocab: int, batch_size: int, max_length: int, device, n: int
     return [{"input_ids": x, "labels": x} for x in pool]
 
 
-def _cycle(pool, limit: int | None = None):
-    i = 0
-    while limit is None or i < limit:
-        yield pool[i % len(pool)]
-        i += 1
+def _cycle(pool):
+    return itertools.cycle(pool)
 
 
 def _sync(device) -> None:
@@ -137,7 +139,7 @@ def _loss_fn():
 
 
 def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = False, delay=None,
-               budget: int | None = None, checkpointing: bool = False) -> dict:
+               budget: int | None = None, checkpointing: bool = False, compiled: bool = False) -> dict:
     """Train through the engine at world size 1; tokens/s over the timed updates, and the
     per-micro-batch compute time."""
     import torch
@@ -152,7 +154,8 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     budget *= world  # nb_steps_tot counts every worker's micro-batches
     cfg = EngineConfig(method=method, n_grad_accumulation=k if method == "acco" else per_update,
                        nb_steps_tot=budget, use_mixed_precision=True,
-                       accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=LR)
+                       accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=LR,
+                       compile=args.compile_backend if compiled else False)
     engine = build_engine(model, cfg)
     if delay is not None:
         engine.comm.delay_hook = delay
@@ -190,17 +193,19 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     }
 
 
-def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False) -> dict:
+def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False, compiled: bool = False) -> dict:
     """A plain loop: forward/backward 2k micro-batches, fused AdamW step (CUDA, and the CPU since
     torch 2.4), zero_grad."""
     import contextlib
 
     import torch
 
+    from acco.engine.compiling import compile_module
     from acco.engine.config import EngineSettings
 
     dtype = torch.float32 if autocast else torch.bfloat16
     model = _fresh_model(args, vocab, device, dtype, checkpointing)
+    compile_module(model, {"backend": args.compile_backend} if compiled else None)  # as build_engine does
     s = EngineSettings()  # the engine's AdamW, its defaults
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                             weight_decay=s.weight_decay, fused=True)
@@ -265,9 +270,10 @@ def stream_check(args, device, vocab: int, pool, ms_per_micro_batch: float) -> d
         with torch.cuda.stream(torch.cuda.default_stream(device)):
             torch.cuda._sleep(cycles)
 
-    base = run_engine(args, "acco", device, vocab, pool, accumulate=True, budget=budget)
-    side = run_engine(args, "acco", device, vocab, pool, accumulate=True, delay=side_stream_sleep, budget=budget)
-    ctrl = run_engine(args, "acco", device, vocab, pool, accumulate=True, delay=compute_stream_sleep, budget=budget)
+    kw = dict(accumulate=True, budget=budget, compiled="engine-acco-compiled" in args.variants)  # as it runs
+    base = run_engine(args, "acco", device, vocab, pool, **kw)
+    side = run_engine(args, "acco", device, vocab, pool, delay=side_stream_sleep, **kw)
+    ctrl = run_engine(args, "acco", device, vocab, pool, delay=compute_stream_sleep, **kw)
     ratio = side["s_per_micro_batch"] / base["s_per_micro_batch"]
     ctrl_ratio = ctrl["s_per_micro_batch"] / base["s_per_micro_batch"]
     round_grew = side["micro_batches_per_round"] > base["micro_batches_per_round"] + 0.5
@@ -368,14 +374,16 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
         base = variant.removesuffix("-gc")
         gc = base != variant  # with gradient checkpointing
+        compiled, base = base.endswith("-compiled"), base.removesuffix("-compiled")
         if world > 1 and base.startswith("plain-"):
             continue  # single-process loops
         if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
             torch.cuda.reset_peak_memory_stats(device)
         if base in ("engine-acco", "engine-ddp"):
-            r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, checkpointing=gc)
+            r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, checkpointing=gc, compiled=compiled)
         elif base in ("plain-bf16", "plain-autocast"):
-            r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", checkpointing=gc)
+            r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", checkpointing=gc,
+                          compiled=compiled)
         else:
             print(f"acco-bench gpu: unknown variant {variant!r}", file=sys.stderr)
             return 2
@@ -387,7 +395,8 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
     v = result["variants"]
     for a, b in (("engine-acco", "plain-bf16"), ("engine-acco", "plain-autocast"), ("engine-ddp", "plain-bf16"),
-                 ("engine-acco-gc", "plain-bf16-gc")):
+                 ("engine-acco-gc", "plain-bf16-gc"), ("engine-acco-compiled", "plain-bf16-compiled"),
+                 ("engine-acco-compiled", "engine-acco")):
         if a in v and b in v:
             result[f"ratio_{a}_over_{b}"] = v[a]["tokens_per_s"] / v[b]["tokens_per_s"]
     for a in list(v):  # what checkpointing saves: peak memory with it over without
@@ -400,6 +409,10 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         say(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
               f"{sc['delay_ms_per_round']:.0f} ms sleep per round on the comm stream (control on the compute "
               f"stream: x{sc['compute_slowdown_control']:.2f}); {'PASSED' if sc['passed'] else 'FAILED'}")
+    if rank == 0 and (args.micro == "on" or (args.micro == "auto" and device.type == "cuda")):
+        from acco_bench.gpu_micro import from_args
+
+        result["micro"] = from_args(args, device)
     if rank == 0:
         (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "gpu.md").write_text(gpu_markdown(result))
@@ -429,5 +442,9 @@ def gpu_markdown(r: dict) -> str:
                   f"x{sc['compute_slowdown_side_stream']:.3f} (micro-batches per round "
                   f"{sc['no_delay']['micro_batches_per_round']:.1f} -> {sc['side_stream_delay']['micro_batches_per_round']:.1f});"
                   f" the same sleep on the compute stream (control): x{sc['compute_slowdown_control']:.2f}."]
+    if r.get("micro"):
+        from acco_bench.gpu_micro import markdown
+
+        lines += markdown(r["micro"])
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,153 @@
+"""``acco-bench gpu``'s micro-benchmark: where a GPT-Neo micro-batch's time goes, piece by piece, at
+the benchmark's shapes (batch x length rows, the model's width, heads, window and vocabulary), in
+about a minute on a GPU. Each piece is timed forward and backward (median of ``repeats`` runs
+after a warm-up that also compiles), milliseconds:
+
+- ``head_gemm``: the LM head's three GEMMs (logits, d hidden, d head) at the model's vocabulary
+  and at it padded to a multiple of 128 (50257 -> 50304 for GPT-Neo): what the fused loss's padding
+  buys;
+- ``gelu``: ``gelu_new`` (eight ops) against ``gelu_pytorch_tanh`` (one kernel) on the MLP's
+  activations;
+- ``local_attention``: a local layer (sliding window) through SDPA with an explicit mask (what runs
+  today), SDPA ``is_causal`` (the flash kernel; a bound, it ignores the window), and
+  ``flex_attention`` with a sliding-window causal block mask, compiled (on CUDA; the CPU runs its
+  forward only, eagerly: torch 2.13 has no flex backward there);
+- ``loss``: the loss acco computed before (checkpointed head, fp32 cross-entropy per chunk) against
+  the fused one, eager and compiled.
+
+``--device cpu`` runs the same code at tiny shapes: a check of the code path, not a measurement.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _timer(device, repeats: int):
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def measure(fn) -> float:
+        fn()  # warm-up, compiles
+        sync()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times)
+
+    return measure
+
+
+def window_mask(length: int, window: int, device):
+    """GPT-Neo's local layers: key j is visible from query i when 0 <= i - j < window."""
+    import torch
+
+    i = torch.arange(length, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
+
+
+def todays_loss(hidden, weight, targets, chunk: int = 1024):
+    """acco's loss before the fused one: per chunk a checkpointed head and an fp32 cross-entropy."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    def part(h, t):
+        return F.cross_entropy(F.linear(h, weight).float(), t, ignore_index=-100, reduction="sum")
+
+    pairs = zip(hidden.split(chunk), targets.split(chunk))
+    return sum(checkpoint(part, h, t, use_reentrant=False) for h, t in pairs)
+
+
+def run(device, rows: int, length: int, hidden: int, heads: int, vocab: int, window: int, backend: str | None,
+        repeats: int = 20) -> dict:  # fmt: skip
+    """The four breakdowns above; `backend` compiles flex attention and the fused loss (None: eager)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    from acco.loss import linear_cross_entropy
+
+    measure = _timer(device, repeats)
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, grad=False):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen).requires_grad_(grad)
+
+    out: dict = {"rows": rows, "backend": backend}
+    h = randn(rows, hidden)
+    head = {}
+    for v in sorted({vocab, -(-vocab // 128) * 128}):
+        w, g = randn(v, hidden), randn(rows, v)
+        head[f"vocab_{v}"] = measure(lambda w=w, g=g: (h @ w.t(), g @ w, g.t() @ h))
+    out["head_gemm"] = head
+    x, dy = randn(rows, 4 * hidden, grad=True), randn(rows, 4 * hidden)
+    out["gelu"] = {name: measure(lambda act=act: act(x).backward(dy))
+                   for name, act in (("gelu_new", NewGELUActivation()), ("gelu_pytorch_tanh", GELUTanh()))}  # fmt: skip
+    batch = max(1, rows // length)
+    q, k, v = (randn(batch, heads, length, hidden // heads, grad=True) for _ in range(3))
+    do = randn(batch, heads, length, hidden // heads)
+    mask = window_mask(length, window, device)
+    attention = {
+        "sdpa_masked": measure(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).backward(do)),
+        "sdpa_is_causal": measure(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0).backward(do)),
+    }  # fmt: skip
+    attention["flex_sliding_window"] = _flex(measure, q, k, v, do, window, backend, device)
+    out["local_attention"] = attention
+    targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    hg, wg = randn(rows, hidden, grad=True), randn(vocab, hidden, grad=True)
+    loss = {"todays": measure(lambda: todays_loss(hg, wg, targets).backward()),
+            "fused": measure(lambda: linear_cross_entropy(hg, wg, None, targets).backward())}  # fmt: skip
+    if backend:
+        options = {"backend": backend}
+        loss["fused_compiled"] = measure(
+            lambda: linear_cross_entropy(hg, wg, None, targets, compile_options=options).backward()
+        )
+    out["loss"] = loss
+    return out
+
+
+def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> float:
+    """flex_attention on a sliding-window causal block mask: compiled forward and backward on CUDA,
+    the eager forward on the CPU (a check that the mask and call are right, no timing to read)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    length = q.shape[-2]
+    block_mask = create_block_mask(mask_mod, None, None, length, length, device=device)
+    if device.type != "cuda":
+        q, k, v = (t.detach() for t in (q, k, v))
+        return measure(lambda: flex_attention(q, k, v, block_mask=block_mask, scale=1.0))
+    flex = torch.compile(flex_attention, backend=backend) if backend else flex_attention
+    return measure(lambda: flex(q, k, v, block_mask=block_mask, scale=1.0).backward(do))
+
+
+def from_args(args, device) -> dict:
+    """`run` at acco-bench gpu's shapes: --model's width, heads, window and vocabulary, --batch-size
+    x --max-length rows; compiled with --compile-backend on CUDA."""
+    from acco_bench.settings import model_settings
+
+    m = model_settings(args.model)
+    return run(device, args.batch_size * args.max_length, args.max_length, int(m["hidden_size"]), int(m["num_heads"]),
+               int(m.get("vocab_size") or 50257), int(m.get("window_size") or 256),
+               args.compile_backend if device.type == "cuda" else None)  # fmt: skip
+
+
+def markdown(m: dict) -> list[str]:
+    lines = ["", f"Micro-benchmark ({m['rows']} rows, bf16, forward and backward, ms, median; compiled with "
+             f"{m['backend'] or 'nothing'}):", ""]  # fmt: skip
+    for group in ("head_gemm", "gelu", "local_attention", "loss"):
+        parts = ", ".join(f"{name} {ms:.3f}" for name, ms in m[group].items())
+        lines.append(f"- {group}: {parts}")
+    return lines

@@ -1,0 +1,70 @@
+"""acco-bench gpu's compiled variants and micro-benchmark reach their code on the CPU (tiny shapes,
+aot_eager), so that the first GPU run does not crash in them; flex attention's sliding-window block
+mask gives GPT-Neo's local attention (its forward, on the CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from acco_bench import gpu_micro
+from acco_bench.cli import main
+
+
+def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu"
+    variants = ["engine-acco-compiled", "plain-bf16-compiled", "engine-acco"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["gpu", "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--max-length", "16",
+                     "--steps", "2", "--warmup", "1", "--variants", ",".join(variants), "--compile-backend",
+                     "aot_eager", "--micro", "on", "--out", str(out)]) == 0  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads((out / "gpu.json").read_text())
+    v = result["variants"]
+    assert list(v) == variants and all(r["tokens_per_s"] > 0 for r in v.values())
+    assert v["engine-acco-compiled"]["final_loss"] == pytest.approx(v["engine-acco"]["final_loss"], rel=1e-3)
+    assert result["ratio_engine-acco-compiled_over_plain-bf16-compiled"] > 0
+    micro = result["micro"]
+    assert set(micro["head_gemm"]) == {"vocab_2048"}  # already a multiple of 128
+    assert set(micro["gelu"]) == {"gelu_new", "gelu_pytorch_tanh"}
+    assert set(micro["local_attention"]) == {"sdpa_masked", "sdpa_is_causal", "flex_sliding_window"}
+    assert set(micro["loss"]) == {"todays", "fused"}  # compiled on CUDA only
+    assert all(
+        ms > 0 for group in ("head_gemm", "gelu", "local_attention", "loss") for ms in micro[group].values()
+    )
+    assert "- local_attention: sdpa_masked" in (out / "gpu.md").read_text()
+
+
+def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
+    m = gpu_micro.run(torch.device("cpu"), rows=32, length=16, hidden=16, heads=2, vocab=203, window=4,
+                      backend="aot_eager", repeats=1)  # fmt: skip
+    assert set(m["head_gemm"]) == {"vocab_203", "vocab_256"}
+    assert set(m["loss"]) == {"todays", "fused", "fused_compiled"}
+
+
+@pytest.mark.parametrize("window", [4, 16])
+def test_flex_sliding_window_is_gpt_neos_local_attention(window):
+    """The block mask acco-bench times (and a flex path for GPT-Neo's local layers would use) equals
+    the explicit mask of acco's SDPA (tests/test_attention.py: equal to eager), forward only."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=gen) for _ in range(3))
+    mask = gpu_micro.window_mask(16, window, q.device)
+    causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
+    assert torch.equal(mask, causal ^ torch.tril(causal, -window))  # GPT-Neo's local bias in transformers
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    block_mask = create_block_mask(mask_mod, None, None, 16, 16, device="cpu")
+    with torch.no_grad():
+        got = flex_attention(q, k, v, block_mask=block_mask, scale=1.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
