@@ -13,6 +13,13 @@ in its window) SDPA gets ``is_causal=True`` and no mask, which lets it take its 
 GPU; an explicit mask rules that kernel out. Whether a batch has padding is decided once per
 forward by transformers' mask builder (see `use_sdpa`), never by reading a GPU tensor per layer.
 
+A local layer whose window cuts in (no padding, T > window_size) runs on CUDA under compile
+(``train.compile``) through `flex_local`: ``flex_attention`` with a sliding-window causal block
+mask, which skips the key blocks the window masks instead of computing the full T x T; elsewhere
+(the CPU, eager, padding, a KV cache) it keeps SDPA's explicit mask. FLEX_LOCAL = False turns it
+off. torch 2.13 has no flex backward on the CPU: its forward is tested there against eager
+attention (tests/test_attention.py), its backward only on a GPU.
+
 `skip_packing_check` removes the host sync that the mask builder itself costs (every model acco
 builds, GPT-Neo and Llama): with no attention mask, transformers reads ``.all()`` of a tensor made
 from the position ids to tell packed sequences apart, a sync per forward on a GPU that also rules
@@ -29,6 +36,25 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoModel, GPTNeoSelfAttention
 
+FLEX_LOCAL = True  # local layers through flex_attention on CUDA under compile (the module docstring)
+
+
+def flex_local(query, key, value, window: int):
+    """GPT-Neo's local attention (key j visible from query i when 0 <= i - j < window, no scaling)
+    through flex_attention; the block mask is built in the caller's graph, once per length."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def sliding_window_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    length = query.size(-2)
+    block_mask = create_block_mask(sliding_window_causal, None, None, length, length, device=query.device)
+    return flex_attention(query, key, value, block_mask=block_mask, scale=1.0)
+
+
+def _use_flex(query, dropout: float) -> bool:
+    return FLEX_LOCAL and dropout == 0.0 and query.is_cuda and torch.compiler.is_compiling()
+
 
 class GPTNeoSDPAttention(GPTNeoSelfAttention):
     def _attn(self, query, key, value, attention_mask=None):
@@ -42,6 +68,8 @@ class GPTNeoSDPAttention(GPTNeoSelfAttention):
                 query, key, value, dropout_p=dropout, is_causal=True, scale=1.0
             )
             return out, None
+        if attention_mask is None and q_len == k_len and _use_flex(query, dropout):  # a local layer
+            return flex_local(query, key, value, self.config.window_size), None
         allowed = self.bias[:, :, k_len - q_len : k_len, :k_len]  # causal, and the window for local layers
         if attention_mask is None:
             mask = allowed

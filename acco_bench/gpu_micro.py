@@ -116,21 +116,18 @@ def run(device, rows: int, length: int, hidden: int, heads: int, vocab: int, win
 
 
 def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> float:
-    """flex_attention on a sliding-window causal block mask: compiled forward and backward on CUDA,
-    the eager forward on the CPU (a check that the mask and call are right, no timing to read)."""
+    """acco's flex path for GPT-Neo's local layers (acco/attention.py's flex_local, its block mask
+    built in the graph): compiled forward and backward on CUDA, the eager forward on the CPU (a
+    check that the mask and call are right, no timing to read)."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    from acco.attention import flex_local
 
-    length = q.shape[-2]
-    block_mask = create_block_mask(mask_mod, None, None, length, length, device=device)
     if device.type != "cuda":
         q, k, v = (t.detach() for t in (q, k, v))
-        return measure(lambda: flex_attention(q, k, v, block_mask=block_mask, scale=1.0))
-    flex = torch.compile(flex_attention, backend=backend) if backend else flex_attention
-    return measure(lambda: flex(q, k, v, block_mask=block_mask, scale=1.0).backward(do))
+        return measure(lambda: flex_local(q, k, v, window))
+    flex = torch.compile(flex_local, backend=backend) if backend else flex_local
+    return measure(lambda: flex(q, k, v, window).backward(do))
 
 
 def from_args(args, device) -> dict:

@@ -98,3 +98,23 @@ def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, pa
         assert len(calls) == len(kinds)
         assert [kind for kind, (no_mask, causal) in zip(kinds, calls) if no_mask and causal] == fast
         assert all(no_mask == causal for no_mask, causal in calls)  # a mask or is_causal, never both
+
+
+@pytest.mark.parametrize("window", [4, 16])
+def test_flex_local_layers_equal_eager_forward(monkeypatch, window):
+    """The flex_attention path of local layers (taken on CUDA under compile: forced here) equals
+    eager attention in the forward pass (torch 2.13 has no flex backward on the CPU); a local layer
+    whose window holds every key keeps SDPA's causal path."""
+    import acco.attention
+
+    eager, sdpa = _models(window)
+    assert not acco.attention._use_flex(torch.zeros(1), 0.0)  # the CPU, not compiling: never
+    calls = []
+    real = acco.attention.flex_local
+    monkeypatch.setattr(acco.attention, "_use_flex", lambda query, dropout: True)
+    monkeypatch.setattr(acco.attention, "flex_local", lambda *a: calls.append(a[-1]) or real(*a))
+    x, _ = _batch(False)
+    with torch.no_grad():
+        want, got = eager(input_ids=x).logits, sdpa(input_ids=x).logits
+    assert calls == ([window, window] if window < LENGTH else [])  # the two local layers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

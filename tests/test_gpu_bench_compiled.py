@@ -1,6 +1,6 @@
 """acco-bench gpu's compiled variants and micro-benchmark reach their code on the CPU (tiny shapes,
-aot_eager), so that the first GPU run does not crash in them; flex attention's sliding-window block
-mask gives GPT-Neo's local attention (its forward, on the CPU)."""
+aot_eager), so that the first GPU run does not crash in them; the attention it times for a local
+layer is GPT-Neo's (forward, on the CPU)."""
 
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
 
 
 @pytest.mark.parametrize("window", [4, 16])
-def test_flex_sliding_window_is_gpt_neos_local_attention(window):
-    """The block mask acco-bench times (and a flex path for GPT-Neo's local layers would use) equals
-    the explicit mask of acco's SDPA (tests/test_attention.py: equal to eager), forward only."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def test_the_micro_benchmarks_masks_are_gpt_neos_local_attention(window):
+    """The explicit mask the micro-benchmark gives SDPA is GPT-Neo's local bias, and acco's flex path
+    (acco/attention.py's flex_local, which it times) computes the same attention, forward only."""
+    from acco.attention import flex_local
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8, generator=gen) for _ in range(3))
@@ -60,11 +60,4 @@ def test_flex_sliding_window_is_gpt_neos_local_attention(window):
     causal = torch.tril(torch.ones(16, 16, dtype=torch.bool))
     assert torch.equal(mask, causal ^ torch.tril(causal, -window))  # GPT-Neo's local bias in transformers
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-
-    block_mask = create_block_mask(mask_mod, None, None, 16, 16, device="cpu")
-    with torch.no_grad():
-        got = flex_attention(q, k, v, block_mask=block_mask, scale=1.0)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex_local(q, k, v, window), expected, rtol=1e-5, atol=1e-5)
