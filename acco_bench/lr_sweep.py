@@ -112,7 +112,7 @@ def reference_check(
     settings: BenchSettings, lr: float, seed: int, run_root: Path, updates: int, log=print
 ) -> dict:
     """Train losses of the engine's runs (read from their metrics.jsonl) against the plain reference's."""
-    from acco_bench.reference import build_case, simulate
+    from acco_bench.reference_lm import build_case, simulate
 
     overrides = replace(settings, seed=seed).overrides("ddp", run_root / "reference", 0) + [
         f"train.learning_rate={lr!r}"

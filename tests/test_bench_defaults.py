@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from acco.engine.config import EngineConfig, EngineSettings
-from acco_bench import reference
+from acco_bench import reference, reference_lm
 from acco_bench.cli import _settings, build_parser
 from acco_bench.lr_sweep import estimate_of
 from acco_bench.settings import BenchSettings
@@ -42,7 +42,7 @@ def test_the_reference_check_uses_the_runs_estimate():
     assert estimate_of("acco-paper", train) == "paper"
     assert estimate_of("acco-lean", {"acco_estimate": "paper"}) == "lean"
     # simulate takes clipping and the estimate from the case's train config, not defaults of its own
-    own = set(inspect.signature(reference.simulate).parameters)
+    own = set(inspect.signature(reference_lm.simulate).parameters)
     assert not {"estimate", "max_grad_norm", "weight_decay"} & own
 
 
