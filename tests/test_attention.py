@@ -100,21 +100,29 @@ def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, pa
         assert all(no_mask == causal for no_mask, causal in calls)  # a mask or is_causal, never both
 
 
-@pytest.mark.parametrize("window", [4, 16])
-def test_flex_local_layers_equal_eager_forward(monkeypatch, window):
+@pytest.mark.parametrize("window, compiled", [(4, False), (16, False), (4, True)])
+def test_flex_local_layers_equal_eager_forward(monkeypatch, window, compiled):
     """The flex_attention path of local layers (taken on CUDA under compile: forced here) equals
-    eager attention in the forward pass (torch 2.13 has no flex backward on the CPU); a local layer
-    whose window holds every key keeps SDPA's causal path."""
+    eager attention in the forward pass (torch 2.13 has no flex backward on the CPU), also traced
+    inside the compiled blocks (dynamo's graph, the block mask built in it); a local layer whose
+    window holds every key keeps SDPA's causal path."""
     import acco.attention
+    from acco.engine.compiling import compile_module
 
     eager, sdpa = _models(window)
+    graphs = []
+    if compiled:  # dynamo's graphs, run as traced (aot_eager's tracing needs no gradient here)
+        compile_module(sdpa, {"backend": lambda gm, inputs: graphs.append(gm) or gm.forward})
     assert not acco.attention._use_flex(torch.zeros(1), 0.0)  # the CPU, not compiling: never
     calls = []
     real = acco.attention.flex_local
     monkeypatch.setattr(acco.attention, "_use_flex", lambda query, dropout: True)
-    monkeypatch.setattr(acco.attention, "flex_local", lambda *a: calls.append(a[-1]) or real(*a))
+    if not compiled:  # (a call counter would be traced, not run, inside a compiled block)
+        monkeypatch.setattr(acco.attention, "flex_local", lambda *a: calls.append(a[-1]) or real(*a))
     x, _ = _batch(False)
     with torch.no_grad():
         want, got = eager(input_ids=x).logits, sdpa(input_ids=x).logits
-    assert calls == ([window, window] if window < LENGTH else [])  # the two local layers
+    assert calls == ([window, window] if window < LENGTH and not compiled else [])  # the two local layers
+    if compiled:  # the local layer's graph holds flex_attention
+        assert graphs and any("flex_attention" in str(n.target) for gm in graphs for n in gm.graph.nodes)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
