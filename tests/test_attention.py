@@ -111,7 +111,7 @@ def test_flex_local_layers_equal_eager_forward(monkeypatch, window, compiled):
 
     eager, sdpa = _models(window)
     graphs = []
-    if compiled:  # dynamo's graphs, run as traced (aot_eager's tracing needs no gradient here)
+    if compiled:  # dynamo's graphs, run as traced
         compile_module(sdpa, {"backend": lambda gm, inputs: graphs.append(gm) or gm.forward})
     assert not acco.attention._use_flex(torch.zeros(1), 0.0)  # the CPU, not compiling: never
     calls = []
