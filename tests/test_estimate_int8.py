@@ -1,5 +1,6 @@
-"""estimate_comm=int8 (acco/engine/quantize.py): the quantizer's round trip and its bound, and acco's
-engine against a plain reference that quantizes the estimate round alone, with the bytes it sends."""
+"""estimate_comm=int8 (acco/engine/quantize.py): acco's engine against a plain reference that
+quantizes the estimate round alone, with the bytes it sends (the quantizer on its own:
+tests/test_quantize.py)."""
 
 from __future__ import annotations
 
@@ -12,75 +13,12 @@ from distributed import run_distributed
 from engine_helpers import Reference, assert_close, config, loss_fn, make_model, stream
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from acco.engine import ConfigError, EngineConfig, build_engine, collectives
+from acco.engine import build_engine, collectives
 from acco.engine import quantize as qz
 from acco.engine.comm import N_SENT, RoundKind
 
-BLOCK = 64  # the engine tests' block: several per shard, the last one short (the toy models have ~500 parameters)
-
-
-# ---- the quantizer -------------------------------------------------------------------------------
-
-
-def test_round_trip_within_bound_zero_blocks_and_short_last_block():
-    gen = torch.Generator().manual_seed(0)
-    n, block = 3 * 2048 + 300, 2048  # three full blocks and a short one
-    x = torch.randn(n, generator=gen) * torch.logspace(-6, 2, n).flip(0)
-    x[2048:4096] = 0.0  # a block of zeros
-    out, scales = qz.fake_quantize(x, block)
-    assert scales.shape == (4,) and scales[1] == 0 and torch.isfinite(out).all()
-    assert (out[2048:4096] == 0).all()
-    amax = torch.stack([x[i : i + block].abs().max() for i in range(0, n, block)])
-    torch.testing.assert_close(scales, amax / 127)
-    bound = qz.error_bound(scales, n, block)
-    assert ((x - out).abs() <= bound).all()
-    assert ((x - out).abs() <= amax.repeat_interleave(block)[:n] / 254 * (1 + 1e-4)).all()  # ~ amax / 254
-    assert (x - out).abs().max() > 0.3 * bound.max()  # the bound is not vacuous
-    # the block's largest element reads back exactly as +-127 quanta
-    q = torch.empty(n, dtype=torch.int8)
-    qz.quantize_(x, q, torch.empty(4), torch.empty(n), block)
-    assert q.abs().max() == 127 and q[2048:4096].abs().max() == 0
-    # a NaN is not hidden: its block reads back as NaN, the others do not
-    y = x.clone()
-    y[10] = float("nan")
-    back, _ = qz.fake_quantize(y, block)
-    assert back[:2048].isnan().all() and not back[2048:].isnan().any()
-    # bf16 input, shard shorter than a block
-    z = torch.randn(100, generator=gen).bfloat16()
-    back, s = qz.fake_quantize(z, block)
-    assert s.shape == (1,) and ((z.float() - back).abs() <= qz.error_bound(s, 100, block)).all()
-
-
-def test_packed_rows_and_one_worker_round_trip():
-    n = 1000  # a shard shorter than a block, not a multiple of 4 bytes
-    assert qz.row_bytes(n) == 4 * 1 + 1000 and qz.row_bytes(1001) == 4 + 1004 and qz.row_bytes(5000) == 12 + 5000
-    comm = qz.Int8EstimateComm(1, 0, n, torch.device("cpu"), None)
-    assert comm.send.raw.shape == (1, qz.row_bytes(n)) and comm.send.data.shape == (1, n)
-    gen = torch.Generator().manual_seed(1)
-    payload = torch.randn(n, generator=gen)
-    out = torch.empty(n)
-    comm.reduce_scatter(payload, out)
-    expected, _ = qz.fake_quantize(payload)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    theta, estimate = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
-    estimate += theta
-    new = torch.empty(n)
-    comm.all_gather_delta(new, estimate, theta)
-    delta, scales = qz.fake_quantize(estimate - theta)
-    torch.testing.assert_close(new, theta + delta, rtol=0, atol=0)
-    assert ((new - estimate).abs() <= qz.error_bound(scales, n) + 1e-6).all()
-
-
-def test_config():
-    assert EngineConfig().estimate_comm == "full"
-    EngineConfig(method="acco", estimate_comm="int8")
-    with pytest.raises(ConfigError, match="estimate_comm must be one of full, int8"):
-        EngineConfig(estimate_comm="fp8")
-    with pytest.raises(ConfigError, match="acco's estimate round only; method ddp"):
-        EngineConfig(method="ddp", estimate_comm="int8")
-    from acco.config import TrainArgs
-
-    assert TrainArgs().estimate_comm == "full"
+# the engine tests' block: several per shard, the last one short (the toy models have ~500 parameters)
+BLOCK = 64
 
 
 # ---- the engine against the plain reference --------------------------------------------------
@@ -237,8 +175,17 @@ def _train(rank, world, kind, cfgs, block):
         rounds, estimates, run = [], [], engine.comm.run
         numel = sum(p.numel() for p in model.parameters())
 
-        def counted(payload, stats, new_params, round_kind, *args, run=run, rounds=rounds, estimates=estimates,
-                    numel=numel):
+        def counted(
+            payload,
+            stats,
+            new_params,
+            round_kind,
+            *args,
+            run=run,
+            rounds=rounds,
+            estimates=estimates,
+            numel=numel,
+        ):
             sent["bytes"] = 0
             result = run(payload, stats, new_params, round_kind, *args)
             rounds.append((round_kind, sent["bytes"]))
@@ -257,8 +204,9 @@ def _train(rank, world, kind, cfgs, block):
 
 def _configs(updates, world, **kw):
     k = 2
-    int8 = config(method="acco", n_grad_accumulation=k, nb_steps_tot=2 * k * world * updates, estimate_comm="int8",
-                  **kw)
+    int8 = config(
+        method="acco", n_grad_accumulation=k, nb_steps_tot=2 * k * world * updates, estimate_comm="int8", **kw
+    )
     return [int8, config(method="acco", n_grad_accumulation=k, nb_steps_tot=int8.nb_steps_tot,
                          acco_estimate="paper", estimate_comm="int8", **kw)]
 
@@ -286,8 +234,9 @@ def test_engine_equals_the_quantized_reference(world):
         for t, (got, (want, unquantized, quantum)) in enumerate(zip(estimates, ref_estimates)):
             got = got[torch.argsort(order)]  # into the reference's order
             diff = (got - want).abs()
-            assert (diff <= 1.01 * quantum + 1e-6).all() and int((diff > 1e-6).sum()) <= max(2, numel // 100), \
-                (t, int((diff > 1e-6).sum()))
+            assert (diff <= 1.01 * quantum + 1e-6).all() and int((diff > 1e-6).sum()) <= max(
+                2, numel // 100
+            ), (t, int((diff > 1e-6).sum()))
             assert int(((got - unquantized).abs() > 1e-6).sum()) > numel // 2, t
         # every quantized quantity within its bound (the reference checks its own rounds)
         assert bounds and max(ratio for _, ratio in bounds) <= 1.0, bounds
@@ -321,7 +270,9 @@ def test_engine_in_bf16_equals_the_quantized_reference(world):
         params, records, rounds, estimates, _ = results[0][i]
         master = torch.cat([results[r][i][4] for r in range(world)])[:numel][to_reference]
         bounds, ref_estimates = [], []
-        expected = reference_int8(kind, cfg, world, updates, BLOCK, bounds, ref_estimates, dtype=torch.bfloat16)
+        expected = reference_int8(
+            kind, cfg, world, updates, BLOCK, bounds, ref_estimates, dtype=torch.bfloat16
+        )
         assert len(records) == updates
         # the committed fp32 master is the reference's, and the model holds it rounded to bf16
         assert_close(master, expected, f"int8 estimate in bf16, {cfg.acco_estimate}, W={world}")
@@ -340,17 +291,20 @@ def test_engine_in_bf16_equals_the_quantized_reference(world):
         assert bounds and max(ratio for _, ratio in bounds) <= 1.0, bounds
         # bytes per round: the estimate's int8 collectives as in fp32, the update's in 2-byte elements
         est = 2 * (world - 1) * qz.row_bytes(shard, BLOCK)
-        assert rounds == [(RoundKind.ESTIMATE, est), (RoundKind.UPDATE, 2 * (world - 1) * shard * 2)] * updates
+        assert (
+            rounds == [(RoundKind.ESTIMATE, est), (RoundKind.UPDATE, 2 * (world - 1) * shard * 2)] * updates
+        )
     for r in range(1, world):  # every worker holds the same parameters
         torch.testing.assert_close(results[r][0][0], results[0][0][0], rtol=0, atol=0)
 
 
 # ---- the native collectives' path (nccl), run on gloo ------------------------------------------
 
-_COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "barrier",
-                "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-                "all_gather_object", "broadcast_object_list")  # fmt: skip
+_COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+                "all_gather_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+                "reduce_scatter_single", "barrier", "all_to_all", "all_to_all_single", "send", "recv",
+                "isend", "irecv", "batch_isend_irecv", "all_gather_object",
+                "broadcast_object_list")  # fmt: skip
 
 
 def _describe(name, args, kw, rank):
@@ -442,7 +396,12 @@ def test_native_collectives_path_as_on_nccl():
         # the ring's estimate rounds instead: the same all-to-all and statistics, then the int8 rows by p2p
         for kind, calls in ring_rounds[::2]:
             assert kind is RoundKind.ESTIMATE and calls[:2] == estimate[:2]
-            assert [c[:2] for c in calls[2:]] == [("irecv", ((i8, row, True),)), ("isend", ((i8, row, True),))]
+            assert [c[:2] for c in calls[2:]] == [
+                ("irecv", ((i8, row, True),)),
+                ("isend", ((i8, row, True),)),
+            ]
         # the same training (every sum at W = 2 is one addition, whichever collective makes it), on every rank
         assert torch.equal(params, ring_params) and torch.equal(params, results[0][1][0])
-    assert_close(results[0][1][0], reference_int8("mlp", cfg, world, updates, BLOCK), "int8, native collectives")
+    assert_close(
+        results[0][1][0], reference_int8("mlp", cfg, world, updates, BLOCK), "int8, native collectives"
+    )
