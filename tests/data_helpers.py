@@ -10,7 +10,11 @@ EOT = "<|endoftext|>"
 
 def _bytes_to_unicode():
     """GPT-2's printable stand-in character for each byte (what the ByteLevel pre-tokenizer emits)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -60,7 +60,9 @@ def run_distributed(fn, world_size: int, *args):
             _entry, args=(world_size, free_port(), fn, args, out_dir, dict(os.environ)), nprocs=world_size,
             start_method="forkserver",
         )
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)
+        ]
 
 
 # Subprocess helpers of the launcher tests (test_launch.py, test_launch_local.py).

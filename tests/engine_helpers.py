@@ -115,11 +115,19 @@ class Reference(reference.Reference):
     r, r + W, r + 2W, ... (as `stream`), with `loss_fn`."""
 
     def __init__(self, kind: str, cfg: EngineConfig, world: int, counts: list[int]):
-        super().__init__(make_model(kind), cfg, world, counts, read=lambda r, j: micro_batch(kind, j * world + r),
-                         loss_fn=loss_fn)
+        super().__init__(
+            make_model(kind),
+            cfg,
+            world,
+            counts,
+            read=lambda r, j: micro_batch(kind, j * world + r),
+            loss_fn=loss_fn,
+        )
 
 
-def reference_acco(ref: Reference, updates: int, sequential_updates: int = 0, lean: bool = False) -> torch.Tensor:
+def reference_acco(
+    ref: Reference, updates: int, sequential_updates: int = 0, lean: bool = False
+) -> torch.Tensor:
     return ref.acco(updates, sequential_updates, lean)
 
 

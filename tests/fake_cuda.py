@@ -275,7 +275,11 @@ class FakeCuda(device_module.HostOps):
         if rec.made_on is not None and rec.made_on != stream.name and stream.name not in rec.handed_to:
             self.fail(f"{func} on stream {stream.name} {what} a tensor made on stream {rec.made_on} "
                       "without record_stream")
-        if rec.write is not None and rec.write[0] != stream.name and stream.clock.get(rec.write[0], 0) < rec.write[1]:
+        if (
+            rec.write is not None
+            and rec.write[0] != stream.name
+            and stream.clock.get(rec.write[0], 0) < rec.write[1]
+        ):
             self.fail(f"{func} on stream {stream.name} {what} memory written on stream {rec.write[0]} "
                       "with no event or host wait in between")
         if write:
@@ -289,10 +293,15 @@ class FakeCuda(device_module.HostOps):
             stream = self.current_stream()
             if func is torch.ops.aten._local_scalar_dense.default:  # .item(): the host waits for the stream
                 _merge(self.host, stream.clock)
-            returns = [] if func.namespace == "c10d" else func._schema.returns  # collectives return their inputs
+            # collectives return their inputs
+            returns = [] if func.namespace == "c10d" else func._schema.returns
             made_on = None if stream is self.default else stream.name
-            fresh = [t for r, value in zip(returns, out if isinstance(out, tuple) else (out,)) if r.alias_info is None
-                     for t in _tensors(value)]
+            fresh = [
+                t
+                for r, value in zip(returns, out if isinstance(out, tuple) else (out,))
+                if r.alias_info is None
+                for t in _tensors(value)
+            ]
             for t in fresh:
                 rec = self._record(t, made_on, fresh=True)
                 if rec is not None:

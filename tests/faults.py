@@ -40,7 +40,8 @@ def install(spec: str) -> None:
         for record in run(self, batches, poisoned if mode == "nan" else loss_fn):
             yield record  # the trainer logs, evaluates and saves this update before the next
             if record.step == step and mode == "exit":  # one write: the time the run's end is measured from
-                os.write(2, f"acco: test fault: rank {rank} exits after update {step} at {time.monotonic()!r}\n".encode())
+                line = f"acco: test fault: rank {rank} exits after update {step} at {time.monotonic()!r}\n"
+                os.write(2, line.encode())
                 os._exit(17)  # no clean-up
             if record.step == step and mode == "hang":  # tests time the detection from this line
                 print(f"acco: test fault: rank {rank} hangs after update {step}", file=sys.stderr, flush=True)

@@ -52,7 +52,9 @@ def overlap_run(rank, device, delay_ms: float, on_side_stream: bool, world: int 
         def sleep():
             time.sleep(delay_ms / 1000)
 
-    cfg = config(method="acco", n_grad_accumulation=1, nb_steps_tot=OVERLAP_BUDGET, accumulate_while_waiting=True)
+    cfg = config(
+        method="acco", n_grad_accumulation=1, nb_steps_tot=OVERLAP_BUDGET, accumulate_while_waiting=True
+    )
     model = make_model("mlp").to(device)
     engine = build_engine(model, cfg)
     engine.comm.delay_hook = sleep
@@ -66,7 +68,9 @@ def overlap_run(rank, device, delay_ms: float, on_side_stream: bool, world: int 
 
 def assert_overlap(side: list[int], control: list[int]) -> None:
     """Micro-batches per update (after the warm start) with the side stream delayed, against the control."""
-    assert min(len(side), len(control)) >= MIN_UPDATES, f"too few updates to compare: {len(side)}, {len(control)}"
+    assert min(len(side), len(control)) >= MIN_UPDATES, (
+        f"too few updates to compare: {len(side)}, {len(control)}"
+    )
     per_update = sum(side[1:]) / (len(side) - 1)
     per_update_control = sum(control[1:]) / (len(control) - 1)
     # An update is 2 rounds of >= 1 micro-batch; a 50 ms sleep per round on the side stream leaves
