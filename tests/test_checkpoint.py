@@ -19,8 +19,8 @@ from acco import checkpoint
 from acco.engine import CheckpointError, ConfigError
 
 # n_grad_accumulation pinned: acco takes 2 rounds x 2 micro-batches x 2 workers = 8 per update, 12 updates.
-RUN = ("data.n_docs=600", "train.nb_steps_tot=96", "train.n_grad_accumulation=2", "train.accumulate_while_waiting=false",
-       "train.learning_rate=2e-3")  # fmt: skip
+RUN = ("data.n_docs=600", "train.nb_steps_tot=96", "train.n_grad_accumulation=2",
+       "train.accumulate_while_waiting=false", "train.learning_rate=2e-3")  # fmt: skip
 
 
 FAULTS = str(Path(__file__).with_name("faults.py"))  # the CLI with a fault injected into one worker
@@ -87,7 +87,9 @@ def test_resume_on_the_same_world_size_is_exact(interrupted, reference):
     assert sorted(got) == sorted(expected) == list(range(1, 13))
     assert got == expected  # fp32, fixed counts: bit-identical, also after the resume point
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["final_eval_loss"] == json.loads((reference / "summary.json").read_text())["final_eval_loss"]
+    assert (
+        summary["final_eval_loss"] == json.loads((reference / "summary.json").read_text())["final_eval_loss"]
+    )
 
 
 def test_resume_on_another_world_size_continues_from_the_same_samples(interrupted, tmp_path):
@@ -119,7 +121,8 @@ def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
     out = tmp_path / "stall4"
     cmd = [
         sys.executable, FAULTS, "rank=2,step=3,mode=hang", "launch.nproc=4", f"train.output_dir={out}",
-        f"train.cache_dir={out.parent / 'cache'}", *RUN, "train.save_step=2", f"launch.timeout_s={STALL_TIMEOUT_S}",
+        f"train.cache_dir={out.parent / 'cache'}", *RUN, "train.save_step=2",
+        f"launch.timeout_s={STALL_TIMEOUT_S}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -142,11 +145,14 @@ def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
     err = "\n".join(lines)
     assert code != 0 and stalled_at, err[-3000:]
     detected_s = ended - stalled_at[0]
-    print(f"stalled rank detected and the run ended {detected_s:.1f} s after the stall (timeout {STALL_TIMEOUT_S} s)")
-    assert detected_s >= STALL_TIMEOUT_S - 1 and default_timeout_s - STALL_TIMEOUT_S + detected_s < 60, err[-3000:]
+    print(f"stalled rank detected and the run ended {detected_s:.1f} s after the stall "
+          f"(timeout {STALL_TIMEOUT_S} s)")
+    assert detected_s >= STALL_TIMEOUT_S - 1, err[-3000:]
+    assert default_timeout_s - STALL_TIMEOUT_S + detected_s < 60, err[-3000:]
     assert "rank 2 stopped responding (died or stalled)" in err, err[-3000:]
     launcher = [line for line in lines if line.startswith("acco.launch:")]
-    assert len(launcher) == 1 and launcher[0].startswith("acco.launch: rank 2 stopped responding"), err[-3000:]
+    assert len(launcher) == 1, err[-3000:]
+    assert launcher[0].startswith("acco.launch: rank 2 stopped responding"), err[-3000:]
     named = re.findall(r"(ranks? [\d, and]+?) stopped responding", err)
     assert named and set(named) == {"rank 2"}, err[-3000:]
     assert no_worker_left(out) and not reader.is_alive()
@@ -197,7 +203,8 @@ def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference, caps
         monkeypatch.setenv(name, os.environ.get(name, "1"))
     before = {p: p.stat().st_mtime_ns for p in reference.rglob("*")}
     overrides = [f"train.output_dir={reference}", f"train.cache_dir={reference.parent / 'cache'}", *RUN]
-    assert run(compose(["launch.nproc=1", *overrides, "train.save_step=4", "train.resume_from_checkpoint=latest"])) == 0
+    job = compose(["launch.nproc=1", *overrides, "train.save_step=4", "train.resume_from_checkpoint=latest"])
+    assert run(job) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "checkpoint-12 already completed the budget of 96 micro-batches (update 12, 96 micro-batches); "
         "nothing to do (raise train.nb_steps_tot to train further)"
@@ -207,7 +214,8 @@ def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference, caps
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("acco: error: "), proc.stderr[-2000:]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("acco: error: "), proc.stderr[-2000:]
     return lines[0]
 
 
@@ -237,7 +245,9 @@ def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
         assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "config.yaml"]
 
     # The CLI: one line, and neither the new run's folder nor the checkpoint's is written.
-    line = one_error_line(cli(tmp_path / "other", f"train.resume_from_checkpoint={run / 'checkpoint-4'}", "train=ddp"))
+    line = one_error_line(
+        cli(tmp_path / "other", f"train.resume_from_checkpoint={run / 'checkpoint-4'}", "train=ddp")
+    )
     assert "checkpoint-4 was written by method 'acco', this run is 'ddp'" in line
     assert not (tmp_path / "other").exists()
     nothing_written()
@@ -298,7 +308,9 @@ def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):
     (crashed / "rank0-of-1.pt").write_bytes(b"half")
     for step in (1, 2, 3, 4):
         meta = {"step": step, "samples": 4 * step, "method": "ddp", "world_size": 1, "numel": 2}
-        checkpoint.save(tmp_path, step, {"x": torch.ones(2)}, meta, 0, 1, lambda folder: folder.mkdir(), keep=2)
+        checkpoint.save(
+            tmp_path, step, {"x": torch.ones(2)}, meta, 0, 1, lambda folder: folder.mkdir(), keep=2
+        )
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
     assert checkpoint.load_meta(tmp_path / "checkpoint-4")["samples"] == 16
@@ -319,23 +331,33 @@ def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tm
 
     assert TrainArgs(resume_from_checkpoint=True).resume_from_checkpoint == "latest"
     out = tmp_path / "run"
-    DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=tiny_args("ddp", out, nb_steps_tot=8)).train()
+    DecoupledTrainer(
+        model=tiny_model(), train_dataset=tiny_data(), args=tiny_args("ddp", out, nb_steps_tot=8)
+    ).train()
     assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     capsys.readouterr()
     args = tiny_args("ddp", out, nb_steps_tot=16)
-    summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(resume_from_checkpoint=True)
+    summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
+        resume_from_checkpoint=True
+    )
     printed = capsys.readouterr()
     assert "resuming exactly from" in printed.out and "checkpoint-4" in printed.out
-    assert "acco: warning: resuming with train.nb_steps_tot=16, the checkpoint was written with 8" in printed.err
+    assert (
+        "acco: warning: resuming with train.nb_steps_tot=16, the checkpoint was written with 8" in printed.err
+    )
     assert summary["samples"] == 16 and sorted(train_losses(out)) == list(range(1, 9))
 
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     # Another seed would read other samples: refused before anything is written.
-    reseeded = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args | {"nb_steps_tot": 32, "seed": 5})
+    reseeded = DecoupledTrainer(
+        model=tiny_model(), train_dataset=tiny_data(), args=args | {"nb_steps_tot": 32, "seed": 5}
+    )
     with pytest.raises(CheckpointError, match=r"train.seed=5 \(the checkpoint has 0\)"):
         reseeded.train(resume_from_checkpoint=True)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
-    summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(resume_from_checkpoint=True)
+    summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
+        resume_from_checkpoint=True
+    )
     assert summary["nothing_to_do"] and summary["samples"] == 16
     assert "checkpoint-8 already completed the budget of 16 micro-batches" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before

@@ -38,9 +38,23 @@ def _old_states(numel: int, old_world: int, full: dict) -> list[dict]:
             padded = torch.zeros(size * old_world)
             padded[:numel] = vector
             shard[name] = padded[r * size : (r + 1) * size].clone()
-        states.append({"method": "acco", "order": "decayed-first", "numel": numel, "world_size": old_world, "rank": r, "samples": 40,
-                       "step": 5, "wall_time": 1.0, "predicted": None, "accumulator": torch.ones(numel),
-                       "accumulator_stats": torch.ones(4), "estimate_error": None, **shard})  # fmt: skip
+        states.append(
+            {
+                "method": "acco",
+                "order": "decayed-first",
+                "numel": numel,
+                "world_size": old_world,
+                "rank": r,
+                "samples": 40,
+                "step": 5,
+                "wall_time": 1.0,
+                "predicted": None,
+                "accumulator": torch.ones(numel),
+                "accumulator_stats": torch.ones(4),
+                "estimate_error": None,
+                **shard,
+            }
+        )
     return states
 
 
@@ -51,8 +65,10 @@ def _reshard_on(rank: int, world: int, old_world: int) -> dict:
     model = nn.Linear(7, 3)  # 24 parameters: padded to 27 for 3 workers, to 24 for 1, 2 or 4
     engine = build_engine(model, EngineConfig(method="acco", nb_steps_tot=4))
     numel = engine.flat.layout.numel
-    full = {name: torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i, name in
-            enumerate(("master", "exp_avg", "exp_avg_sq"))}  # fmt: skip
+    full = {
+        name: torch.randn(numel, generator=torch.Generator().manual_seed(i))
+        for i, name in enumerate(("master", "exp_avg", "exp_avg_sq"))
+    }
     old, read = _old_states(numel, old_world, full), []
 
     def old_state(r: int) -> dict:
@@ -68,9 +84,17 @@ def _reshard_on(rank: int, world: int, old_world: int) -> dict:
         padded[:numel] = vector
         expected[name] = padded[engine.flat.shard]
     engine.close()
-    return {"exact": exact, "read": read, "shards": {n: getattr(opt, n).clone() for n in full},
-            "expected": expected, "params": engine.flat.params[:numel].clone(), "master": full["master"],
-            "samples": engine.samples, "step_count": opt.step_count, "grads": engine.flat.grads.abs().sum().item()}  # fmt: skip
+    return {
+        "exact": exact,
+        "read": read,
+        "shards": {n: getattr(opt, n).clone() for n in full},
+        "expected": expected,
+        "params": engine.flat.params[:numel].clone(),
+        "master": full["master"],
+        "samples": engine.samples,
+        "step_count": opt.step_count,
+        "grads": engine.flat.grads.abs().sum().item(),
+    }
 
 
 @pytest.mark.parametrize("old_world, world", [(3, 1), (2, 3), (3, 2), (2, 1)])
@@ -99,7 +123,9 @@ def test_resharding_refuses_another_method_or_model():
         build_engine(nn.Linear(8, 3), EngineConfig(method="acco")).load_state_dict(old[0], old.__getitem__)
     with pytest.raises(CheckpointError, match="ordered the parameters otherwise"):
         older = [{k: v for k, v in state.items() if k != "order"} for state in old]
-        build_engine(nn.Linear(7, 3), EngineConfig(method="acco")).load_state_dict(older[0], older.__getitem__)
+        build_engine(nn.Linear(7, 3), EngineConfig(method="acco")).load_state_dict(
+            older[0], older.__getitem__
+        )
 
 
 # With accumulate_while_waiting an update takes as many micro-batches as its rounds' time allows, so
@@ -124,17 +150,29 @@ def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict
 
     found = {}
     for method, fixed in SAVED:
-        ref, resumed = Path(root) / f"{method}-{fixed}" / "reference", Path(root) / f"{method}-{fixed}" / "resumed"
+        ref, resumed = (
+            Path(root) / f"{method}-{fixed}" / "reference",
+            Path(root) / f"{method}-{fixed}" / "resumed",
+        )
         if fixed:
             args = tiny_args(method, ref, nb_steps_tot=48)
         else:
-            args = tiny_args(method, ref, nb_steps_tot=OUT_OF_REACH, accumulate_while_waiting=True, eval=True,
-                             eval_step=TIMED_UPDATES, max_eval_batches=1, stop_at_eval_loss=1e30)  # fmt: skip
+            args = tiny_args(
+                method,
+                ref,
+                nb_steps_tot=OUT_OF_REACH,
+                accumulate_while_waiting=True,
+                eval=True,
+                eval_step=TIMED_UPDATES,
+                max_eval_batches=1,
+                stop_at_eval_loss=1e30,
+            )
         torch.manual_seed(0)
         model = tiny_model()
         numel = sum(p.numel() for p in model.parameters())
-        reference = DecoupledTrainer(model=model, train_dataset=tiny_data(), eval_dataset=None if fixed else tiny_data(),
-                                     args=args).train()  # fmt: skip
+        reference = DecoupledTrainer(
+            model=model, train_dataset=tiny_data(), eval_dataset=None if fixed else tiny_data(), args=args
+        ).train()
         folder = ref / "checkpoint-2"  # mid-run
         state = checkpoint.load_worker(folder, rank, world_size)["engine"]
         resumed_budget = 48 if fixed else checkpoint.load_meta(folder)["samples"] + TIMED_RESUMED
@@ -146,8 +184,11 @@ def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict
         found[(method, fixed)] = {
             "numel": numel,
             # in elements of the storage written, not of the tensor (a view's is larger)
-            "largest": max((t.untyped_storage().nbytes() // t.element_size(), name)
-                           for name, t in checkpoint.floating_tensors(state) if name != "accumulator"),  # fmt: skip
+            "largest": max(
+                (t.untyped_storage().nbytes() // t.element_size(), name)
+                for name, t in checkpoint.floating_tensors(state)
+                if name != "accumulator"
+            ),
             "accumulator": state.get("accumulator") is not None,
             "dropped": state.get("dropped_micro_batches", 0),
             "samples": summary["samples"],
@@ -183,7 +224,9 @@ def test_no_rank_file_holds_the_parameter_vector_and_the_accumulator_only_for_a_
     assert set(saved) == set(SAVED)
     for (method, fixed), got in saved.items():
         # the timed runs stopped after TIMED_UPDATES updates, whatever the micro-batches per update
-        assert got["updates"] == (48 // (8 if method.startswith("acco") else 4) if fixed else TIMED_UPDATES), got
+        assert got["updates"] == (
+            48 // (8 if method.startswith("acco") else 4) if fixed else TIMED_UPDATES
+        ), got
         # resumed (exactly, or from its warm start) and trained to the budget
         assert got["resumed"] and got["samples"] >= got["budget"], (method, fixed)
         # a fixed batch resumes exactly with the accumulator that an overlapped method holds
@@ -243,18 +286,26 @@ def test_every_rank_file_writes_only_the_bytes_of_its_tensors(saved_root):
                 path = checkpoint.rank_file(folder, rank, 2)
                 state = checkpoint.load_worker(folder, rank, 2, mmap=True)
                 where = (method, fixed, folder.parent.name, folder.name, rank)
-                views = [(name, t.numel() * t.element_size(), t.untyped_storage().nbytes())
-                         for name, t in checkpoint.floating_tensors(state)
-                         if t.untyped_storage().nbytes() != t.numel() * t.element_size()]  # fmt: skip
+                views = [
+                    (name, t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                    for name, t in checkpoint.floating_tensors(state)
+                    if t.untyped_storage().nbytes() != t.numel() * t.element_size()
+                ]
                 assert not views, (where, views)
-                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                            for t in tree_leaves(state) if isinstance(t, torch.Tensor)}  # fmt: skip
+                storages = {
+                    t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tree_leaves(state)
+                    if isinstance(t, torch.Tensor)
+                }
                 assert _written(path) == sum(storages.values()), where
                 engine = state["engine"]
                 if method not in UNSHARDED:
                     shard = 4 * math.ceil(numel / 2)  # fp32
-                    sizes = [(t.untyped_storage().nbytes(), name) for name, t in
-                             checkpoint.floating_tensors(engine) if name != "accumulator"]  # fmt: skip
+                    sizes = [
+                        (t.untyped_storage().nbytes(), name)
+                        for name, t in checkpoint.floating_tensors(engine)
+                        if name != "accumulator"
+                    ]
                     assert all(size <= shard for size, _ in sizes), (where, sizes)
                 if engine.get("predicted") is not None:
                     seen.add(("predicted", method))
@@ -262,7 +313,11 @@ def test_every_rank_file_writes_only_the_bytes_of_its_tensors(saved_root):
                     seen.add(("averaged", method, engine["averaged_fragment"]))
     # what the sizes above cover: wp saved in its predicting state, and a landed fragment both of
     # the largest size and shorter than the buffer
-    assert {("predicted", "wp"), ("averaged", "streaming-diloco", 0), ("averaged", "streaming-diloco", 1)} <= seen, seen
+    assert {
+        ("predicted", "wp"),
+        ("averaged", "streaming-diloco", 0),
+        ("averaged", "streaming-diloco", 1),
+    } <= seen, seen
 
 
 def _largest_allocation(fn) -> int:
@@ -285,7 +340,11 @@ def _torch_ddp_shard() -> dict:
     layout = engine._layout()
     padded = torch.zeros(layout.padded_numel)  # the whole vector, padded with zeros, as a reference
     torch.cat([p.detach().flatten() for p in model.parameters()], out=padded[: layout.numel])
-    return {"largest": largest, "shard": states[0]["params_shard"], "expected": padded[layout.shard_slice].clone()}
+    return {
+        "largest": largest,
+        "shard": states[0]["params_shard"],
+        "expected": padded[layout.shard_slice].clone(),
+    }
 
 
 def test_torch_ddp_saves_its_parameter_slice_without_a_model_sized_temporary(saved_root):
@@ -302,13 +361,22 @@ def test_the_non_finite_check_finds_nan_and_inf_only_and_allocates_nothing_tenso
     # finite, though its sum is NaN (partial sums overflow, then inf - inf) and its norm inf
     finite = torch.full((100_000,), huge, dtype=dtype)
     finite[::2] = -huge
-    assert checkpoint.non_finite({"a": finite, "b": [torch.zeros(0, dtype=dtype)], "step": torch.tensor(3.0)},
-                                 torch.device("cpu"), 1) == []  # fmt: skip
+    assert (
+        checkpoint.non_finite(
+            {"a": finite, "b": [torch.zeros(0, dtype=dtype)], "step": torch.tensor(3.0)},
+            torch.device("cpu"),
+            1,
+        )
+        == []
+    )
     for value in (math.nan, math.inf, -math.inf):
         for where in (0, 4_321, 99_999):
             bad = finite.clone()
             bad[where] = value
             state = {"engine": {"master": finite, "exp_avg": [bad], "scalar": torch.tensor(value)}}
-            assert checkpoint.non_finite(state, torch.device("cpu"), 1) == ["engine.exp_avg.0", "engine.scalar"], (value, where)
+            assert checkpoint.non_finite(state, torch.device("cpu"), 1) == [
+                "engine.exp_avg.0",
+                "engine.scalar",
+            ], (value, where)
     # torch.isfinite(t) allocated t.abs() (as large as t) and four masks of a byte per element
     assert _largest_allocation(lambda: checkpoint.non_finite({"a": finite}, torch.device("cpu"), 1)) < 1_000

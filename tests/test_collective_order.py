@@ -26,13 +26,14 @@ from trainer_helpers import TINY
 from acco.engine.config import METHODS
 
 # (torch 2.13 names all_gather_into_tensor / reduce_scatter_tensor *_single; acco calls the new names)
-COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
-               "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_to_all_single", "isend",
-               "irecv", "send", "recv", "all_gather_object", "broadcast_object_list")  # fmt: skip
+COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor",
+               "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
+               "all_to_all_single", "isend", "irecv", "send", "recv", "all_gather_object",
+               "broadcast_object_list")  # fmt: skip
 # Variants with comm paths of their own: acco's int8 estimate round (an all-to-all) with the split
 # that follows the rounds' durations.
-VARIANTS = {"acco-int8-auto": ("acco", dict(estimate_comm="int8", estimate_micro_batches="auto", n_grad_accumulation=2,
-                                          accumulate_while_waiting=False))}
+VARIANTS = {"acco-int8-auto": ("acco", dict(estimate_comm="int8", estimate_micro_batches="auto",
+                                            n_grad_accumulation=2, accumulate_while_waiting=False))}
 
 
 class Recorder:
@@ -126,13 +127,28 @@ def _train_every_method(rank, world, out_dir, methods):
             method, extra = VARIANTS.get(name, (name, {}))
             recorder.calls.clear()
             recorder.context = name
-            model = build_model({**OmegaConf.load(TINY), "num_layers": 2}, vocab_size=len(tokenizer), max_length=16)
-            args = dict(method_name=method, batch_size=2, n_grad_accumulation=1, learning_rate=1e-3,
-                        nb_steps_tot=OUT_OF_REACH, max_length=16, eval_step=4, save_step=2, max_eval_batches=2,
-                        stop_at_eval_loss=100.0, output_dir=f"{out_dir}/{name}", cache_dir=f"{out_dir}/cache",
-                        log_step=1, accumulate_while_waiting=method == "acco", sync_every=4,
-                        num_fragments=2 if method == "streaming-diloco" else 1,
-                        fragment_sync_delay=1 if method == "streaming-diloco" else 0)  # fmt: skip
+            model = build_model(
+                {**OmegaConf.load(TINY), "num_layers": 2}, vocab_size=len(tokenizer), max_length=16
+            )
+            args = dict(
+                method_name=method,
+                batch_size=2,
+                n_grad_accumulation=1,
+                learning_rate=1e-3,
+                nb_steps_tot=OUT_OF_REACH,
+                max_length=16,
+                eval_step=4,
+                save_step=2,
+                max_eval_batches=2,
+                stop_at_eval_loss=100.0,
+                output_dir=f"{out_dir}/{name}",
+                cache_dir=f"{out_dir}/cache",
+                log_step=1,
+                accumulate_while_waiting=method == "acco",
+                sync_every=4,
+                num_fragments=2 if method == "streaming-diloco" else 1,
+                fragment_sync_delay=1 if method == "streaming-diloco" else 0,
+            )
             args.update(extra)
             trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=docs, args=args)
             summary = trainer.train()  # stops at the first evaluation (step 4), checkpoints at 2 and 4

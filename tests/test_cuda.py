@@ -49,7 +49,9 @@ def _entry(rank: int, port: int, fn, args, out_dir: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls, to compare with the CPU references
-    dist.init_process_group("nccl", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300), device_id=device)
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300), device_id=device
+    )
     try:
         torch.save(fn(rank, device, *args), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
@@ -82,8 +84,10 @@ def _train(rank, device, kind, cfgs):
 def test_ddp_and_acco_equal_their_references_on_nccl(kind):
     n, updates = 2, 6
     budget = n * WORLD * updates
-    cfgs = [config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget),
-            config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget, acco_estimate="paper")]  # fmt: skip
+    cfgs = [
+        config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget),
+        config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget, acco_estimate="paper"),
+    ]
     results = run_nccl(_train, kind, cfgs)
     for (theta, _), (theta0, _) in zip(results[1], results[0]):
         assert torch.equal(theta, theta0), "the ranks' parameters differ after training"

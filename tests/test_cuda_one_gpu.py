@@ -63,7 +63,8 @@ def _why_no_gpu() -> str | None:
 
 NO_GPU = _why_no_gpu()
 needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
-# fake-cuda: the GPU's code paths (streams, events, prefetch) on the CPU, CUDA's rules checked (tests/fake_cuda.py)
+# fake-cuda: the GPU's code paths (streams, events, prefetch) on the CPU, CUDA's rules checked
+# (tests/fake_cuda.py)
 ON = [pytest.param("cpu", id="gloo-cpu"), pytest.param("fake-cuda", id="fake-cuda"),
       pytest.param("cuda", id="nccl-gpu", marks=needs_gpu)]
 
@@ -86,11 +87,19 @@ def _in_group(device_type: str, fn, args):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls, to compare with the CPU references
         torch.backends.cudnn.allow_tf32 = False
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=300), device_id=device)  # fmt: skip
+        dist.init_process_group(
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timedelta(seconds=300),
+            device_id=device,
+        )
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60)
+        )
     try:
         with fake_cuda.maybe_installed(device_type):
             return fn(device, *args)
@@ -146,8 +155,11 @@ def issued():
 # What each method's rounds issue at world size 1 where the collectives are the backend's own (NCCL,
 # and the fake GPU's): ddp runs its rounds on the main thread, the overlapped methods on the comm
 # thread. torch-ddp's all-reduce is DDP's reducer, in C++: not seen here.
-ROUND_COLLECTIVES = {m: {("main" if m == "ddp" else "comm", c) for c in ("reduce_scatter", "all_gather")}
-                     for m in METHODS if m != "torch-ddp"}  # fmt: skip
+ROUND_COLLECTIVES = {
+    m: {("main" if m == "ddp" else "comm", c) for c in ("reduce_scatter", "all_gather")}
+    for m in METHODS
+    if m != "torch-ddp"
+}
 
 
 def _train(device, build, cfgs, batches, loss):
@@ -185,7 +197,8 @@ def method_configs() -> list:
         config(method="acco", n_grad_accumulation=N // 2, acco_estimate="lean", **common),
         config(method="diloco", n_grad_accumulation=N, nb_steps_tot=N * 10, sync_every=3, max_grad_norm=0.5),
         config(method="streaming-diloco", n_grad_accumulation=N, nb_steps_tot=N * 11, sync_every=4,
-               num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5, outer_momentum=0.8),
+               num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5,
+               outer_momentum=0.8),
     ]  # fmt: skip
 
 
@@ -226,13 +239,19 @@ def test_every_method_on_one_rank_equals_its_reference_in_fp32(on, one_thread):
         assert_close(theta, want, f"{name} on one {on} rank vs its reference")
         assert_close(torch.tensor([loss for loss, _, _ in records]), torch.tensor(losses), f"{name} losses")
         if cfg.method not in ("diloco", "streaming-diloco"):
-            assert [mb for _, mb, _ in records] == [[2 * cfg.n_grad_accumulation if method == "acco"
-                                                     else cfg.n_grad_accumulation]] * UPDATES, name  # fmt: skip
+            assert [mb for _, mb, _ in records] == [
+                [2 * cfg.n_grad_accumulation if method == "acco" else cfg.n_grad_accumulation]
+            ] * UPDATES, name
         finals[name] = theta
         if on != "cpu":  # NCCL's own collectives, issued on one rank too (gloo's ring copies instead)
             assert ROUND_COLLECTIVES.get(method, set()) <= seen, (name, seen)
     # The methods differ from each other: the comparisons above are not vacuous.
-    for a, b in (("ddp", "dpu"), ("dpu", "wp"), ("acco (paper)", "acco (lean)"), ("diloco", "streaming-diloco")):
+    for a, b in (
+        ("ddp", "dpu"),
+        ("dpu", "wp"),
+        ("acco (paper)", "acco (lean)"),
+        ("diloco", "streaming-diloco"),
+    ):
         assert not torch.allclose(finals[a], finals[b], atol=1e-4), (a, b)
 
 
@@ -274,7 +293,9 @@ def test_acco_int8_with_the_auto_split_times_its_rounds(on, one_thread):
 # --------------------------------------------------------------------------- bf16: GPT-Neo learns
 
 
-GPT_NEO = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=32, window_size=8)
+GPT_NEO = dict(
+    arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=32, window_size=8
+)
 VOCAB, SEQ, BATCH, MICRO_BATCHES = 64, 32, 4, 24
 
 
@@ -297,10 +318,25 @@ def _every_method_bf16(device):
     from acco.engine import EngineConfig
     from acco.loss import causal_lm_loss
 
-    common = dict(nb_steps_tot=MICRO_BATCHES, use_mixed_precision=True, learning_rate=1e-2, scheduler_name="constant",
-                  accumulate_while_waiting=False, weight_decay=0.0)  # fmt: skip
-    cfgs = [EngineConfig(method=m, n_grad_accumulation=1, sync_every=4, num_fragments=2 if m == "streaming-diloco" else 1,
-                         fragment_sync_delay=1 if m == "streaming-diloco" else 0, **common) for m in METHODS]  # fmt: skip
+    common = dict(
+        nb_steps_tot=MICRO_BATCHES,
+        use_mixed_precision=True,
+        learning_rate=1e-2,
+        scheduler_name="constant",
+        accumulate_while_waiting=False,
+        weight_decay=0.0,
+    )
+    cfgs = [
+        EngineConfig(
+            method=m,
+            n_grad_accumulation=1,
+            sync_every=4,
+            num_fragments=2 if m == "streaming-diloco" else 1,
+            fragment_sync_delay=1 if m == "streaming-diloco" else 0,
+            **common,
+        )
+        for m in METHODS
+    ]
     return _train(device, _gpt_neo, cfgs, _tokens, causal_lm_loss)
 
 
@@ -346,9 +382,9 @@ def test_gpt_neo_125m_memory_and_throughput_against_a_plain_fused_adamw_loop(tmp
 
     out = tmp_path / "gpu"
     variants = ["engine-acco", "plain-bf16", "plain-autocast", "engine-acco-gc", "plain-bf16-gc"]
-    assert main(["gpu", "--model", "gptneo-125m", "--batch-size", "4", "--max-length", "1024", "--grad-accum", "2",
-                 "--steps", "10", "--warmup", "3", "--variants", ",".join(variants), "--no-stream-check",
-                 "--out", str(out)]) == 0  # fmt: skip
+    assert main(["gpu", "--model", "gptneo-125m", "--batch-size", "4", "--max-length", "1024",
+                 "--grad-accum", "2", "--steps", "10", "--warmup", "3", "--variants", ",".join(variants),
+                 "--no-stream-check", "--out", str(out)]) == 0  # fmt: skip
     result = json.loads((out / "gpu.json").read_text())
     print("\n" + (out / "gpu.md").read_text())
     v = result["variants"]
@@ -386,8 +422,11 @@ def test_init_distributed_asks_for_high_priority_nccl_streams_before_the_group(m
     monkeypatch.setattr(pg, "_device_for", lambda local_rank, use_cuda: torch.device("cpu"))
     monkeypatch.setattr(pg, "_check_gpu_for", lambda backend: None)  # as if a GPU were visible
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kw: seen.append((backend, os.environ.get("TORCH_NCCL_HIGH_PRIORITY"))))
+    monkeypatch.setattr(
+        dist,
+        "init_process_group",
+        lambda backend, **kw: seen.append((backend, os.environ.get("TORCH_NCCL_HIGH_PRIORITY"))),
+    )
     pg.init_distributed(30, backend="nccl")
     monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")
     pg.init_distributed(30, backend="nccl")

@@ -73,13 +73,16 @@ def test_pack_documents_cache_hit_skips_tokenizer(tmp_path, monkeypatch, bpe, co
         second = pack_documents(docs, bpe, max_length=32, cache_dir=str(cache))
         assert np.array_equal(first, second)
         # The cache holds the token stream: another block length reuses it.
-        assert np.array_equal(pack_documents(docs, bpe, max_length=16, cache_dir=str(cache))[:2].flatten(), first[0])
+        assert np.array_equal(
+            pack_documents(docs, bpe, max_length=16, cache_dir=str(cache))[:2].flatten(), first[0]
+        )
         # Anything that changes the result changes the key, so these must tokenize (and fail here).
         for changed_docs, tok in [(edited, bpe), (docs, other_tok)]:
             with pytest.raises(AssertionError, match="tokenizer was called"):
                 pack_documents(changed_docs, tok, max_length=32, cache_dir=str(cache))
 
-    assert pack_documents(docs, other_tok, max_length=32, cache_dir=str(cache)).shape != first.shape  # fewer merges
+    # fewer merges
+    assert pack_documents(docs, other_tok, max_length=32, cache_dir=str(cache)).shape != first.shape
     assert len(os.listdir(cache)) == 2  # the other tokenizer got its own entry
 
 
@@ -183,7 +186,9 @@ def test_alpaca_truncation_and_dropping(byte_tok):
     assert out["input_ids"].shape == (1, len(p))
     ps = byte_ids(ALPACA_PROMPT_NO_INPUT.format(instruction="x"))
     assert out["input_ids"][0, : len(ps) + 2].tolist() == ps + byte_ids("y") + [0]  # the short one is kept
-    assert out["labels"][0].tolist() == [-100] * len(ps) + byte_ids("y") + [0] + [-100] * (len(p) - len(ps) - 2)
+    assert out["labels"][0].tolist() == [-100] * len(ps) + byte_ids("y") + [0] + [-100] * (
+        len(p) - len(ps) - 2
+    )
     with pytest.raises(DataError, match="no instruction example fits"):
         tokenize_instructions([with_input], byte_tok, len(p))
 

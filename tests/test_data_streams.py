@@ -168,14 +168,20 @@ def test_eval_batches_collates_examples_per_rank():
     def collate(chunk):
         return {"input_ids": torch.tensor([e["input_ids"][0] for e in chunk])}
 
-    shards = [[b["input_ids"].tolist() for b in eval_batches(examples, 2, r, 2, collate=collate)] for r in range(2)]
+    shards = [
+        [b["input_ids"].tolist() for b in eval_batches(examples, 2, r, 2, collate=collate)] for r in range(2)
+    ]
     assert shards == [[[0, 2], [4, 6]], [[1, 3], [5]]]
 
 
 def test_pretokenized_rows_are_padded_and_checked():
-    dataset = Dataset.from_dict({
-        "input_ids": [[5, 6, 7], [8, 9]], "attention_mask": [[1, 1, 1], [1, 1]], "labels": [[-100, 6, 7], [8, 9]],
-    })  # fmt: skip
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [[5, 6, 7], [8, 9]],
+            "attention_mask": [[1, 1, 1], [1, 1]],
+            "labels": [[-100, 6, 7], [8, 9]],
+        }
+    )
     out = pad_token_ids(dataset, max_length=4, pad_token_id=0)
     assert out["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]  # padded to the longest row
     assert out["labels"].tolist() == [[-100, 6, 7], [8, 9, -100]]  # the user's -100 kept
@@ -184,7 +190,9 @@ def test_pretokenized_rows_are_padded_and_checked():
     as_list = pad_token_ids(rows, max_length=4, pad_token_id=0)
     assert all(np.array_equal(as_list[k], out[k]) for k in out)
     # run_clm.py's blocks: equal lengths and no labels: labels = input_ids, nothing to pad.
-    blocks = pad_token_ids(Dataset.from_dict({"input_ids": [[1, 2], [3, 4]]}), max_length=2, pad_token_id=None)
+    blocks = pad_token_ids(
+        Dataset.from_dict({"input_ids": [[1, 2], [3, 4]]}), max_length=2, pad_token_id=None
+    )
     assert set(blocks) == {"input_ids", "labels"} and blocks["labels"].tolist() == [[1, 2], [3, 4]]
 
     with pytest.raises(DataError, match="example 0 has 3 tokens, more than max_length 2"):

@@ -149,7 +149,9 @@ def test_tokenizer_errors(tmp_path):
 def test_bpe_is_cached_by_training_texts_and_vocab_size(tmp_path, monkeypatch, corpus):
     cache = str(tmp_path / "cache")
     texts = corpus[:100]
-    first = load_tokenizer("bpe", train_texts=texts, vocab_size=400, cache_dir=cache, save_dir=str(tmp_path / "run1"))
+    first = load_tokenizer(
+        "bpe", train_texts=texts, vocab_size=400, cache_dir=cache, save_dir=str(tmp_path / "run1")
+    )
 
     def no_training(*args, **kwargs):
         raise AssertionError("the BPE was trained again")
@@ -191,7 +193,10 @@ def test_bos_is_prepended_when_the_tokenizer_adds_it(bos_tok, byte_tok, bpe):
 
 
 def test_instruction_examples_are_cached(bpe, tmp_path, monkeypatch):
-    records = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(map(str, range(i)))} for i in range(1, 9)]
+    records = [
+        {"instruction": f"Count to {i}.", "input": "", "output": " ".join(map(str, range(i)))}
+        for i in range(1, 9)
+    ]
     first = cached_instructions(records, bpe, 256, tmp_path)
     assert len(list(tmp_path.glob("instruct-v1-*.pt"))) == 1
 
@@ -224,12 +229,15 @@ def test_load_txt_with_blank_line_separators(tmp_path):
 
 
 def test_load_jsonl_json_parquet_and_folder(tmp_path):
-    write_jsonl(tmp_path / "a.jsonl", [{"text": "alpha", "id": 1}, {"text": "beta", "id": 2}, {"text": "", "id": 3}])
+    write_jsonl(
+        tmp_path / "a.jsonl", [{"text": "alpha", "id": 1}, {"text": "beta", "id": 2}, {"text": "", "id": 3}]
+    )
     (tmp_path / "b.json").write_text(json.dumps([{"body": "gamma"}, {"body": "delta"}]))
     pq.write_table(pa.table({"text": ["epsilon", "zeta"]}), tmp_path / "c.parquet")
     cache = str(tmp_path / "hf-cache")
 
-    assert load_documents(str(tmp_path / "a.jsonl"), cache_dir=cache) == ["alpha", "beta"]  # empty text dropped
+    # empty text dropped
+    assert load_documents(str(tmp_path / "a.jsonl"), cache_dir=cache) == ["alpha", "beta"]
     assert load_documents(str(tmp_path / "b.json"), text_column="body", cache_dir=cache) == ["gamma", "delta"]
     assert load_documents(str(tmp_path / "c.parquet"), cache_dir=cache) == ["epsilon", "zeta"]
 
@@ -283,7 +291,9 @@ def test_open_documents_keeps_tables_memory_mapped(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "alpha", "id": 1}, {"text": "beta", "id": 2}])
     pq.write_table(pa.table({"text": ["gamma"]}), tmp_path / "b.parquet")
     one = open_documents(str(tmp_path / "a.jsonl"), cache_dir=cache)
-    assert isinstance(one, Dataset) and one.column_names == ["text"] and list(one["text"]) == ["alpha", "beta"]
+    assert (
+        isinstance(one, Dataset) and one.column_names == ["text"] and list(one["text"]) == ["alpha", "beta"]
+    )
     (tmp_path / "tables").mkdir()
     for name in ("a.jsonl", "b.parquet"):
         os.replace(tmp_path / name, tmp_path / "tables" / name)
@@ -312,7 +322,11 @@ def test_load_records(tmp_path):
     pq.write_table(pa.table({"instruction": ["a"], "input": [""], "output": ["b"]}), tmp_path / "r.parquet")
     assert load_records(str(tmp_path / "r.parquet"), cache_dir=cache)[0]["output"] == "b"
 
-    rows_bad = [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d"}, {"instruction": "e"}]
+    rows_bad = [
+        {"instruction": "a", "output": "b"},
+        {"instruction": "c", "output": "d"},
+        {"instruction": "e"},
+    ]
     with pytest.raises(DataError, match="record 2 lacks 'output'"):
         load_records(write_jsonl(tmp_path / "bad.jsonl", rows_bad), cache_dir=cache)
     with pytest.raises(DataError, match="record 0 lacks 'instruction'"):

@@ -44,7 +44,8 @@ def test_prefetch_reads_one_ahead_and_hands_out_every_micro_batch_in_order(devic
             # the next one was read while this one is handed out (none after the last)
             assert read == list(range(min(len(got) + 1, 4)))
             assert stream.ahead == (1 if len(got) < 4 else 0)
-        assert _OnDevice(counted(1, []), torch.device("cpu")).prefetch == (fake is not None)  # by default: where streams are
+        # by default: where streams are
+        assert _OnDevice(counted(1, []), torch.device("cpu")).prefetch == (fake is not None)
     assert got == [0, 1, 2, 3] and stream.ahead == 0
     if fake is not None:  # two distinct tensors per micro-batch, each handed over to the compute stream
         assert fake.counts["handovers"] == 8 and fake.counts["waits"] == 4
@@ -60,14 +61,21 @@ def test_a_checkpoint_position_goes_back_by_the_prefetched_micro_batch():
             return {"epoch": 2, "position": 0, "num_samples": 40, "global_batch_size": 4}
 
     # 10 micro-batches per epoch: one back from the start of epoch 2 is the last of epoch 1
-    assert _Rewound(Position(), 1).state_dict() == {"epoch": 1, "position": 9, "num_samples": 40, "global_batch_size": 4}
+    assert _Rewound(Position(), 1).state_dict() == {
+        "epoch": 1,
+        "position": 9,
+        "num_samples": 40,
+        "global_batch_size": 4,
+    }
 
 
 def test_a_pretrained_model_loads_in_its_own_dtype_and_the_master_keeps_every_bit(tmp_path):
     from acco.engine import EngineConfig, build_engine
     from acco.models import build_model
 
-    cfg = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16, window_size=16)
+    cfg = dict(
+        arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16, window_size=16
+    )
     torch.manual_seed(0)
     fp32 = build_model(cfg, vocab_size=96, max_length=16)
     fp32.save_pretrained(tmp_path / "fp32")
@@ -102,7 +110,8 @@ def test_bench_gpu_nproc_2_runs_its_processes_and_skips_without_the_gpus(tmp_pat
         assert json.loads((tmp_path / "cuda" / "gpu.json").read_text())["skipped"] is True
     # the same 2 processes on gloo (the code path; NCCL needs the GPUs)
     args = parser.parse_args(["--device", "cpu", "--nproc", "2", "--model", "tiny", "--batch-size", "2",
-                              "--max-length", "16", "--steps", "3", "--warmup", "1", "--variants", "engine-acco,plain-bf16",
+                              "--max-length", "16", "--steps", "3", "--warmup", "1",
+                              "--variants", "engine-acco,plain-bf16",
                               "--out", str(tmp_path / "cpu")])  # fmt: skip
     assert gpu.main(args) == 0
     result = json.loads((tmp_path / "cpu" / "gpu.json").read_text())

@@ -25,13 +25,17 @@ from acco.engine.flat import FlatParams
 
 
 # Budgets that are not a multiple of a sync cycle: the end-of-run synchronisation is exercised too.
-@pytest.mark.parametrize("kind,world,device", [("mlp", 2, "host"), ("block", 3, "host"), ("mlp", 2, "fake-cuda")])
+@pytest.mark.parametrize(
+    "kind,world,device", [("mlp", 2, "host"), ("block", 3, "host"), ("mlp", 2, "fake-cuda")]
+)
 def test_diloco_and_streaming_equal_their_reference(kind, world, device):
     n = 2
     cfgs = [
-        config(method="diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 10, sync_every=3, max_grad_norm=0.5),
+        config(method="diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 10, sync_every=3,
+               max_grad_norm=0.5),
         config(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 11, sync_every=4,
-               num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5, outer_momentum=0.8),
+               num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5,
+               outer_momentum=0.8),
     ]  # fmt: skip
     results = run_distributed(run_engine, world, kind, cfgs, 0.0, None, device)
     for rank_result in results[1:]:  # the final model is the global one, the same everywhere
@@ -53,8 +57,15 @@ def test_pseudo_gradient_is_global_minus_local_with_a_fake_all_reduce(device):
     """One worker, the all-reduce replaced by a fake that records the wire and adds a second
     worker's pseudo-gradient: the outer step with lr 1 and no momentum lands exactly on the
     average of the two workers' local parameters (a flipped sign lands far from it)."""
-    cfg = config(method="diloco", n_grad_accumulation=1, nb_steps_tot=2, sync_every=2, outer_lr=1.0,
-                 outer_momentum=0.0, learning_rate=0.05)  # fmt: skip
+    cfg = config(
+        method="diloco",
+        n_grad_accumulation=1,
+        nb_steps_tot=2,
+        sync_every=2,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        learning_rate=0.05,
+    )
     with maybe_installed(device):
         engine, records, sent, theta0, other = _pseudo_gradient_run(cfg)
     assert len(records) == 2 and len(sent) == 1
@@ -99,8 +110,10 @@ def test_fragments_are_runs_of_layers_of_about_equal_size():
         offsets, offset = {}, 0
         for p in flat.trainable:
             offsets[id(p)], offset = offset, offset + p.numel()
-        which = [next(i for i, sl in enumerate(fragments) for s in sl if s.start <= offsets[id(p)] < s.stop)
-                 for p in model.parameters()]  # fmt: skip
+        which = [
+            next(i for i, sl in enumerate(fragments) for s in sl if s.start <= offsets[id(p)] < s.stop)
+            for p in model.parameters()
+        ]
         assert which == sorted(which)  # contiguous in registration order (the order of the layers)
         sizes = [sum(s.stop - s.start for s in sl) for sl in fragments]
         if f <= 4:
@@ -112,8 +125,15 @@ def test_fragments_are_runs_of_layers_of_about_equal_size():
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoint_resume_is_exact_with_an_all_reduce_in_flight(device):
     world, n = 2, 1
-    cfg = config(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=world * 14, sync_every=4,
-                 num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.25)  # fmt: skip
+    cfg = config(
+        method="streaming-diloco",
+        n_grad_accumulation=n,
+        nb_steps_tot=world * 14,
+        sync_every=4,
+        num_fragments=2,
+        fragment_sync_delay=1,
+        fragment_update_alpha=0.25,
+    )
     # Fragments sync at offsets 2 and 4 of every 4 steps: fragment 0's all-reduce is launched at step 6
     # and applied at step 7, so the checkpoint after step 6 is taken with it in flight.
     results = run_distributed(_resume_run, world, cfg, 6, device)
@@ -156,7 +176,8 @@ def _resume_runs(rank, world, cfg, stop_at):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(method="diloco", num_fragments=2), "num_fragments=1"),
-    (dict(method="streaming-diloco", sync_every=8, num_fragments=4, fragment_sync_delay=2), r"fragment_sync_delay must be in \[0, sync_every // num_fragments = 2\)"),
+    (dict(method="streaming-diloco", sync_every=8, num_fragments=4, fragment_sync_delay=2),
+     r"fragment_sync_delay must be in \[0, sync_every // num_fragments = 2\)"),
     (dict(method="streaming-diloco", fragment_update_alpha=1.5), "fragment_update_alpha"),
     (dict(method="diloco", outer_momentum=1.0), "outer_momentum"),
     (dict(method="diloco", sync_every=0), "sync_every must be a positive integer"),
@@ -172,13 +193,28 @@ def _bf16_run(rank, world, device):
 
 
 def _bf16_train(rank, world):
-    cfg = config(method="streaming-diloco", n_grad_accumulation=1, nb_steps_tot=world * 8, sync_every=4,
-                 num_fragments=2, fragment_sync_delay=1, use_mixed_precision=True)  # fmt: skip
+    cfg = config(
+        method="streaming-diloco",
+        n_grad_accumulation=1,
+        nb_steps_tot=world * 8,
+        sync_every=4,
+        num_fragments=2,
+        fragment_sync_delay=1,
+        use_mixed_precision=True,
+    )
     model = make_model("mlp")
     engine = build_engine(model, cfg)
-    records = list(engine.run(stream("mlp", rank, world), lambda m, b: loss_fn(m, (b[0].bfloat16(), b[1].bfloat16()))))
+    records = list(
+        engine.run(stream("mlp", rank, world), lambda m, b: loss_fn(m, (b[0].bfloat16(), b[1].bfloat16())))
+    )
     engine.close()
-    return engine.wire.dtype, engine.local.dtype, engine.flat.params.clone(), engine.global_params.clone(), records
+    return (
+        engine.wire.dtype,
+        engine.local.dtype,
+        engine.flat.params.clone(),
+        engine.global_params.clone(),
+        records,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -201,8 +237,10 @@ def test_a_steps_record_is_read_once_the_next_steps_micro_batches_are_queued(dev
     with maybe_installed(device) as fake:
         engine = DiLoCoEngine(make_model("mlp"), cfg)
         reads, seen = _counted_reads(engine, n, steps)
-    assert reads == [(t + 1) * n for t in range(1, steps)] + [steps * n]  # micro-batches computed at each read
-    assert seen == [(t, n) for t in range(1, steps)] + [(steps, 0)]  # what a checkpoint's data position rewinds
+    # micro-batches computed at each read
+    assert reads == [(t + 1) * n for t in range(1, steps)] + [steps * n]
+    # what a checkpoint's data position rewinds
+    assert seen == [(t, n) for t in range(1, steps)] + [(steps, 0)]
     if fake is not None:  # the host sleeps on a blocking event (no spin), recorded behind the step's copy
         assert engine.stats_ready.blocking and engine.stats_ready.completed
 

@@ -24,10 +24,14 @@ def members(protocol) -> dict[str, object]:
 def assigned_in_init(cls) -> set[str]:
     """The `self.X` attributes that cls.__init__ assigns (an attribute a property may declare)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
-    return {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
-            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-            for t in ast.walk(target) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-            and t.value.id == "self"}  # fmt: skip
+    return {
+        t.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for t in ast.walk(target)
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
 
 
 def mismatches(cls, protocol=Engine) -> list[str]:

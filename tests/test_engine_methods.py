@@ -58,7 +58,9 @@ def test_methods_equal_their_references(kind, world, clip, device):
     assert [r.micro_batches for r in acco_rec] == [[n] * world] * updates
     assert_close(acco, expected, "acco vs the estimate/update reference")
     assert_close(torch.tensor([r.loss for r in acco_rec]), torch.tensor(ref.losses), "acco losses")
-    assert_close(torch.tensor([r.grad_norm for r in acco_rec]), torch.tensor(ref.grad_norms), "acco gradient norms")
+    assert_close(
+        torch.tensor([r.grad_norm for r in acco_rec]), torch.tensor(ref.grad_norms), "acco gradient norms"
+    )
     ref = Reference(kind, cfgs[3], world, [n // 2] * world)
     assert_close(lean, reference_acco(ref, updates, lean=True), "acco_estimate=lean vs its reference")
     assert (lean - acco).abs().max() > 10 * 2e-5  # the correction shows, well beyond the tolerance
@@ -83,14 +85,15 @@ def test_unequal_counts_give_the_count_weighted_mean():
         return [config(method=method, n_grad_accumulation=n, nb_steps_tot=budget, **kw) for n in (3, 1)]
 
     cfgs = [per_rank("ddp"), per_rank("torch-ddp"), per_rank("dpu"),
-            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, acco_estimate="paper") for n in (3, 1)],
+            [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, acco_estimate="paper")
+             for n in (3, 1)],
             [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, n_warmup_steps=2,
                     acco_estimate="paper") for n in (3, 1)],
             [config(method="acco", n_grad_accumulation=n, nb_steps_tot=2 * budget, n_warmup_steps=2,
                     acco_estimate="lean") for n in (3, 1)]]  # fmt: skip
-    (ddp, ddp_rec), (tddp, tddp_rec), (dpu, _), (acco, acco_rec), (acco_w, acco_w_rec), (lean, _) = run_distributed(
-        run_engine, 2, "mlp", cfgs
-    )[0]
+    (ddp, ddp_rec), (tddp, tddp_rec), (dpu, _), (acco, acco_rec), (acco_w, acco_w_rec), (lean, _) = (
+        run_distributed(run_engine, 2, "mlp", cfgs)[0]
+    )
     assert [r.micro_batches for r in ddp_rec] == [[3, 1]] * updates
     assert [r.micro_batches for r in tddp_rec] == [[3, 1]] * updates
     ref = Reference("mlp", cfgs[0][0], 2, [3, 1])

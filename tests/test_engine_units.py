@@ -30,7 +30,9 @@ def test_shard_layout_pads_to_a_multiple_of_the_world():
 def in_flat_order(tensors) -> torch.Tensor:
     """The matrices first, then the vectors (biases): the order of FlatParams' buffers."""
     tensors = list(tensors)
-    return torch.cat([t.flatten() for t in tensors if t.dim() >= 2] + [t.flatten() for t in tensors if t.dim() < 2])
+    return torch.cat(
+        [t.flatten() for t in tensors if t.dim() >= 2] + [t.flatten() for t in tensors if t.dim() < 2]
+    )
 
 
 def test_parameters_and_grads_are_views_of_the_flat_buffers():
@@ -59,7 +61,9 @@ def test_bf16_casts_only_the_trainable_parameters_and_the_master_keeps_their_fp3
     model.register_buffer("inv_freq", torch.rand(8))  # a floating buffer, as a rotary embedding's
     weights = in_flat_order(p.detach().clone() for p in model.parameters())
     flat = FlatParams(model, torch.bfloat16, world_size=1, rank=0)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and model.inv_freq.dtype == torch.float32
+    assert (
+        all(p.dtype == torch.bfloat16 for p in model.parameters()) and model.inv_freq.dtype == torch.float32
+    )
     assert torch.equal(flat.master_shard[: weights.numel()], weights)  # fp32 values, not bf16-rounded ones
     assert not torch.equal(flat.params[: weights.numel()].float(), weights)
 
@@ -110,8 +114,11 @@ def test_weight_decay_only_on_the_first_range_as_torch_adamw_with_two_groups():
     torch.manual_seed(0)
     p = torch.randn(50)
     decayed, plain = nn.Parameter(p[:30].clone()), nn.Parameter(p[30:].clone())
-    ref_opt = torch.optim.AdamW([{"params": [decayed], "weight_decay": 0.1}, {"params": [plain], "weight_decay": 0.0}],
-                                lr=1e-2, betas=(0.9, 0.95))  # fmt: skip
+    ref_opt = torch.optim.AdamW(
+        [{"params": [decayed], "weight_decay": 0.1}, {"params": [plain], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+    )
     opt = ShardedAdamW(p, _adamw_cfg(), decayed=30)
     for _ in range(4):
         g = torch.randn(50)
@@ -142,7 +149,9 @@ def test_weight_decay_only_on_the_first_range_as_torch_adamw_with_two_groups():
     ],
 )
 def test_learning_rate_follows_samples(name, samples, batch, expected):
-    cfg = EngineConfig(learning_rate=1.0, scheduler_name=name, warmup=20 if name != "constant" else 0, nb_steps_tot=100)
+    cfg = EngineConfig(
+        learning_rate=1.0, scheduler_name=name, warmup=20 if name != "constant" else 0, nb_steps_tot=100
+    )
     assert learning_rate(cfg, samples, batch) == pytest.approx(expected, abs=1e-12)
 
 
@@ -223,7 +232,9 @@ def _timed_methods(rank, world):
     out = {}
     for method, n in (("ddp", 4), ("acco", 2), ("dpu", 4)):
         model = make()
-        cfg = EngineConfig(method=method, n_grad_accumulation=n, nb_steps_tot=4 * world * 6, accumulate_while_waiting=False)
+        cfg = EngineConfig(
+            method=method, n_grad_accumulation=n, nb_steps_tot=4 * world * 6, accumulate_while_waiting=False
+        )
         engine = build_engine(model, cfg)
         engine.comm.delay_hook = lambda: time.sleep(delay_s)  # emulates a slow network
         data = ((torch.randn(1024, 256, generator=gen),) for _ in range(10**6))

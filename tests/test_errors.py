@@ -83,9 +83,13 @@ def pretrained_dir(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("pretrained")
     GPTNeoConfig(
-        vocab_size=100, max_position_embeddings=32, hidden_size=16, num_layers=2, num_heads=2,
+        vocab_size=100,
+        max_position_embeddings=32,
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
         attention_types=[[["global", "local"], 1]],
-    ).save_pretrained(folder)  # fmt: skip
+    ).save_pretrained(folder)
     return folder
 
 
@@ -146,8 +150,14 @@ def test_instruction_records_without_instruction_or_output(tmp_path):
         ("train.learning_rate=fast", "train.learning_rate must be a number, got 'fast'"),
         ("train.learning_rate=inf", "train.learning_rate must be a positive finite number, got inf"),
         ("train.output_dir=", "train.output_dir is empty"),
-        ("train.max_grad_norm=-1", "train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got -1"),
-        ("train.max_grad_norm=inf", "train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got inf"),
+        (
+            "train.max_grad_norm=-1",
+            "train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got -1",
+        ),
+        (
+            "train.max_grad_norm=inf",
+            "train.max_grad_norm must be a finite number >= 0 (0 or null: no clipping), got inf",
+        ),
         ("train.max_grad_norm=big", "train.max_grad_norm must be a number, got 'big'"),
         ("train.acco_estimate=nope", "train.acco_estimate must be one of lean, paper, got 'nope'"),
         ("train.batch_size=two", "train.batch_size must be an integer, got 'two'"),
@@ -220,17 +230,24 @@ def test_dataset_smaller_than_one_global_batch(tmp_path, tokenizer_dir):
     assert len(set((tmp_path / "cache").glob("tokens-v2-*.npy")) - cached) == 1
 
     data = write_jsonl(tmp_path / "ft.jsonl", [ALPACA] * 12)
-    msg = validation_error(tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}", "train.batch_size=4",
-                          "launch.nproc=4", "train.max_length=128")  # fmt: skip
+    msg = validation_error(
+        tmp_path,
+        "train=acco-ft",
+        "data=alpaca",
+        f"data.path={data}",
+        "train.batch_size=4",
+        "launch.nproc=4",
+        "train.max_length=128",
+    )
     assert "11 instruction examples" in msg and "in its training split" in msg and "= 16" in msg
 
 
 def test_output_dir_that_cannot_be_written(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     msg = validation_error(tmp_path, f"train.output_dir={tmp_path / 'file' / 'run'}")
-    assert (
-        msg
-        == f"train.output_dir '{tmp_path / 'file' / 'run'}' cannot be created: '{tmp_path / 'file'}' is a file, not a folder"
+    assert msg == (
+        f"train.output_dir '{tmp_path / 'file' / 'run'}' cannot be created: '{tmp_path / 'file'}' is a file, "
+        "not a folder"
     )
     assert "is a file, not a folder" in validation_error(tmp_path, f"train.output_dir={tmp_path / 'file'}")
     msg = validation_error(tmp_path, f"train.cache_dir={tmp_path / 'file' / 'cache'}")
@@ -278,7 +295,8 @@ def test_unknown_config_group_option_or_key(tmp_path):
         compose(["train.batch_sise=4"])
     with pytest.raises(
         InputError,
-        match=r"^unknown config key 'trian' in 'trian=acco'; keys at the top level: train, model, data, launch$",
+        match=r"^unknown config key 'trian' in 'trian=acco'; keys at the top level: "
+        r"train, model, data, launch$",
     ):
         compose(["trian=acco"])
     with pytest.raises(
@@ -320,7 +338,9 @@ def test_cli_unknown_key_or_group_is_one_line(tmp_path, override, expected):
 def test_cli_bad_launch_value_is_one_line_before_any_worker(tmp_path, override, expected):
     """The launcher reads launch.* before the validation pass: the schema's checks must have run
     when the config was composed (a structured config runs no __post_init__ as Hydra merges)."""
-    proc = cli(tmp_path, "model=tiny", "train.nb_steps_tot=8", "train.batch_size=2", "train.max_length=32", override)
+    proc = cli(
+        tmp_path, "model=tiny", "train.nb_steps_tot=8", "train.batch_size=2", "train.max_length=32", override
+    )
     assert proc.stderr.strip() == one_error(proc, expected)
     assert not (tmp_path / "out").exists()
 
@@ -382,9 +402,9 @@ def test_under_torchrun_rank0_alone_validates_and_the_others_follow(tmp_path):
     bad = tmp_path / "corpus.jsonl"
     bad.write_text('{"text": "a"}\n{"text": "b"\n')
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "acco.cli", f"train.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'out'}",
-        "data=text", f"data.path={bad}",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "-m", "acco.cli", f"train.cache_dir={tmp_path / 'cache'}",
+        f"train.output_dir={tmp_path / 'out'}", "data=text", f"data.path={bad}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "ACCO_DEBUG")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)

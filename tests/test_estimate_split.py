@@ -22,11 +22,16 @@ def test_config():
     assert EngineConfig().estimate_micro_batches is None and TrainArgs().estimate_micro_batches is None
     for e in (1, 2, 3):
         EngineConfig(method="acco", n_grad_accumulation=K, estimate_micro_batches=e)
-    EngineConfig(method="acco", n_grad_accumulation=K, estimate_micro_batches=1, accumulate_while_waiting=True)
+    EngineConfig(
+        method="acco", n_grad_accumulation=K, estimate_micro_batches=1, accumulate_while_waiting=True
+    )
     EngineConfig(method="acco", n_grad_accumulation=K, estimate_micro_batches="auto")
     for bad in (0, 4, -1, 1.5, True, "Auto", "even"):
-        with pytest.raises(ConfigError, match=r"estimate_micro_batches must be an integer in \[1, 2 n_grad_accumulation "
-                                              r"- 1 = 3\], auto, or null"):
+        with pytest.raises(
+            ConfigError,
+            match=r"estimate_micro_batches must be an integer in \[1, 2 n_grad_accumulation "
+            r"- 1 = 3\], auto, or null",
+        ):
             EngineConfig(method="acco", n_grad_accumulation=K, estimate_micro_batches=bad)
     with pytest.raises(ConfigError, match="acco's estimate round only; method dpu has none"):
         EngineConfig(method="dpu", estimate_micro_batches=1)
@@ -34,7 +39,9 @@ def test_config():
     with pytest.raises(InputError) as info:
         compose(["train=acco", "train.n_grad_accumulation=2", "train.estimate_micro_batches=4"])
     message = str(info.value)
-    assert "\n" not in message and message.startswith("train.estimate_micro_batches must be an integer in [1, "), message
+    assert "\n" not in message and message.startswith(
+        "train.estimate_micro_batches must be an integer in [1, "
+    ), message
     assert compose(["train=acco", "train.n_grad_accumulation=2", "train.estimate_micro_batches=1"]).train \
         .estimate_micro_batches == 1
     assert compose(["train=acco", "train.estimate_micro_batches=auto"]).train.estimate_micro_batches == "auto"
@@ -100,8 +107,10 @@ def test_split_counts_and_updates_equal_the_reference():
     for i, (cfg, (params, records, rounds)) in enumerate(zip(cfgs, results[0])):
         e = cfg.estimate_micro_batches or K
         # the estimate round's payload holds 2k - e per worker, the update's 2k: e were computed in between
-        assert [(kind_, mb) for kind_, mb, _ in rounds] == \
-            [(RoundKind.ESTIMATE, [2 * K - e] * WORLD), (RoundKind.UPDATE, [2 * K] * WORLD)] * UPDATES, (i, rounds)
+        assert [(kind_, mb) for kind_, mb, _ in rounds] == [
+            (RoundKind.ESTIMATE, [2 * K - e] * WORLD),
+            (RoundKind.UPDATE, [2 * K] * WORLD),
+        ] * UPDATES, (i, rounds)
         assert [r.micro_batches for r in records] == [[2 * K] * WORLD] * UPDATES
         assert [r.estimate_micro_batches for r in records] == [e] * UPDATES  # logged with each update
         # each estimate round took the LR of the update that follows it (the warm-up is still on)
@@ -132,7 +141,9 @@ def _resume(rank, world, kind, cfg, stop):
             if interrupt and record.step == stop:
                 break
         if interrupt:
-            state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine.state_dict().items()}
+            state = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine.state_dict().items()
+            }
             engine.finish()
             engine.close()
             model = make_model(kind)
@@ -146,7 +157,9 @@ def _resume(rank, world, kind, cfg, stop):
 
 def test_split_resumes_exactly():
     # with a fixed batch the checkpoint keeps the accumulator: the next g~, 2k - e micro-batches per worker
-    cfg = config(method="acco", n_grad_accumulation=K, nb_steps_tot=2 * K * WORLD * UPDATES, estimate_micro_batches=1)
+    cfg = config(
+        method="acco", n_grad_accumulation=K, nb_steps_tot=2 * K * WORLD * UPDATES, estimate_micro_batches=1
+    )
     whole, resumed = run_distributed(_resume, WORLD, "mlp", cfg, 2)[0]
     torch.testing.assert_close(resumed, whole, rtol=0, atol=0)
 
@@ -254,8 +267,12 @@ def test_auto_split_starts_from_the_bytes_of_an_int8_estimate_round():
     """With an int8 estimate round, before any round is measured, e is 2k times the estimate round's
     share of the bytes: about 1 / (1 + 4) of them in fp32."""
     model = make_model("mlp")
-    engine = build_engine(model, config(method="acco", n_grad_accumulation=AUTO_K, estimate_micro_batches="auto",
-                                        estimate_comm="int8"))
+    engine = build_engine(
+        model,
+        config(
+            method="acco", n_grad_accumulation=AUTO_K, estimate_micro_batches="auto", estimate_comm="int8"
+        ),
+    )
     assert engine.split.e == round(2 * AUTO_K * 0.2) == 2
     engine.close()
     engine = build_engine(make_model("mlp"), config(method="acco", n_grad_accumulation=AUTO_K,

@@ -20,8 +20,15 @@ from acco.loss import causal_lm_loss
 from acco.models import build_model
 from acco.trainer import DecoupledTrainer
 
-LLAMA = dict(arch="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-             max_position_embeddings=16)  # fmt: skip
+LLAMA = dict(
+    arch="llama",
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=16,
+)
 
 
 def half_only_attention(module, query, key, value, attention_mask, **kwargs):
@@ -29,7 +36,9 @@ def half_only_attention(module, query, key, value, attention_mask, **kwargs):
     dtype = get_target_dtype(query, module) or query.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"FlashAttention only support fp16 and bf16 data type (got {dtype})")
-    return sdpa_attention_forward(module, query.to(dtype), key.to(dtype), value.to(dtype), attention_mask, **kwargs)
+    return sdpa_attention_forward(
+        module, query.to(dtype), key.to(dtype), value.to(dtype), attention_mask, **kwargs
+    )
 
 
 @pytest.fixture
@@ -41,10 +50,19 @@ def half_only(monkeypatch):
 def _trainer(tmp_path, model, mixed: bool) -> DecoupledTrainer:
     g = torch.Generator().manual_seed(0)
     train, held_out = torch.randint(0, 96, (8, 16), generator=g), torch.randint(0, 96, (6, 16), generator=g)
-    args = dict(method_name="acco", batch_size=2, eval_batch_size=4, nb_steps_tot=4, max_length=16,
-                use_mixed_precision=mixed, save=False, output_dir=str(tmp_path / "run"))  # fmt: skip
-    return DecoupledTrainer(model=model, train_dataset={"input_ids": train}, eval_dataset={"input_ids": held_out},
-                            args=args)  # fmt: skip
+    args = dict(
+        method_name="acco",
+        batch_size=2,
+        eval_batch_size=4,
+        nb_steps_tot=4,
+        max_length=16,
+        use_mixed_precision=mixed,
+        save=False,
+        output_dir=str(tmp_path / "run"),
+    )
+    return DecoupledTrainer(
+        model=model, train_dataset={"input_ids": train}, eval_dataset={"input_ids": held_out}, args=args
+    )
 
 
 def _by_hand(trainer: DecoupledTrainer, autocast: bool) -> float:

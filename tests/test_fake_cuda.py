@@ -129,7 +129,9 @@ def test_save_and_resume_through_the_gpu_paths_is_exact(tmp_path, method):
     with installed() as fake:
         ref, resumed = tmp_path / "reference", tmp_path / "resumed"
         torch.manual_seed(0)
-        trainer = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, ref, nb_steps_tot=24))
+        trainer = DecoupledTrainer(
+            model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, ref, nb_steps_tot=24)
+        )
         summary = trainer.train()
         assert "peak_gpu_mem_mb" in summary and "peak_rss_mb" not in summary  # the device's memory, named so
         assert trainer._stream.prefetch and fake.counts["handovers"] > 0  # the copy stream's path ran
@@ -137,8 +139,9 @@ def test_save_and_resume_through_the_gpu_paths_is_exact(tmp_path, method):
         assert "cuda_rng" in saved
         torch.manual_seed(1)
         torch.rand(8, generator=fake.rng)  # the device RNG moves on: the resume must bring it back
-        DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, resumed, nb_steps_tot=24)).train(
-            resume_from_checkpoint=str(ref / "checkpoint-2"))  # fmt: skip
+        DecoupledTrainer(
+            model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, resumed, nb_steps_tot=24)
+        ).train(resume_from_checkpoint=str(ref / "checkpoint-2"))
         assert device_ops(torch.device("cpu")) is fake and torch.equal(fake.rng_state(), saved["cuda_rng"])
     straight, again = train_losses(ref), train_losses(resumed)
     assert len(straight) > 3 and again == {step: loss for step, loss in straight.items() if step > 2}

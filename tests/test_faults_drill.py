@@ -27,8 +27,13 @@ def test_the_plan_is_seeded_starts_with_a_warm_start_kill_and_has_every_kind():
     assert {f["kind"] for f in plan} == {"kill-warm-start", "kill", "term-save"}
     assert all(0 <= f["rank"] < 3 for f in plan)
     assert all(1 <= f["after_updates"] <= 2 * s.save_step for f in plan if f["kind"] == "kill")
-    assert {f["kind"] for f in plan_faults(DrillSettings(faults=3))} == {"kill-warm-start", "kill", "term-save"}
-    # every attempt moves the resume point by at most 2 save intervals and 2 updates: the job outlasts the faults
+    assert {f["kind"] for f in plan_faults(DrillSettings(faults=3))} == {
+        "kill-warm-start",
+        "kill",
+        "term-save",
+    }
+    # every attempt moves the resume point by at most 2 save intervals and 2 updates: the job outlasts the
+    # faults
     assert s.budget_updates >= 10 * (2 * s.save_step + 2)
 
 
@@ -67,13 +72,19 @@ def test_the_fault_drill_survives_every_fault_and_ends_bit_equal(tmp_path):
     from acco_bench.cli import main
 
     # 2 workers, 3 faults (a kill in the warm start, a kill at a random moment, a SIGTERM in a save)
-    assert main(["faults", "--workers", "2", "--faults", "3", "--save-step", "2", "--out", str(tmp_path)]) == 0
+    assert (
+        main(["faults", "--workers", "2", "--faults", "3", "--save-step", "2", "--out", str(tmp_path)]) == 0
+    )
     bench = json.loads((tmp_path / "bench.json").read_text())
     summary, faults = bench["summary"], bench["faulted"]["faults"]
     assert {f["kind"] for f in faults} == {"kill-warm-start", "kill", "term-save"}
     assert summary["faults_survived"] == 3 and summary["unplanned_failures"] == 0 and summary["restarts"] == 3
     assert all(f["lost_updates"] <= 2 for f in faults)  # at most one save interval
-    assert next(f for f in faults if f["kind"] == "term-save")["lost_updates"] == 0  # checkpointed on the signal
+    # checkpointed on the signal
+    assert next(f for f in faults if f["kind"] == "term-save")["lost_updates"] == 0
     assert summary["final_params_bit_equal"] and summary["losses_equal"]
     assert bench["comparison"]["checkpoint_tensors_differing"] == []
-    assert "Final parameters bit-equal to the uninterrupted run's: **yes**" in (tmp_path / "bench.md").read_text()
+    assert (
+        "Final parameters bit-equal to the uninterrupted run's: **yes**"
+        in (tmp_path / "bench.md").read_text()
+    )

@@ -64,12 +64,22 @@ def _evaluate_under_autocast(rank, world):
     docs = synthetic_corpus(60)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
     model = build_model({**OmegaConf.load(TINY), "num_layers": 1}, vocab_size=len(tokenizer), max_length=16)
-    args = dict(method_name="torch-ddp", use_mixed_precision=True, batch_size=2, max_length=16, nb_steps_tot=2,
-                save=False, cache_dir=None, output_dir="unused")  # fmt: skip
+    args = dict(
+        method_name="torch-ddp",
+        use_mixed_precision=True,
+        batch_size=2,
+        max_length=16,
+        nb_steps_tot=2,
+        save=False,
+        cache_dir=None,
+        output_dir="unused",
+    )
     trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=docs, args=args)
     trainer.engine = build_engine(trainer.model, trainer.args.engine_config())
     seen = []
-    model.register_forward_hook(lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.logits.dtype)))
+    model.register_forward_hook(
+        lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.logits.dtype))
+    )
     trainer.evaluate()
     trainer.engine.close()
     return seen

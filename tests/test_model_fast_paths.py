@@ -30,7 +30,8 @@ def test_gelu_new_runs_fused_and_equal_within_rounding():
     x16 = x.bfloat16()
     exact = NewGELUActivation()(x16.double())
     ours, theirs = GELUTanh()(x16).double(), NewGELUActivation()(x16).double()
-    # one rounding to bf16 (half an ulp: 2^-8 relative at most) where gelu_new's eight bf16 ops round eight times
+    # one rounding to bf16 (half an ulp: 2^-8 relative at most) where gelu_new's eight bf16 ops round eight
+    # times
     assert ((ours - exact).abs() <= 2**-8 * exact.abs() + 1e-6).all()
     assert (ours - exact).abs().max() <= (theirs - exact).abs().max()
     torch.manual_seed(0)
@@ -55,8 +56,14 @@ def test_saved_models_load_with_the_fused_gelu(tmp_path, arch):
     if arch == "gpt_neo":
         saved = build_model(TINY | {"arch": arch}, vocab_size=97)
     else:
-        config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, hidden_act="gelu_new")  # fmt: skip
+        config = transformers.LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_act="gelu_new",
+        )
         saved = transformers.LlamaForCausalLM(config)
         assert NewGELUActivation in _kinds(saved)
     saved.save_pretrained(tmp_path)

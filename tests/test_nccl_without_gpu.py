@@ -97,4 +97,6 @@ def test_the_cli_prints_the_one_line_and_exits_non_zero(no_gpu, monkeypatch, cap
         acco.cli.main()
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("acco: error: backend nccl needs a CUDA GPU and none is visible"), err
+    assert len(err) == 1 and err[0].startswith(
+        "acco: error: backend nccl needs a CUDA GPU and none is visible"
+    ), err

@@ -81,7 +81,9 @@ def test_shaped_gloo_allreduce_and_cleanup():
     # ring all-reduce: every host sends 2 (n-1)/n of the tensor through its shaped link
     theory = 2 * (world - 1) / world * numel * 4 * 8 / parse_rate(bandwidth)
     seconds = max(o["seconds"] for o in outs)
-    print(f"10 MB gloo all_reduce over {bandwidth} ({cluster.shaper}): {seconds:.3f} s, theory {theory:.3f} s")
+    print(
+        f"10 MB gloo all_reduce over {bandwidth} ({cluster.shaper}): {seconds:.3f} s, theory {theory:.3f} s"
+    )
     assert all(o["value"] == 3.0 and o["last"] == 3.0 for o in outs)
     assert seconds >= 0.7 * theory, f"{seconds:.3f}s < 70% of {theory:.3f}s: the link is not shaped"
     assert list_namespaces(prefix) == []

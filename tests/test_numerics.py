@@ -30,9 +30,17 @@ def mse(model, batch):
 
 def cfg(method: str, bf16: bool, updates: int = 8) -> EngineConfig:
     # lr 1e-4: most updates are below one bf16 step of these weights (the issue's case)
-    return EngineConfig(method=method, n_grad_accumulation=1, nb_steps_tot=updates, use_mixed_precision=bf16,
-                        learning_rate=1e-4, warmup=0, scheduler_name="constant", weight_decay=0.0,
-                        accumulate_while_waiting=False)  # fmt: skip
+    return EngineConfig(
+        method=method,
+        n_grad_accumulation=1,
+        nb_steps_tot=updates,
+        use_mixed_precision=bf16,
+        learning_rate=1e-4,
+        warmup=0,
+        scheduler_name="constant",
+        weight_decay=0.0,
+        accumulate_while_waiting=False,
+    )
 
 
 def test_wp_prediction_is_taken_on_the_fp32_master_in_bf16():
@@ -71,14 +79,23 @@ def test_state_bytes_counts_each_buffer_once():
     # gradient shard, wp's previous master (the trial workspace is acco's only); no fp32
     # gradient accumulator (grad_accum_dtype bf16, the default: test_grad_accum_dtype_... has fp32)
     assert bf16.state_bytes() == {
-        "params": 2 * p, "grads": 2 * p, "payload": 2 * p, "master": 4 * p, "exp_avg": 4 * p, "exp_avg_sq": 4 * p,
+        "params": 2 * p, "grads": 2 * p, "payload": 2 * p,
+        "master": 4 * p, "exp_avg": 4 * p, "exp_avg_sq": 4 * p,
         "grad_shard": 4 * p, "summed_grad_shard": 2 * p, "new_param_shard": 2 * p,
         "wp_previous_master": 4 * p}  # fmt: skip
     bf16.close()
     fp32 = build_engine(mlp(), cfg("ddp", bf16=False))
     got = fp32.state_bytes()  # ddp: no payload; the reduce-scatter lands in the fp32 gradient shard itself
     assert "payload" not in got and "summed_grad_shard" not in got and "wp_previous_master" not in got
-    assert sorted(got) == ["exp_avg", "exp_avg_sq", "grad_shard", "grads", "master", "new_param_shard", "params"]
+    assert sorted(got) == [
+        "exp_avg",
+        "exp_avg_sq",
+        "grad_shard",
+        "grads",
+        "master",
+        "new_param_shard",
+        "params",
+    ]
     assert sum(got.values()) == 4 * p * 7
     fp32.close()
     acco = build_engine(mlp(), cfg("acco", bf16=False))
@@ -90,8 +107,15 @@ def _payload_and_micro_grads(accum: str, k: int = 8):
     """The first update's payload of ddp in bf16 (k micro-batches), and each micro-batch's own
     bf16 gradient, in the flat order."""
     model = mlp()
-    config = EngineConfig(method="ddp", n_grad_accumulation=k, nb_steps_tot=k, use_mixed_precision=True,
-                          accumulate_while_waiting=False, grad_accum_dtype=accum, max_grad_norm=None)  # fmt: skip
+    config = EngineConfig(
+        method="ddp",
+        n_grad_accumulation=k,
+        nb_steps_tot=k,
+        use_mixed_precision=True,
+        accumulate_while_waiting=False,
+        grad_accum_dtype=accum,
+        max_grad_norm=None,
+    )
     engine = build_engine(model, config)
     payloads, run = [], engine.comm.run
     engine.comm.run = lambda payload, *a, **kw: (payloads.append(payload.clone()), run(payload, *a, **kw))[1]
@@ -100,7 +124,9 @@ def _payload_and_micro_grads(accum: str, k: int = 8):
     for batch in itertools.islice(batches(torch.bfloat16), k):
         reference.zero_grad()
         mse(reference, batch).backward()
-        ordered = [p for p in reference.parameters() if p.dim() >= 2] + [p for p in reference.parameters() if p.dim() < 2]
+        ordered = [p for p in reference.parameters() if p.dim() >= 2] + [
+            p for p in reference.parameters() if p.dim() < 2
+        ]
         micro_grads.append(torch.cat([p.grad.flatten() for p in ordered]))
     list(engine.run(batches(torch.bfloat16), mse))
     state = engine.state_bytes()

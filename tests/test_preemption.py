@@ -43,8 +43,16 @@ def _stop_on_rank1(rank, world, cfgs, at_call):
 
 def test_every_engine_tells_every_worker_to_stop_after_the_same_update():
     n = 2
-    cfgs = [config(method=m, n_grad_accumulation=n // 2 if m == "acco" else n, nb_steps_tot=2 * n * 8,
-                   sync_every=4, num_fragments=2 if m == "streaming-diloco" else 1) for m in METHODS]  # fmt: skip
+    cfgs = [
+        config(
+            method=m,
+            n_grad_accumulation=n // 2 if m == "acco" else n,
+            nb_steps_tot=2 * n * 8,
+            sync_every=4,
+            num_fragments=2 if m == "streaming-diloco" else 1,
+        )
+        for m in METHODS
+    ]
     at_call = 5  # rank 1's 5th micro-batch: in its third update (its first in diloco's second sync cycle)
     ranks = run_distributed(_stop_on_rank1, 2, cfgs, at_call)
     for cfg, mine, theirs in zip(cfgs, ranks[0], ranks[1]):
@@ -72,12 +80,25 @@ def _runs(rank, world, root, method):
 
     def train(out, hook=None, at=0, ranks=(), **more):
         torch.manual_seed(0)
-        args = tiny_args(method, out, nb_steps_tot=48, save_step=2, eval=True, eval_step=3, max_eval_batches=2,
-                         resume_from_checkpoint="auto", **more)  # fmt: skip
+        args = tiny_args(
+            method,
+            out,
+            nb_steps_tot=48,
+            save_step=2,
+            eval=True,
+            eval_step=3,
+            max_eval_batches=2,
+            resume_from_checkpoint="auto",
+            **more,
+        )
         trainer = acco.trainer.DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args)
         originals = {}
         if hook is not None:
-            owner = {"loss": acco.trainer, "save": acco.checkpoint, "evaluate": acco.trainer.DecoupledTrainer}[hook]
+            owner = {
+                "loss": acco.trainer,
+                "save": acco.checkpoint,
+                "evaluate": acco.trainer.DecoupledTrainer,
+            }[hook]
             name = {"loss": "causal_lm_loss", "save": "save_run", "evaluate": "evaluate"}[hook]
             original, calls = getattr(owner, name), [0]
             originals[owner, name] = original
@@ -127,7 +148,9 @@ def test_a_sigterm_checkpoints_and_the_same_command_finishes_the_run_exactly(pre
     assert stopped_1["stopped_on_signal"] == ("SIGTERM" if 1 in ranks else "a peer's signal")
     # fixed batch (acco, 8 micro-batches per update): resumed, the run is the uninterrupted one, bit for bit
     assert losses == straight_losses and sorted(losses) == list(range(1, 7))
-    assert torch.equal(theta, straight_theta) and torch.equal(preempted[1][name][1], preempted[1]["straight"][1])
+    assert torch.equal(theta, straight_theta) and torch.equal(
+        preempted[1][name][1], preempted[1]["straight"][1]
+    )
 
 
 def test_auto_starts_fresh_or_from_the_newest_checkpoint_and_bad_signals_are_refused(tmp_path):

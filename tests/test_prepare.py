@@ -98,14 +98,18 @@ def large_corpus_error(argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("tokenizer", ["bpe", "folder"])
-def test_large_unprepared_corpus_stops_the_job_naming_acco_prepare(tmp_path, corpora, tokenizer_dir, monkeypatch,
-                                                                    capsys, tokenizer):  # fmt: skip
+def test_large_unprepared_corpus_stops_the_job_naming_acco_prepare(
+    tmp_path, corpora, tokenizer_dir, monkeypatch, capsys, tokenizer
+):
     monkeypatch.setattr(acco.validate, "PREPARE_FROM_TOKENS", 1000)
     spec = "bpe" if tokenizer == "bpe" else str(tokenizer_dir)
     argv = overrides(tmp_path, corpora["jsonl"], f"model.tokenizer={spec}")
     monkeypatch.setattr(sys, "argv", ["acco-train", *argv])  # the launcher's command line
     message = large_corpus_error(argv)
-    assert message.startswith(f"data.path '{corpora['jsonl']}': about ") and "tokens, not prepared yet" in message
+    assert (
+        message.startswith(f"data.path '{corpora['jsonl']}': about ")
+        and "tokens, not prepared yet" in message
+    )
     assert f"run `acco-prepare {' '.join(argv)}` first" in message
     assert not list((tmp_path / "cache").glob("tokens-v2-*.npy"))  # the job did not tokenize either
 
@@ -139,7 +143,10 @@ def test_large_corpus_message_outside_a_command_line(tmp_path, corpora, monkeypa
         (["--workers=2"], "unknown option '--workers=2'"),
         (["data=text", "data.path=/no/such/file.jsonl"], "/no/such/file.jsonl: no such file or folder"),
         (["data=text", "data.path=x.txt", "train.cache_dir=null"], "train.cache_dir is null"),
-        (["model.tokenizer=./no-such-folder"], "model.tokenizer: tokenizer './no-such-folder': no such folder"),
+        (
+            ["model.tokenizer=./no-such-folder"],
+            "model.tokenizer: tokenizer './no-such-folder': no such folder",
+        ),
     ],
 )
 def test_bad_options_and_overrides_are_one_line(capsys, argv, expected):

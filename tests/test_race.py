@@ -19,17 +19,37 @@ from acco_bench.cli import main
 from acco_bench.network import namespaces
 from acco_bench.settings import BenchSettings
 
-TINY_MODEL = dict(name="small", arch="gpt_neo", hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64,
-                  window_size=64, pretrained=None)
+TINY_MODEL = dict(
+    name="small",
+    arch="gpt_neo",
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    max_position_embeddings=64,
+    window_size=64,
+    pretrained=None,
+)
 
 
 def _trainer(tmp_path, **overrides) -> DecoupledTrainer:
     docs = synthetic_corpus(200)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
     model = build_model(TINY_MODEL, vocab_size=len(tokenizer), max_length=32)
-    args = dict(method_name="ddp", batch_size=4, nb_steps_tot=12, max_length=32, eval_step=2, learning_rate=2e-3,
-                output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False, **overrides)
-    return DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs, args=OmegaConf.create(args))
+    args = dict(
+        method_name="ddp",
+        batch_size=4,
+        nb_steps_tot=12,
+        max_length=32,
+        eval_step=2,
+        learning_rate=2e-3,
+        output_dir=str(tmp_path / "run"),
+        cache_dir=str(tmp_path / "cache"),
+        save=False,
+        **overrides,
+    )
+    return DecoupledTrainer(
+        model=model, processing_class=tokenizer, train_dataset=docs, args=OmegaConf.create(args)
+    )
 
 
 def _evals(tmp_path) -> list[dict]:
@@ -71,8 +91,13 @@ def test_crossing_is_interpolated_between_the_two_evaluations_around_the_target(
     assert hit["bracket_s"] == pytest.approx(2.0) and hit["eval_index"] == 2
     assert race.crossing(curve, 3.0)["time_s"] == pytest.approx(4.0)  # exactly on a point
     assert race.crossing(curve, 2.0) is None  # never reached
-    assert race.crossing(curve, 6.0) == {"time_s": 1.0, "samples": 100, "bracket_s": 0.0, "bracket_samples": 0.0,
-                                         "eval_index": 0}
+    assert race.crossing(curve, 6.0) == {
+        "time_s": 1.0,
+        "samples": 100,
+        "bracket_s": 0.0,
+        "bracket_samples": 0.0,
+        "eval_index": 0,
+    }
 
 
 def test_crossing_takes_the_first_one_on_a_noisy_curve():
@@ -88,7 +113,9 @@ def _write_run(run_dir: Path, walls: list[float], evals: dict[int, tuple[float, 
         lines.append({"type": "train", "step": step, "samples": 4 * step, "loss": 5.0, "wall_time": wall})
         if step in evals:
             loss, eval_s = evals[step]
-            lines.append({"type": "eval", "step": step, "samples": 4 * step, "eval_loss": loss, "eval_s": eval_s})
+            lines.append(
+                {"type": "eval", "step": step, "samples": 4 * step, "eval_loss": loss, "eval_s": eval_s}
+            )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -120,12 +147,18 @@ def test_targets_and_ratios_to_ddp():
 def test_race_overrides_leave_the_users_keys_alone():
     s = BenchSettings(extra=("train.scheduler_name=cosine",))
     o = race.race_overrides(s, 400, "constant", 8, 3.25)
-    assert o.count("train.scheduler_name=cosine") == 1 and not any(x == "train.scheduler_name=constant" for x in o)
+    assert o.count("train.scheduler_name=cosine") == 1 and not any(
+        x == "train.scheduler_name=constant" for x in o
+    )
     assert "train.warmup=40" in o and "train.max_eval_batches=8" in o and "train.stop_at_eval_loss=3.25" in o
-    assert not any("stop_at_eval_loss" in x for x in race.race_overrides(BenchSettings(), 400, "constant", 8, None))
+    assert not any(
+        "stop_at_eval_loss" in x for x in race.race_overrides(BenchSettings(), 400, "constant", 8, None)
+    )
     diloco = race.race_overrides(BenchSettings(), 400, "constant", 8, 3.25, "diloco")
     assert "train.sync_every=10" in diloco and not any("sync_every" in x for x in o)
-    mine = race.race_overrides(BenchSettings(extra=("train.sync_every=7",)), 400, "constant", 8, 3.25, "diloco")
+    mine = race.race_overrides(
+        BenchSettings(extra=("train.sync_every=7",)), 400, "constant", 8, 3.25, "diloco"
+    )
     assert [x for x in mine if "sync_every" in x] == ["train.sync_every=7"]  # the user's value wins
 
 
@@ -134,8 +167,8 @@ def test_race_overrides_leave_the_users_keys_alone():
 
 TINY = [
     "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--batch-size", "4", "--max-length", "32",
-    "--grad-accum", "2", "--nb-steps-tot", "16", "--timeout", "150", "--eval-step", "1", "--eval-batches", "2",
-    "--override", "data.n_docs=300", "--override", "model.vocab_size=512",
+    "--grad-accum", "2", "--nb-steps-tot", "16", "--timeout", "150", "--eval-step", "1",
+    "--eval-batches", "2", "--override", "data.n_docs=300", "--override", "model.vocab_size=512",
 ]
 
 
@@ -148,8 +181,15 @@ def _check_race(out: Path, methods: list[str], kind: str) -> dict:
     for name in methods:
         r = bench["methods"][name]
         assert "error" not in r, r.get("error")
-        for key in ("time_to_target_s", "samples_to_target", "bytes_sent_per_worker", "state_bytes_per_worker",
-                    "eval_interval", "eval_curve", "crossing_bracket"):
+        for key in (
+            "time_to_target_s",
+            "samples_to_target",
+            "bytes_sent_per_worker",
+            "state_bytes_per_worker",
+            "eval_interval",
+            "eval_curve",
+            "crossing_bracket",
+        ):
             assert key in r, (name, key)
         if r["time_to_target_s"] is None:  # never reached: ran to twice ddp's samples
             assert r["samples"] >= 2 * bench["methods"]["ddp"]["samples"]
@@ -206,7 +246,10 @@ def test_demo_on_loopback_says_why_the_times_tie(tmp_path, capsys, monkeypatch):
     def fake_race(settings, out):
         seen["settings"] = settings
         run = {"time_to_target_s": 10.0, "samples_to_target": 64.0, "bytes_sent_per_worker_mean": None}
-        return {"target_eval_loss": 3.5, "methods": {"ddp": dict(run), "acco": dict(run, time_to_target_s=9.0)}}
+        return {
+            "target_eval_loss": 3.5,
+            "methods": {"ddp": dict(run), "acco": dict(run, time_to_target_s=9.0)},
+        }
 
     monkeypatch.setattr(demo, "run_race", fake_race)
     assert demo.main(["--loopback", "--out", str(tmp_path / "demo"), "train.max_length=32"]) == 0

@@ -29,16 +29,18 @@ def _torchrun(script: str, args: list[str], *agent: str) -> subprocess.Completed
     # c10d rendezvous (--standalone) with a fresh store per attempt: on torch 2.13's shared agent store
     # (always shared with the default static rendezvous) a restarted group can read the previous
     # attempt's gloo addresses and fail to connect (docs/checkpoints.md, "Restarts").
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *agent, script,
-           *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *agent,
+           script, *args]  # fmt: skip
     env = clean_env({"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     return subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
 
 
 def _losses(out: Path) -> tuple[dict, list]:
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return ({x["step"]: x["loss"] for x in lines if x["type"] == "train"},
-            [x["eval_loss"] for x in lines if x["type"] == "eval"])  # fmt: skip
+    return (
+        {x["step"]: x["loss"] for x in lines if x["type"] == "train"},
+        [x["eval_loss"] for x in lines if x["type"] == "eval"],
+    )
 
 
 @pytest.mark.slow
@@ -47,7 +49,9 @@ def test_torchrun_restarts_the_group_after_a_worker_dies_and_auto_resumes_exactl
     assert straight.returncode == 0, straight.stderr[-3000:]
     # rank 1 dies (os._exit, no clean-up) after update 5, in the workers' first start only
     faults = f"{REPO}/tests/faults.py"
-    restarted = _torchrun(faults, ["rank=1,step=5,mode=exit,attempt=0", *_job(tmp_path, "restarted")], "--max-restarts", "1")
+    restarted = _torchrun(
+        faults, ["rank=1,step=5,mode=exit,attempt=0", *_job(tmp_path, "restarted")], "--max-restarts", "1"
+    )
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "resuming exactly from" in restarted.stdout and "checkpoint-4" in restarted.stdout
     # a fixed batch: the restarted run's every update and evaluation are the uninterrupted run's
@@ -56,8 +60,13 @@ def test_torchrun_restarts_the_group_after_a_worker_dies_and_auto_resumes_exactl
 
 @pytest.mark.slow
 def test_sigterm_to_a_plain_python_main_checkpoints_and_the_same_command_finishes_exactly(tmp_path):
-    straight = subprocess.run([sys.executable, f"{REPO}/main.py", "launch.nproc=2", *_job(tmp_path, "straight")],
-                              capture_output=True, text=True, timeout=400, env=clean_env())  # fmt: skip
+    straight = subprocess.run(
+        [sys.executable, f"{REPO}/main.py", "launch.nproc=2", *_job(tmp_path, "straight")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=clean_env(),
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
     cmd = [sys.executable, f"{REPO}/main.py", "launch.nproc=2", *_job(tmp_path, "stopped")]
     with open(tmp_path / "stderr.txt", "w+") as stderr:

@@ -46,15 +46,22 @@ def measure(engine, model) -> dict:
 
 
 def train_and_measure(rank, world, kind, cfgs):
-    return [{"params": params, "records": records, **extra}
-            for params, records, extra in run_engine(rank, world, kind, cfgs, measure=measure)]  # fmt: skip
+    return [
+        {"params": params, "records": records, **extra}
+        for params, records, extra in run_engine(rank, world, kind, cfgs, measure=measure)
+    ]
 
 
 def test_static_graph_without_accumulation_equals_reference_and_state_bytes():
     world, updates, clip = 2, 6, 0.45
     budget = world * updates
-    one = config(method="torch-ddp", n_grad_accumulation=1, nb_steps_tot=budget, max_grad_norm=clip,
-                 bucket_cap_mb=BUCKET_MB)  # fmt: skip
+    one = config(
+        method="torch-ddp",
+        n_grad_accumulation=1,
+        nb_steps_tot=budget,
+        max_grad_norm=clip,
+        bucket_cap_mb=BUCKET_MB,
+    )
     two = config(method="torch-ddp", n_grad_accumulation=2, nb_steps_tot=2 * budget, max_grad_norm=clip)
     # one micro-batch per update on one worker, two on the other: static_graph off on both
     mixed = [config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget) for n in (1, 2)]
@@ -173,8 +180,15 @@ def test_mixed_precision_all_reduces_gradients_in_bf16_on_gloo():
     """torch refuses its bf16_compress_hook without CUDA and NCCL: on gloo the engine's own hook
     sends the same bf16 buckets (it used to stop with a TypeError at construction)."""
     world, updates = 2, 3
-    cfgs = [config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=n * world * updates, use_mixed_precision=mp)
-            for n, mp in ((2, True), (1, True), (2, False))]  # fmt: skip
+    cfgs = [
+        config(
+            method="torch-ddp",
+            n_grad_accumulation=n,
+            nb_steps_tot=n * world * updates,
+            use_mixed_precision=mp,
+        )
+        for n, mp in ((2, True), (1, True), (2, False))
+    ]
     results = run_distributed(train_mixed_precision, world, cfgs)
     numel = sum(p.numel() for p in make_model("mlp").parameters())
     (bf16, bf16_rec, bf16_sent), (_, _, static_sent), (fp32, _, fp32_sent) = results[0]

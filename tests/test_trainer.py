@@ -34,7 +34,12 @@ def cli(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.Compl
 
 
 def test_cli_trains_acco_and_ddp_with_all_outputs(tmp_path):
-    common = ("data.n_docs=600", "train.nb_steps_tot=160", "train.eval_step=10", "train.accumulate_while_waiting=false")
+    common = (
+        "data.n_docs=600",
+        "train.nb_steps_tot=160",
+        "train.eval_step=10",
+        "train.accumulate_while_waiting=false",
+    )
     runs = {
         "acco": ("train=acco", "train.n_grad_accumulation=1"),
         "ddp": ("train=ddp", "train.n_grad_accumulation=2"),
@@ -60,7 +65,9 @@ def test_cli_trains_acco_and_ddp_with_all_outputs(tmp_path):
         assert [x["step"] for x in evals] == [10, 20, 30, 40]
         assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
         for rank in (0, 1):
-            timers = [json.loads(line) for line in (out / "workers" / f"rank{rank}.jsonl").read_text().splitlines()]
+            timers = [
+                json.loads(line) for line in (out / "workers" / f"rank{rank}.jsonl").read_text().splitlines()
+            ]
             assert len(timers) == 40 and all(t["compute_s"] > 0 for t in timers)
         summary = json.loads((out / "summary.json").read_text())
         assert summary["method"] == name and summary["world_size"] == 2 and summary["samples"] == 160
@@ -120,10 +127,13 @@ def test_decoupled_trainer_as_in_the_seed_readme_under_torchrun(tmp_path):
     script.write_text(TRAINER_SCRIPT)
     tiny = Path(__file__).parents[1] / "acco" / "conf" / "model" / "tiny.yaml"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        str(script), str(tmp_path / "out"), str(tmp_path / "cache"), str(tiny),
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), str(script), str(tmp_path / "out"), str(tmp_path / "cache"),
+        str(tiny),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     metrics = result["metrics"]
@@ -140,9 +150,19 @@ def test_single_process_trainer_with_omegaconf_args_and_processing_class(tmp_pat
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=512)
     model = build_model(TINY, vocab_size=len(tokenizer), max_length=32)
     args = OmegaConf.create(
-        dict(method_name="ddp", batch_size=4, n_grad_accumulation=2, learning_rate=2e-3, nb_steps_tot=24, max_length=32,
-             eval_step=100, output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False)
-    )  # fmt: skip
+        dict(
+            method_name="ddp",
+            batch_size=4,
+            n_grad_accumulation=2,
+            learning_rate=2e-3,
+            nb_steps_tot=24,
+            max_length=32,
+            eval_step=100,
+            output_dir=str(tmp_path / "run"),
+            cache_dir=str(tmp_path / "cache"),
+            save=False,
+        )
+    )
     trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs, args=args)
     before = trainer.evaluate()["eval_loss"]
     summary = trainer.train()
@@ -165,8 +185,12 @@ def test_the_seed_configs_keys_and_numbers_as_strings():
     from acco.engine import ConfigError
     from acco.trainer import TrainArgs
 
-    with pytest.warns(UserWarning, match="ignoring the seed's train key.*group_by_length, dataloader_num_workers"):
-        args = TrainArgs.from_any({"learning_rate": "6e-4", "group_by_length": False, "dataloader_num_workers": 4})
+    with pytest.warns(
+        UserWarning, match="ignoring the seed's train key.*group_by_length, dataloader_num_workers"
+    ):
+        args = TrainArgs.from_any(
+            {"learning_rate": "6e-4", "group_by_length": False, "dataloader_num_workers": 4}
+        )
     assert args.learning_rate == 6e-4
     with pytest.raises(ConfigError, match="label_smoothing_factor=0.1 is not supported"):
         TrainArgs.from_any({"label_smoothing_factor": 0.1})
@@ -188,10 +212,18 @@ def test_loss_is_normalised_by_target_tokens_across_micro_batches():
     labels[1, 0, :1] = -100  # 7 targets
     batches = [{"input_ids": ids[i], "labels": labels[i]} for i in range(2)]
     engine = build_engine(
-        model, EngineConfig(method="ddp", n_grad_accumulation=2, nb_steps_tot=2, learning_rate=1e-2,
-                            scheduler_name="constant", weight_decay=0.0, adam_eps=1e-3,
-                            max_grad_norm=None)  # clipping would hide the normalisation
-    )  # fmt: skip
+        model,
+        EngineConfig(
+            method="ddp",
+            n_grad_accumulation=2,
+            nb_steps_tot=2,
+            learning_rate=1e-2,
+            scheduler_name="constant",
+            weight_decay=0.0,
+            adam_eps=1e-3,
+            max_grad_norm=None,  # clipping would hide the normalisation
+        ),
+    )
     records = list(engine.run(iter(batches), causal_lm_loss))
     sums = [causal_lm_loss(reference, b) for b in batches]
     total = sum(s for s, _ in sums) / sum(n for _, n in sums)
@@ -227,7 +259,8 @@ def test_cli_fine_tunes_on_alpaca_records(tmp_path):
     out = tmp_path / "ft"
     proc = cli(
         tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}", f"train.output_dir={out}",
-        "train.max_length=128", "train.batch_size=4", "train.nb_steps_tot=32", "train.eval_step=4", "train.save=false",
+        "train.max_length=128", "train.batch_size=4", "train.nb_steps_tot=32", "train.eval_step=4",
+        "train.save=false",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -241,13 +274,33 @@ def test_cli_fine_tunes_on_alpaca_records(tmp_path):
 
 
 # A plain dict (no Hydra interpolation to resolve), smaller than tiny: these tests are about data.
-SMALL = dict(name="small", arch="gpt_neo", hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64,
-             window_size=64, pretrained=None)
+SMALL = dict(
+    name="small",
+    arch="gpt_neo",
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    max_position_embeddings=64,
+    window_size=64,
+    pretrained=None,
+)
 
 
 def _small_run(tmp_path, **overrides) -> dict:
-    return {**dict(method_name="ddp", batch_size=4, nb_steps_tot=4, max_length=32, eval_step=1, learning_rate=2e-3,
-                   output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False), **overrides}
+    return {
+        **dict(
+            method_name="ddp",
+            batch_size=4,
+            nb_steps_tot=4,
+            max_length=32,
+            eval_step=1,
+            learning_rate=2e-3,
+            output_dir=str(tmp_path / "run"),
+            cache_dir=str(tmp_path / "cache"),
+            save=False,
+        ),
+        **overrides,
+    }
 
 
 def test_data_collator_examples_train_and_evaluate(tmp_path):
@@ -259,9 +312,11 @@ def test_data_collator_examples_train_and_evaluate(tmp_path):
     # Examples of 10 to 29 tokens: the collator pads each batch.
     rows = [{"input_ids": tokenizer(d)["input_ids"][: 10 + i % 20]} for i, d in enumerate(docs)]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=rows, data_collator=collator,
-                               args=_small_run(tmp_path, method_name="acco", eval_batch_size=5,
-                                                             accumulate_while_waiting=False))  # exactly 4 samples
+    args = _small_run(tmp_path, method_name="acco", eval_batch_size=5, accumulate_while_waiting=False)
+    # exactly 4 samples
+    trainer = DecoupledTrainer(
+        model=model, processing_class=tokenizer, train_dataset=rows, data_collator=collator, args=args
+    )
     # The eval loss is the mean over all target tokens of the eval examples, whatever the batching.
     eval_rows = [rows[i] for i in trainer.eval_data.indices]
     loss_sum = tokens = 0.0
@@ -283,7 +338,9 @@ def test_pretokenized_dataset_needs_no_collator(tmp_path):
     ids = tokenizer("".join(docs))["input_ids"][: 32 * 40]
     blocks = [ids[i : i + 32] for i in range(0, len(ids), 32)]  # run_clm.py's group_texts output
     ds = Dataset.from_dict({"input_ids": blocks, "attention_mask": [[1] * 32] * 40, "labels": blocks})
-    trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=ds, args=_small_run(tmp_path))
+    trainer = DecoupledTrainer(
+        model=model, processing_class=tokenizer, train_dataset=ds, args=_small_run(tmp_path)
+    )
     assert len(trainer.train_data) + len(trainer.eval_data) == 40
     batch = trainer.train_data.take([0, 1])
     assert batch["input_ids"].dtype == torch.long and batch["input_ids"].shape == (2, 32)
@@ -345,11 +402,13 @@ def test_bpe_trains_on_the_training_split_only_and_is_cached(tmp_path, monkeypat
         return train_bpe(texts, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer_module, "train_bpe", recording_train_bpe)
-    cfg = OmegaConf.create({
-        "train": {"output_dir": str(tmp_path / "run1"), "cache_dir": str(tmp_path / "cache")},
-        "data": {"format": "pretrain", "text_column": "text"},
-        "model": {"tokenizer": "bpe", "vocab_size": 400},
-    })  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "train": {"output_dir": str(tmp_path / "run1"), "cache_dir": str(tmp_path / "cache")},
+            "data": {"format": "pretrain", "text_column": "text"},
+            "model": {"tokenizer": "bpe", "vocab_size": 400},
+        }
+    )
     first = prepare.prepare_tokenizer(cfg, train_docs)
     assert trained_on == [train_docs]  # not the eval documents
     cfg.train.output_dir = str(tmp_path / "run2")
