@@ -43,7 +43,9 @@ class Recorder:
         self.calls: list[tuple[str, str]] = []  # (thread, function), in issue order
         self.violations: list[str] = []
         self.in_flight: set = set()
-        self.rank0_alone = False
+        # The thread running rank 0's work alone (after_rank0), else None: a checkpoint's is the
+        # writer thread (train.async_save) while the comm thread's rounds go on.
+        self.rank0_alone: threading.Thread | None = None
         self.context = "setup"
         lock = threading.Lock()
         for name in COLLECTIVES:
@@ -81,7 +83,7 @@ class Recorder:
                 self.calls.append(("main" if main else "comm", name))
             if main and self.in_flight:
                 self.violations.append(f"{self.context}: main-thread {name} while a round is in flight")
-            if self.rank0_alone:
+            if self.rank0_alone is threading.current_thread():
                 # the other ranks never issue it: record and skip, or the test would hang
                 self.violations.append(f"{self.context}: {name} inside rank 0's work alone (after_rank0)")
                 return None
@@ -92,11 +94,11 @@ class Recorder:
     def _alone(self, after_rank0):
         def wrapped(work, *args, **kwargs):
             def flagged():
-                self.rank0_alone = True
+                self.rank0_alone = threading.current_thread()
                 try:
                     return work()
                 finally:
-                    self.rank0_alone = False
+                    self.rank0_alone = None
 
             return after_rank0(flagged, *args, **kwargs)
 
