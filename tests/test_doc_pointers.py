@@ -238,7 +238,7 @@ def test_no_issue_numbers_in_the_docs_and_the_code():
     """Issue numbers mean nothing to a reader of the repository: say what was found instead."""
     found = [
         f"{p.relative_to(ROOT)}: {m.group(0)}"
-        for p in [*POINTING, ROOT / "tests" / "test_docs.py"]
+        for p in [*POINTING, ROOT / "tests" / "test_doc_pointers.py"]
         if str(p.relative_to(ROOT)) not in ISSUE_PENDING
         for m in ISSUE.finditer(prose(p))
     ]
