@@ -69,13 +69,15 @@ def fuse_gelu(model: nn.Module) -> int:
     ``gelu_pytorch_tanh``: the same function (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))) in one
     kernel instead of eight ops, equal within rounding. The config keeps ``gelu_new``, so a saved
     model loads anywhere as before. Returns how many were swapped."""
-    from transformers.activations import GELUTanh, NewGELUActivation
+    from transformers import activations
+    from transformers.activations import NewGELUActivation
 
+    fused = getattr(activations, "GELUTanh", None) or activations.PytorchGELUTanh  # its older name
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is NewGELUActivation:
-                setattr(parent, name, GELUTanh())
+                setattr(parent, name, fused())
                 swapped += 1
     return swapped
 
