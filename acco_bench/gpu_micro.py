@@ -1,7 +1,7 @@
 """``acco-bench gpu``'s micro-benchmark: where a GPT-Neo micro-batch's time goes, piece by piece, at
 the benchmark's shapes (batch x length rows, the model's width, heads, window and vocabulary), in
 about a minute on a GPU. Each piece is timed forward and backward (median of ``repeats`` runs
-after a warm-up that also compiles), milliseconds:
+after a warm-up that also compiles), milliseconds, or the error a piece raised:
 
 - ``head_gemm``: the LM head's three GEMMs (logits, d hidden, d head) at the model's vocabulary
   and at it padded to a multiple of 128 (50257 -> 50304 for GPT-Neo): what the fused loss's padding
@@ -31,15 +31,20 @@ def _timer(device, repeats: int):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def measure(fn) -> float:
-        fn()  # warm-up, compiles
-        sync()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
+    def measure(fn) -> float | str:
+        """Median milliseconds, or the error (one piece failing, a compile on an untried GPU, must
+        not cost the throughput results the run already has)."""
+        try:
+            fn()  # warm-up, compiles
             sync()
-            times.append(time.perf_counter() - start)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - start)
+        except Exception as e:  # noqa: BLE001 (reported in the results)
+            return f"error: {type(e).__name__}: {e}"[:300]
         return 1000 * statistics.median(times)
 
     return measure
@@ -145,6 +150,8 @@ def markdown(m: dict) -> list[str]:
     lines = ["", f"Micro-benchmark ({m['rows']} rows, bf16, forward and backward, ms, median; compiled with "
              f"{m['backend'] or 'nothing'}):", ""]  # fmt: skip
     for group in ("head_gemm", "gelu", "local_attention", "loss"):
-        parts = ", ".join(f"{name} {ms:.3f}" for name, ms in m[group].items())
+        parts = ", ".join(
+            f"{name} {ms:.3f}" if isinstance(ms, float) else f"{name} {ms}" for name, ms in m[group].items()
+        )
         lines.append(f"- {group}: {parts}")
     return lines
