@@ -66,8 +66,8 @@ def add_arguments(p) -> None:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="side-stream sleep per comm round for the overlap check (0: 3 x a round's compute)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for MFU")
-    p.add_argument("--variants", default="engine-acco-compiled,plain-bf16-compiled,engine-acco,engine-ddp,plain-bf16,"
-                   "plain-autocast,engine-acco-gc,plain-bf16-gc",
+    p.add_argument("--variants", default="engine-acco,engine-ddp,plain-bf16,plain-autocast,engine-acco-gc,plain-bf16-gc,"
+                   "engine-acco-compiled,plain-bf16-compiled",
                    help="throughput variants to run (suffix -compiled: train.compile; -gc: gradient checkpointing)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the -compiled variants")
     p.add_argument("--micro", choices=("auto", "on", "off"), default="auto", help="the micro-benchmark (auto: CUDA)")
@@ -132,12 +132,6 @@ def _checkpointing(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
-def _loss_fn():
-    from acco.trainer import causal_lm_loss
-
-    return causal_lm_loss
-
-
 def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = False, delay=None,
                budget: int | None = None, checkpointing: bool = False, compiled: bool = False) -> dict:
     """Train through the engine at world size 1; tokens/s over the timed updates, and the
@@ -161,7 +155,7 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
         engine.comm.delay_hook = delay
     tokens_per_mb = args.batch_size * args.max_length
     records = []
-    loss_fn = _loss_fn()
+    from acco.loss import causal_lm_loss as loss_fn
     try:
         for rec in engine.run(_cycle(pool), loss_fn):
             records.append(rec)
@@ -209,7 +203,7 @@ def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: boo
     s = EngineSettings()  # the engine's AdamW, its defaults
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                             weight_decay=s.weight_decay, fused=True)
-    loss_fn = _loss_fn()
+    from acco.loss import causal_lm_loss as loss_fn
     per_update = 2 * args.grad_accum
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     it = _cycle(pool)
@@ -379,14 +373,17 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
             continue  # single-process loops
         if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
             torch.cuda.reset_peak_memory_stats(device)
-        if base in ("engine-acco", "engine-ddp"):
-            r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, checkpointing=gc, compiled=compiled)
-        elif base in ("plain-bf16", "plain-autocast"):
-            r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", checkpointing=gc,
-                          compiled=compiled)
-        else:
+        if base not in ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast"):
             print(f"acco-bench gpu: unknown variant {variant!r}", file=sys.stderr)
             return 2
+        try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
+            if base.startswith("engine-"):
+                r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, checkpointing=gc, compiled=compiled)
+            else:
+                r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", checkpointing=gc, compiled=compiled)
+        except Exception as e:  # noqa: BLE001
+            result.setdefault("failed", {})[variant] = say(f"  {variant}: FAILED: {e!r}"[:500]) or repr(e)[:2000]
+            continue
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
             r["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -418,7 +415,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         (out / "gpu.md").write_text(gpu_markdown(result))
         print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
     sc = result.get("stream_check")
-    return 1 if sc is not None and not sc["passed"] else 0
+    return 1 if (sc is not None and not sc["passed"]) or result.get("failed") else 0
 
 
 def gpu_markdown(r: dict) -> str:
@@ -432,6 +429,7 @@ def gpu_markdown(r: dict) -> str:
     rows = [[k, fmt(v["tokens_per_s"], 0), fmt(100 * v["mfu"], 1, "%") if v.get("mfu") is not None else "-",
              fmt(v["step_time_s"]), fmt(v.get("peak_gpu_mem_mb"), 0)] for k, v in r["variants"].items()]
     lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB"], rows))
+    lines += [f"\nFAILED {k}: {e}" for k, e in r.get("failed", {}).items()]
     for key, val in r.items():
         if key.startswith("ratio_"):
             lines.append(f"\n{key[6:].replace('_', ' ')}: {val:.3f}")

@@ -64,3 +64,16 @@ def test_the_micro_benchmarks_masks_are_gpt_neos_local_attention(window):
     assert torch.equal(mask, causal ^ torch.tril(causal, -window))  # GPT-Neo's local bias in transformers
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     torch.testing.assert_close(flex_local(q, k, v, window), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path):
+    out = tmp_path / "gpu"
+    assert main(["gpu", "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--max-length", "16",
+                 "--steps", "2", "--warmup", "1", "--variants", "plain-bf16-compiled,plain-bf16", "--compile-backend",
+                 "no_such_backend", "--out", str(out)]) == 1  # fmt: skip
+    result = json.loads((out / "gpu.json").read_text())
+    assert (
+        list(result["variants"]) == ["plain-bf16"]
+        and "no_such_backend" in result["failed"]["plain-bf16-compiled"]
+    )
+    assert "FAILED plain-bf16-compiled" in (out / "gpu.md").read_text()
