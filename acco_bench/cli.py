@@ -53,6 +53,49 @@ def _none(text: str) -> str | None:
     return None if text.lower() in ("none", "unshaped", "", "0") else text
 
 
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was given: a rate and a comm share exclude each other."""
+
+    def __call__(self, parser, ns, values, option_string=None):
+        setattr(ns, self.dest, values)
+        ns.given = {*getattr(ns, "given", ()), self.dest}
+
+
+def _shares(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--comm-shares takes numbers (0.3,0.45), got {text!r}") from None
+
+
+def _add_link(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The link: a rate (--bandwidth) or the comm share to set it by (--comm-share), and a latency."""
+    share = ("ddp's comm over its step, S: measure ddp's compute here (short ddp runs), set the link's "
+             "rate so that ddp communicates S of its step, report the rate and the share measured "
+             "(acco_bench/comm_share.py); excludes --bandwidth")
+    if sweep:
+        p.add_argument("--bandwidths", action=_Given, default="50mbit,200mbit,1000mbit,unshaped",
+                       help="comma-separated tc rates; 'unshaped' for unshaped links")
+        p.add_argument("--comm-shares", action=_Given, type=_shares, default=None, metavar="0.3,0.45,0.6",
+                       help=share.replace("S:", "one point per S:").replace("--bandwidth", "--bandwidths"))
+    else:
+        p.add_argument("--bandwidth", action=_Given, type=_none, default=DEFAULTS.bandwidth,
+                       help="per-host link rate, a tc rate (100mbit); 'none' leaves links unshaped")
+        p.add_argument("--comm-share", action=_Given, type=float, default=DEFAULTS.comm_share, metavar="S",
+                       help=share)
+    p.add_argument("--latency", type=_none, default=DEFAULTS.latency,
+                   help="one-way delay per link, a tc time (1ms); 'none' adds none. netem where the "
+                        "kernel has it, else TUN devices and a user-space delay line")
+
+
+def _check_link(a) -> None:
+    given = getattr(a, "given", set())
+    for rate, share in (("bandwidth", "comm_share"), ("bandwidths", "comm_shares")):
+        if {rate, share} <= given:
+            raise BenchError(f"--{rate} and --{share.replace('_', '-')} exclude each other: give the link's "
+                             "rate, or the comm share to set it by")
+
+
 def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEFAULTS.methods) -> None:
     d = DEFAULTS
     p.add_argument("--hosts", type=int, default=d.hosts, help="number of emulated hosts (one worker each)")
@@ -162,17 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cluster", help="every method, one after the other, on N emulated hosts")
     _add_common(p, "outputs/bench/cluster", DEFAULTS.nb_steps_tot)
-    p.add_argument("--bandwidth", type=_none, default=DEFAULTS.bandwidth,
-                   help="per-host link rate, a tc rate (100mbit); 'none' leaves links unshaped")
-    p.add_argument("--latency", type=_none, default=DEFAULTS.latency,
-                   help="one-way delay per link, a tc time (1ms); 'none' adds none. netem where the "
-                        "kernel has it, else TUN devices and a user-space delay line")
+    _add_link(p)
 
     p = sub.add_parser("sweep", help="cluster at several bandwidths: speedup over ddp against bandwidth")
     _add_common(p, "outputs/bench/sweep", 120)
-    p.add_argument("--bandwidths", default="50mbit,200mbit,1000mbit,unshaped",
-                   help="comma-separated tc rates; 'unshaped' for unshaped links")
-    p.add_argument("--latency", type=_none, default=DEFAULTS.latency, help="as for cluster")
+    _add_link(p, sweep=True)
 
     p = sub.add_parser("convergence", help="eval loss against samples on real text, several seeds, "
                                            "and the acco/Adam update closeness")
@@ -242,8 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlapped methods compute exactly their micro-batches per round (default: they keep "
         "accumulating while it runs, the paper's setting)",
     )
-    p.add_argument("--bandwidth", type=_none, default=DEFAULTS.bandwidth, help="as for cluster")
-    p.add_argument("--latency", type=_none, default=DEFAULTS.latency, help="as for cluster")
+    _add_link(p)
     p.add_argument("--eval-step", type=int, default=2, help="evaluate every that many updates (every method)")
     p.add_argument("--eval-batches", type=int, default=8, help="eval batches per worker per evaluation")
     p.add_argument(
@@ -289,10 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_link(args)
         if args.command == "cluster":
             from acco_bench.cluster import run_bench
 
-            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency)
+            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, comm_share=args.comm_share)
             bench = run_bench(s, Path(args.out))
             print(f"[acco-bench] wrote {args.out}/bench.json and bench.md")
             print((Path(args.out) / "bench.md").read_text())
@@ -300,9 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             from acco_bench.cluster import run_sweep
 
-            bws = [_none(b.strip()) for b in args.bandwidths.split(",") if b.strip()]
             s = _settings(args, latency=args.latency)
-            sweep = run_sweep(s, bws, Path(args.out))
+            if args.comm_shares is not None:
+                from acco_bench.comm_share import run_share_sweep
+
+                sweep = run_share_sweep(s, args.comm_shares, Path(args.out))
+            else:
+                sweep = run_sweep(s, [_none(b.strip()) for b in args.bandwidths.split(",") if b.strip()],
+                                  Path(args.out))
             print(f"[acco-bench] wrote {args.out}/sweep.json and sweep.md")
             print((Path(args.out) / "sweep.md").read_text())
             failed = any("error" in r for p in sweep["points"] for r in p["methods"].values())
@@ -367,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "(each method's CPU load is recorded in bench.json)")
             if args.eval_step < 1 or args.eval_batches < 1:
                 raise BenchError("--eval-step and --eval-batches must be >= 1")
-            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, eval_step=args.eval_step)
+            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, eval_step=args.eval_step,
+                          comm_share=args.comm_share)
             race = run_race(s, Path(args.out), scheduler=args.scheduler, eval_batches=args.eval_batches)
             print(f"[acco-bench] wrote {args.out}/bench.json, race.md and race.png")
             print((Path(args.out) / "race.md").read_text())
@@ -377,45 +420,9 @@ def main(argv: list[str] | None = None) -> int:
                 else 0
             )
         if args.command == "report":
-            from acco_bench import report
-            from acco_bench.cluster import rerender
+            from acco_bench.report import rerender_dir
 
-            d = Path(args.dir)
-            if (d / "race.md").exists() and (d / "bench.json").exists():
-                from acco_bench.race import write_race_report
-
-                write_race_report(report.load_json(d / "bench.json"), d)
-                print((d / "race.md").read_text())
-            elif (d / "bench.json").exists() and "faulted" in report.load_json(d / "bench.json"):
-                from acco_bench import faults
-
-                (d / "bench.md").write_text(faults.markdown(report.load_json(d / "bench.json")))
-                print((d / "bench.md").read_text())
-            elif (d / "bench.json").exists():
-                rerender(d)
-                print((d / "bench.md").read_text())
-            elif (d / "sweep.json").exists():
-                report.write_sweep_report(report.load_json(d / "sweep.json"), d)
-                print((d / "sweep.md").read_text())
-            elif (d / "lr_sweep.json").exists():
-                from acco_bench import lr_sweep
-
-                lr_sweep.write(report.load_json(d / "lr_sweep.json"), d)  # the summary is recomputed
-                print((d / "lr_sweep.md").read_text())
-            elif (d / "batch_sizes.json").exists():
-                from acco_bench.convergence import batch_sizes_markdown
-
-                (d / "batch_sizes.md").write_text(
-                    batch_sizes_markdown(report.load_json(d / "batch_sizes.json"))
-                )
-                print((d / "batch_sizes.md").read_text())
-            elif (d / "convergence.json").exists():
-                from acco_bench.training_report import write_convergence_report
-
-                write_convergence_report(report.load_json(d / "convergence.json"), d)
-                print((d / "convergence.md").read_text())
-            else:
-                raise BenchError(f"{d}: no bench.json, sweep.json or convergence.json")
+            print(rerender_dir(Path(args.dir)))
             return 0
         if args.command == "gpu":
             from acco_bench import gpu

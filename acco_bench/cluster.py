@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from acco_bench import BenchError
@@ -221,19 +221,26 @@ def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Networ
 # one benchmark: every method on one network
 
 
-def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, log=print) -> dict:
+def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, log=print,
+              calibration: dict | None = None) -> dict:
     """Run every method of ``settings`` on ``net`` (made and torn down here when None) and write
     ``out/bench.json``, ``out/bench.md`` and the plots. Returns the bench.json content. A method
-    that fails or times out is recorded with its error and the others still run."""
-    from acco_bench import report
+    that fails or times out is recorded with its error and the others still run. With
+    ``settings.comm_share`` the rate is calibrated first (acco_bench/comm_share.py), unless
+    ``calibration`` says how ``net`` was set already."""
+    from acco_bench import comm_share, report
 
     settings.validate()
     check_worker_available()
     out.mkdir(parents=True, exist_ok=True)
     own = net is None
     if own:
-        net = Network(settings.hosts, settings.bandwidth, settings.latency, settings.loopback)
+        bw = None if settings.comm_share is not None else settings.bandwidth
+        net = Network(settings.hosts, bw, settings.latency, settings.loopback)
     try:
+        if settings.comm_share is not None and calibration is None:
+            calibration = comm_share.calibrate(settings, net, settings.comm_share, out / "calibration", log)
+            settings = replace(settings, bandwidth=calibration["rate"])
         log(f"[acco-bench] {net.note}")
         runs: dict[str, list[dict]] = {m: [] for m in settings.methods}
         for rep in range(settings.repeats):
@@ -290,9 +297,12 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
                     )
         methods = {m: combine_repeats(rs) for m, rs in runs.items()}
         comparisons = add_comparisons(methods, settings)
+        shares = comm_share.share_fields(settings.comm_share, comm_share.ddp_share(methods), net.bandwidth,
+                                         calibration)
         bench = {
             "config": {**settings.describe(), "network": net.describe(),
                        "machine": machine_description(), "worker_command": worker_command()},
+            **shares,
             "methods": methods,
             **comparisons,
         }
@@ -366,8 +376,6 @@ def run_sweep(settings: BenchSettings, bandwidths: Sequence[str | None], out: Pa
     """One :func:`run_bench` per bandwidth (``None``: unshaped veth links; on loopback when
     namespaces are unavailable and ``settings.loopback``), then ``sweep.json``, ``sweep.md`` and
     the speedup plot."""
-    from acco_bench import report
-
     settings.validate()
     check_worker_available()
     out.mkdir(parents=True, exist_ok=True)
@@ -384,16 +392,24 @@ def run_sweep(settings: BenchSettings, bandwidths: Sequence[str | None], out: Pa
         bench = run_bench(s, out / label.replace("/", "_"), log=log)
         points.append({"label": label, "bandwidth": bw,
                        "bandwidth_bps": parse_rate(bw) if bw else None, "bench": bench})
+    return write_sweep(settings, [sweep_label(b) for b in bandwidths], points, out)
+
+
+def write_sweep(settings: BenchSettings, labels: list[str], points: list[dict], out: Path) -> dict:
+    """``sweep.json``, ``sweep.md`` and the speedup plot of the points of a sweep (one bench.json each)."""
+    from acco_bench import report
+
     sweep = {
         "config": {
             **settings.describe(),
-            "bandwidths": [sweep_label(b) for b in bandwidths],
+            "bandwidths": labels,
             "machine": machine_description(),
         },
         "points": [
             {
                 "label": p["label"],
                 "bandwidth_bps": p["bandwidth_bps"],
+                **{k: p["bench"].get(k) for k in ("comm_share_asked", "comm_share_measured", "rate")},
                 "network": p["bench"]["config"]["network"],
                 "bounds": p["bench"].get("bounds", {}),
                 "methods": {

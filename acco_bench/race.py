@@ -51,6 +51,7 @@ from acco_bench.cluster import (
     worker_command,
 )
 from acco_bench.network import Network
+from acco_bench.race_report import plot_race, race_markdown, write_race_report  # noqa: F401 (re-exported)
 from acco_bench.settings import BenchSettings
 
 REFERENCE = "ddp"
@@ -225,7 +226,11 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
              log=print) -> dict:
     """ddp to its budget, then every other method to ddp's final eval loss or twice ddp's samples;
     writes ``out/bench.json``, ``out/race.md`` and ``out/race.png``. A method that fails is recorded
-    with its error and the others still run; ddp's failure stops the race (no target)."""
+    with its error and the others still run; ddp's failure stops the race (no target). With
+    ``settings.comm_share`` the rate is calibrated first, on the race's own hosts (comm_share.py)."""
+    from acco_bench import comm_share
+    from acco_bench.analysis import method_metrics
+
     settings.validate()
     if REFERENCE not in settings.methods:
         raise BenchError(f"the race needs {REFERENCE} in --methods: its final eval loss is the target")
@@ -236,8 +241,13 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     order = [REFERENCE, *(m for m in settings.methods if m != REFERENCE)]
     budget = settings.nb_steps_tot
     methods: dict[str, dict] = {}
-    target = None
-    with Network(settings.hosts, settings.bandwidth, settings.latency, settings.loopback) as net:
+    target, calibration, measured = None, None, None
+    share = settings.comm_share
+    bw = None if share is not None else settings.bandwidth
+    with Network(settings.hosts, bw, settings.latency, settings.loopback) as net:
+        if share is not None:
+            calibration = comm_share.calibrate(settings, net, share, out / "calibration", log)
+            settings = replace(settings, bandwidth=calibration["rate"])
         log(f"[acco-bench] race: {net.note}")
         for method in order:
             ref = method == REFERENCE
@@ -282,7 +292,11 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                 continue
             if ref:
                 target = methods[method]["final_eval_loss"]
-                log(f"[acco-bench] target: ddp's final eval loss {target:.4f}")
+                m = method_metrics(run_dir, s)  # the share as the calibration measures it
+                measured = comm_share.share_of(m["compute_s_per_update"], m["comm_s_per_update"])
+                log(f"[acco-bench] target: ddp's final eval loss {target:.4f}; ddp's comm share "
+                    + (f"{measured:.2f}" if measured is not None else "-")
+                    + (f" (asked {share:.2f})" if share is not None else ""))
             add_targets({method: methods[method]}, target)
             r = methods[method]
             log(
@@ -312,134 +326,10 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
             "worker_command": worker_command(),
             "method_settings": {m: RACE_METHOD_DEFAULTS[m] for m in order if m in RACE_METHOD_DEFAULTS},
         },
+        **comm_share.share_fields(share, measured, network["bandwidth"], calibration),
         "target_eval_loss": target,
         "methods": methods,
     }
     (out / "bench.json").write_text(json.dumps(race, indent=2, default=str) + "\n")
     write_race_report(race, out)
     return race
-
-
-# --------------------------------------------------------------------------------------------
-# the report
-
-
-def race_markdown(race: dict, plots: list[str]) -> str:
-    from acco_bench.report import fmt, md_table
-
-    cfg = race["config"]
-    mb = 2**20
-    rows = []
-    for name, r in race["methods"].items():
-        if "error" in r:
-            rows.append([name, "failed: " + r["error"].splitlines()[0][:80]] + ["-"] * 8)
-            continue
-        sent = r.get("bytes_sent_per_worker_mean")
-        state = r.get("state_bytes_per_worker")
-        rows.append([name, fmt(r.get("time_to_target_s"), 1), fmt(r.get("time_to_target_vs_ddp"), 2, "x"),
-                     fmt(r.get("samples_to_target"), 0), fmt(r.get("crossing_bracket"), 3),
-                     fmt(r["final_eval_loss"], 4), f"{r['samples']} / {fmt(r['training_time_s'], 1)} s",
-                     fmt(sent / mb if sent is not None else None, 1),
-                     fmt(state / mb if state is not None else None, 1)])  # fmt: skip
-    header = ["method", "time to target s", "vs ddp", "samples to target", "crossing bracket",
-              "last eval loss", "samples / training time", "MiB sent per worker",
-              "state MiB per worker"]  # fmt: skip
-    lines = [
-        "# acco-bench race: time to ddp's final eval loss",
-        "",
-        f"{cfg['hosts']} hosts; {cfg['network']['note']}. Target: ddp's final eval loss at its budget of "
-        f"{cfg['budget_micro_batches']} micro-batches, **{fmt(race.get('target_eval_loss'), 4)}**; the other "
-        f"methods stop there or at {cfg['cap_micro_batches']} micro-batches. accumulate_while_waiting="
-        f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up "
-        f"{cfg['warmup']} micro-batches), evaluation every {cfg['eval_step']} updates on "
-        f"{cfg['eval_batches_per_worker']} batches "
-        "per worker."
-        + (
-            "".join(
-                f" {m}: {', '.join(f'{k}={v}' for k, v in kv.items())}."
-                for m, kv in cfg.get("method_settings", {}).items()
-            )
-        ),
-        "",
-        md_table(header, rows),
-        "",
-        "Training time excludes the evaluations' own seconds. The crossing is interpolated between the last "
-        "evaluation above the target and the first at or below it; *crossing bracket* is the time between "
-        "those two evaluations over the time to target (the crossing is known to within it). Bytes sent: tx "
-        "counters of each host's link over the whole run (null on loopback); samples are sequences over all "
-        "workers.",
-        "",
-        md_table(
-            ["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations"],
-            [
-                [
-                    n,
-                    fmt(r["eval_interval"]["median_s"], 2),
-                    fmt(r["eval_interval"]["median_samples"], 0),
-                    fmt(r["eval_interval"]["eval_s_median"], 2),
-                    r["eval_interval"]["evaluations"],
-                ]
-                for n, r in race["methods"].items()
-                if "error" not in r
-            ],
-        ),
-        "",
-    ]
-    lines += [
-        f"{n}: a worker failed after training finished (figures kept): "
-        f"{r['worker_exit_error'].splitlines()[0]}\n"
-        for n, r in race["methods"].items()
-        if r.get("worker_exit_error")
-    ]
-    lines += [f"![{p}]({p})" for p in plots]
-    return "\n".join(lines) + "\n"
-
-
-def plot_race(race: dict, out: Path) -> list[str]:
-    from acco_bench.report import colors_for, pyplot
-
-    plt = pyplot()
-    palette = colors_for(race["methods"])
-    fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
-    target = race.get("target_eval_loss")
-    for name, r in race["methods"].items():
-        if "error" in r or not r.get("eval_curve"):
-            continue
-        c = r["eval_curve"]
-        color = palette[name]
-        by_time.plot(
-            [p["time_s"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name
-        )
-        by_samples.plot(
-            [p["samples"] for p in c], [p["eval_loss"] for p in c], marker=".", color=color, label=name
-        )
-        if r.get("time_to_target_s") is not None:
-            by_time.plot([r["time_to_target_s"]], [target], "o", mfc="none", ms=10, color=color)
-            by_samples.plot([r["samples_to_target"]], [target], "o", mfc="none", ms=10, color=color)
-    for ax, xlabel in (
-        (by_time, "training time (s, evaluations excluded)"),
-        (by_samples, "samples (sequences)"),
-    ):
-        if target is not None:
-            ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.3f} (ddp's final)")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("eval loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    cfg, net = race["config"], race["config"]["network"]
-    link = (
-        "loopback"
-        if net["kind"] == "loopback"
-        else f"{net['bandwidth'] or 'unshaped'} links, latency {net['latency']}"
-    )
-    fig.suptitle(f"race to ddp's final eval loss: {cfg['hosts']} hosts, {link}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "race.png", dpi=120)
-    plt.close(fig)
-    return ["race.png"]
-
-
-def write_race_report(race: dict, out: Path) -> list[str]:
-    plots = plot_race(race, out)
-    (out / "race.md").write_text(race_markdown(race, plots))
-    return plots

@@ -117,6 +117,10 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     cfg = bench["config"]
     net = cfg.get("network", {})
     lines = [f"# acco-bench cluster: {cfg['hosts']} hosts, {net.get('note', '')}", ""]
+    if "comm_share_measured" in bench:  # runs before --comm-share have none
+        from acco_bench.comm_share import share_line
+
+        lines += [share_line(bench), ""]
     slow = cfg.get("slow_worker")
     lines.append(
         f"Model `{cfg['model']}` {cfg.get('model_size')}, micro-batch {cfg['batch_size']} x "
@@ -271,12 +275,15 @@ def sweep_markdown(sweep: dict, plots: list[str]) -> str:
     cfg = sweep["config"]
     methods = [m for m in cfg["methods"]]
     lines = [f"# acco-bench sweep: {cfg['hosts']} hosts, model `{cfg['model']}` {cfg.get('model_size')}", ""]
-    header = ["link", "ddp C s", "ddp M s", "comm %", "(C+M)/max(C,M)", "(C+M)/max(C,2M)"]
+    header = ["link", "share asked", "rate Mbit/s", "ddp C s", "ddp M s", "comm % (share measured)",
+              "(C+M)/max(C,M)", "(C+M)/max(C,2M)"]
     header += [f"{m} step s" for m in methods] + [f"{m} vs ddp" for m in methods if m != "ddp"]
     rows = []
     for p in sweep["points"]:
         b = p.get("bounds") or {}
-        row = [p["label"], fmt(b.get("ddp_compute_s")), fmt(b.get("ddp_comm_s")),
+        bps = p.get("bandwidth_bps")
+        row = [p["label"], fmt(p.get("comm_share_asked"), 2), fmt(bps / 1e6 if bps else None, 1),
+               fmt(b.get("ddp_compute_s")), fmt(b.get("ddp_comm_s")),
                fmt(100 * b["ddp_comm_fraction"], 0) if b.get("ddp_comm_fraction") is not None else "-",
                fmt(b.get("ideal_overlap"), 2, "x"), fmt(b.get("ideal_acco"), 2, "x")]
         ms = p["methods"]
@@ -349,4 +356,47 @@ def load_json(path: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# learning-rate sweep
+# acco-bench report DIR
+
+
+def rerender_dir(d: Path) -> str:
+    """``acco-bench report DIR``: re-render a finished run's tables and plots, whatever wrote it
+    (cluster, race, faults, sweep, lr-sweep, small batches, convergence); returns its Markdown."""
+    from acco_bench.cluster import rerender
+
+    if (d / "race.md").exists() and (d / "bench.json").exists():
+        from acco_bench.race import write_race_report
+
+        write_race_report(load_json(d / "bench.json"), d)
+        return (d / "race.md").read_text()
+    if (d / "bench.json").exists() and "faulted" in load_json(d / "bench.json"):
+        from acco_bench import faults
+
+        (d / "bench.md").write_text(faults.markdown(load_json(d / "bench.json")))
+        return (d / "bench.md").read_text()
+    if (d / "bench.json").exists():
+        rerender(d)
+        return (d / "bench.md").read_text()
+    if (d / "sweep.json").exists():
+        write_sweep_report(load_json(d / "sweep.json"), d)
+        return (d / "sweep.md").read_text()
+    if (d / "lr_sweep.json").exists():
+        from acco_bench import lr_sweep
+
+        lr_sweep.write(load_json(d / "lr_sweep.json"), d)  # the summary is recomputed
+        return (d / "lr_sweep.md").read_text()
+    if (d / "batch_sizes.json").exists():
+        from acco_bench.convergence import batch_sizes_markdown
+
+        (d / "batch_sizes.md").write_text(
+            batch_sizes_markdown(load_json(d / "batch_sizes.json"))
+        )
+        return (d / "batch_sizes.md").read_text()
+    if (d / "convergence.json").exists():
+        from acco_bench.training_report import write_convergence_report
+
+        write_convergence_report(load_json(d / "convergence.json"), d)
+        return (d / "convergence.md").read_text()
+    from acco_bench import BenchError
+
+    raise BenchError(f"{d}: no bench.json, sweep.json or convergence.json")

@@ -55,6 +55,12 @@ def base_method(method: str) -> str:
 DEFAULT_MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4}
 
 
+# make demo's comm share: where acco's recommended configuration is meant to win (README, "which method")
+DEMO_COMM_SHARE = 0.4
+# the variant make demo races against ddp: acco's recommended configuration at that share
+DEMO_ACCO = "acco-int8-auto"
+
+
 @dataclass
 class BenchSettings:
     """Everything that defines one run of the methods; identical for every method of the run. These
@@ -62,6 +68,8 @@ class BenchSettings:
 
     hosts: int = 2
     bandwidth: str | None = "100mbit"  # None: unshaped
+    # ddp's comm over its step to calibrate the rate to (acco_bench/comm_share.py); None: --bandwidth
+    comm_share: float | None = None
     latency: str | None = "1ms"  # one-way, per link (netem, or tbf + the delay line)
     methods: tuple[str, ...] = ALL_METHODS
     model: str = "tiny"
@@ -115,6 +123,12 @@ class BenchSettings:
                 raise BenchError(f"--slow-worker rank {rank} is not one of the {self.hosts} hosts")
             if factor < 1:
                 raise BenchError(f"--slow-worker factor must be >= 1, got {factor}")
+        if self.comm_share is not None:
+            if not 0 < self.comm_share < 1:
+                raise BenchError(f"--comm-share must be between 0 and 1 (ddp's comm over its step), "
+                                 f"got {self.comm_share:g}")
+            if self.loopback:
+                raise BenchError("--comm-share needs emulated hosts: on loopback there is no link to set")
         if self.bandwidth is not None:
             try:
                 parse_rate(self.bandwidth)

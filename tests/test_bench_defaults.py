@@ -57,7 +57,8 @@ def test_the_flags_default_to_the_bench_settings(command):
         "lr-sweep": {"loopback", "eval_step", "bandwidth", "latency"},
         "race": {"accumulate_while_waiting", "retry_disturbed", "eval_step"},
     }.get(command, set())
-    kw = {"bandwidth": getattr(args, "bandwidth", None), "latency": getattr(args, "latency", None)}
+    kw = {"bandwidth": getattr(args, "bandwidth", None), "latency": getattr(args, "latency", None),
+          "comm_share": getattr(args, "comm_share", None)}
     if command == "sweep":
         kw.pop("bandwidth")
     got = dataclasses.asdict(_settings(args, **kw))

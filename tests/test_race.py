@@ -17,7 +17,7 @@ from acco.trainer import DecoupledTrainer
 from acco_bench import race
 from acco_bench.cli import main
 from acco_bench.network import namespaces
-from acco_bench.settings import BenchSettings
+from acco_bench.settings import DEMO_ACCO, DEMO_COMM_SHARE, BenchSettings
 
 TINY_MODEL = dict(
     name="small",
@@ -236,7 +236,7 @@ def test_race_needs_ddp_and_known_methods(tmp_path, capsys):
     assert main(["race", "--loopback", "--repeats", "2", "--out", str(tmp_path)]) == 2
 
 
-def test_demo_on_loopback_says_why_the_times_tie(tmp_path, capsys, monkeypatch):
+def test_demo_on_loopback_says_it_cannot_show_the_gain(tmp_path, capsys, monkeypatch):
     """The demo is a thin call of the race (tested above on real processes): its settings and
     what it prints, with the race itself replaced by a canned result."""
     from acco_bench import demo
@@ -248,15 +248,26 @@ def test_demo_on_loopback_says_why_the_times_tie(tmp_path, capsys, monkeypatch):
         run = {"time_to_target_s": 10.0, "samples_to_target": 64.0, "bytes_sent_per_worker_mean": None}
         return {
             "target_eval_loss": 3.5,
-            "methods": {"ddp": dict(run), "acco": dict(run, time_to_target_s=9.0)},
+            "comm_share_asked": settings.comm_share,
+            "comm_share_measured": 0.42 if settings.comm_share else None,
+            "rate": "61234kbit" if settings.comm_share else None,
+            "methods": {"ddp": dict(run), DEMO_ACCO: dict(run, time_to_target_s=9.0)},
         }
 
     monkeypatch.setattr(demo, "run_race", fake_race)
     assert demo.main(["--loopback", "--out", str(tmp_path / "demo"), "train.max_length=32"]) == 0
     s = seen["settings"]
-    assert s.methods == ("ddp", "acco") and s.loopback and s.bandwidth is None
+    assert s.methods == ("ddp", DEMO_ACCO) and s.loopback and s.bandwidth is None and s.comm_share is None
     assert s.accumulate_while_waiting is False and s.grad_accum == 6  # the same fixed batch for both
     assert s.extra == ("train.max_length=32",)
     out = capsys.readouterr().out
-    assert "on loopback (--loopback)" in out and "tie in wall-clock time" in out
-    assert "acco reached ddp's final eval loss in 0.90x ddp's training time" in out
+    assert "on loopback (--loopback)" in out and "cannot show the gain" in out
+    assert f"{DEMO_ACCO} reached ddp's final eval loss in 0.90x ddp's training time" in out
+    # on emulated hosts: the comm share by default, and the share and rate it chose printed
+    monkeypatch.setattr(demo, "netns_unavailable_reason", lambda: None)
+    assert demo.main(["--out", str(tmp_path / "demo")]) == 0
+    s = seen["settings"]
+    assert s.comm_share == DEMO_COMM_SHARE and s.bandwidth is None and not s.loopback
+    out = capsys.readouterr().out
+    assert "61.2 Mbit/s, chosen for a comm share of 0.40" in out and "measured in the race: 0.42" in out
+    assert "(1.11x sooner)" in out

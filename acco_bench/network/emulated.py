@@ -210,6 +210,23 @@ class EmulatedCluster:
             netem += ["limit", str(int(limit))]
         return ["netem", *netem] if netem else []
 
+    def set_bandwidth(self, bandwidth: str | None) -> None:
+        """Shape every host's link to ``bandwidth`` from now on (None: unshaped), the latency kept:
+        how ``--comm-share`` measures unshaped, then sets the rate it computed, on one cluster."""
+        if bandwidth is not None:
+            parse_rate(bandwidth)
+        self.bandwidth = bandwidth
+        for i, ns in enumerate(self.host_ns):
+            tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+            if self.shaper == "netem":
+                qdisc = self._qdisc_args(None)
+            else:
+                qdisc = tbf_args(bandwidth) if bandwidth is not None else []
+            if qdisc:
+                run_command([*tc, "replace", "dev", self.ifname(i), "root", *qdisc])
+            else:  # nothing to shape: no root qdisc (the delete fails when there is none)
+                run_command([*tc, "del", "dev", self.ifname(i), "root"], check=False)
+
     # ---- accessors ------------------------------------------------------------------------
 
     @property

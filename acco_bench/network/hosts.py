@@ -44,6 +44,18 @@ class Network:
         self.bandwidth, self.latency = bandwidth, latency
         self.shaper = self.cluster.shaper
         self.latency_emulated = self.cluster.latency_emulated
+        self.note = self._note()
+
+    def set_bandwidth(self, bandwidth: str | None) -> None:
+        """Shape every link to ``bandwidth`` from now on (None: unshaped); needs emulated hosts."""
+        if self.cluster is None:
+            raise BenchError("the link rate cannot be set on loopback: there is no link")
+        self.cluster.set_bandwidth(bandwidth)
+        self.bandwidth = bandwidth
+        self.note = self._note()
+
+    def _note(self) -> str:
+        hosts, bandwidth, latency = self.hosts, self.bandwidth, self.latency
         joined = ("joined by TUN devices and a user-space delay line" if self.shaper == "tbf+delayline"
                   else "on a bridge")
         if bandwidth is None:
@@ -60,6 +72,7 @@ class Network:
             self.note += f"; latency {latency} NOT emulated (this kernel has no netem, only tbf)"
         elif latency is None and self.shaper == "tbf":
             self.note += "; no latency emulated (this kernel has no netem)"
+        return self.note
 
     def network_procs(self) -> list[subprocess.Popen]:
         """Processes that carry the emulated network (the delay line), if any."""
