@@ -45,13 +45,14 @@ import re
 import shutil
 import time
 import zipfile
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from acco.checkpoint_writer import non_finite
 from acco.config import AlreadyCompleted
+from acco.data.on_device import rewind
 from acco.engine import CheckpointError
 from acco.engine.comm import MICRO_BATCHES
 from acco.engine.device import device_ops
@@ -78,7 +79,11 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and (p / "meta.json").exists()]
+    found = [
+        (int(m.group(1)), p)
+        for p in out.iterdir()
+        if (m := _NAME.match(p.name)) and (p / "meta.json").exists()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -114,10 +119,21 @@ def _all_written(key: str, rank: int, world_size: int) -> None:
     if rank != 0:
         store.set(f"{key}/{rank}", "written")
     else:
-        wait_on_store([f"{key}/{r}" for r in range(1, world_size)], "every worker's checkpoint shard", SAVE_TIMEOUT_S)
+        wait_on_store(
+            [f"{key}/{r}" for r in range(1, world_size)], "every worker's checkpoint shard", SAVE_TIMEOUT_S
+        )
 
 
-def save(output_dir, step: int, worker_state: dict, meta: dict, rank: int, world_size: int, save_model, keep: int | None):
+def save(
+    output_dir,
+    step: int,
+    worker_state: dict,
+    meta: dict,
+    rank: int,
+    world_size: int,
+    save_model,
+    keep: int | None,
+):
     """Write checkpoint-`step` atomically. `save_model(folder)` writes the model (rank 0)."""
     out = Path(output_dir)
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
@@ -149,9 +165,12 @@ def save(output_dir, step: int, worker_state: dict, meta: dict, rank: int, world
             for old in list_checkpoints(out)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         # Where the time goes: rank 0's own shard, waiting for the slowest rank's, the model.
-        print(f"{final.name}: {size / 1e9:.2f} GB ({size / meta['numel']:.1f} bytes per parameter) in "
-              f"{time.perf_counter() - start:.1f} s: own shard {shard_s:.1f} s, every shard {shards_s:.1f} s, "
-              f"model {model_s:.1f} s", flush=True)
+        print(
+            f"{final.name}: {size / 1e9:.2f} GB ({size / meta['numel']:.1f} bytes per parameter) in "
+            f"{time.perf_counter() - start:.1f} s: own shard {shard_s:.1f} s, every shard {shards_s:.1f} s, "
+            f"model {model_s:.1f} s",
+            flush=True,
+        )
 
     after_rank0(finish, key=f"{key}/finish", slow_timeout_s=SAVE_TIMEOUT_S)
     return final
@@ -202,7 +221,11 @@ def data_changes(saved: dict, current: dict, same_world_size: bool) -> list[str]
     """The data settings that differ from the checkpoint's, such that a resume would read other
     samples than the interrupted run (repeating some, skipping others)."""
     keys = DATA_KEYS if same_world_size else tuple(k for k in DATA_KEYS if k != "batch_size")
-    return [f"train.{k}={current.get(k)!r} (the checkpoint has {saved[k]!r})" for k in keys if k in saved and saved[k] != current.get(k)]
+    return [
+        f"train.{k}={current.get(k)!r} (the checkpoint has {saved[k]!r})"
+        for k in keys
+        if k in saved and saved[k] != current.get(k)
+    ]
 
 
 def check_files(folder: Path, meta: dict) -> None:
@@ -235,50 +258,6 @@ def load_worker(folder: Path, rank: int, world_size: int, mmap: bool = False) ->
         raise CheckpointError(f"{path}: corrupted checkpoint file ({type(e).__name__}: {e})") from e
 
 
-def floating_tensors(state, name: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(dotted name, tensor) for every floating-point tensor in a nested state (dicts, lists)."""
-    if isinstance(state, torch.Tensor):
-        if state.is_floating_point():
-            yield name, state
-    elif isinstance(state, Mapping):
-        for k, v in state.items():
-            yield from floating_tensors(v, f"{name}.{k}" if name else str(k))
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            yield from floating_tensors(v, f"{name}.{i}" if name else str(i))
-
-
-def _non_finite(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool: `t` holds NaN or +-inf. By its min and max (torch.aminmax propagates NaN; an
-    inf is the min or the max): one pass, two scalars, where torch.isfinite(t) would allocate a
-    bool per element (the accumulator: P bytes) and a sum or a norm could overflow on finite values."""
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=t.device)
-    return ~torch.isfinite(torch.stack(torch.aminmax(t))).all()
-
-
-def non_finite(state, device, world_size: int) -> list[str]:
-    """[] when every floating tensor of every worker's `state` is finite; else this worker's
-    offending names (or a note that another worker has them). One all-reduced flag; the tensors
-    are summed up on their device, with no host sync per tensor."""
-    tensors = list(floating_tensors(state))
-    bad = torch.zeros(1, device=device)
-    for _, t in tensors:
-        bad += _non_finite(t).to(device=device, dtype=bad.dtype)
-    if world_size > 1:
-        dist.all_reduce(bad)
-    if bad.item() == 0:
-        return []
-    return [name for name, t in tensors if _non_finite(t)] or ["(on another worker)"]
-
-
-def rewind(data: dict, n: int) -> dict:
-    """A MicroBatchStream state moved back by `n` micro-batches (read ahead, not yet computed)."""
-    per_epoch = data["num_samples"] // data["global_batch_size"]
-    epoch, position = divmod(data["epoch"] * per_epoch + data["position"] - n, per_epoch)
-    return {**data, "epoch": epoch, "position": position}
-
-
 def data_position(old_states: list[dict], batch_size: int, world_size: int, batches_per_epoch: int) -> dict:
     """Where a stream of `world_size` workers resumes so as to skip the samples the old run committed.
 
@@ -301,7 +280,9 @@ def data_position(old_states: list[dict], batch_size: int, world_size: int, batc
 # --------------------------------------------------------------------------- a run's save and resume
 
 
-def check_resumable(args, world_size: int, numel=None, model_label: str = "this run's model") -> tuple[Path, dict] | None:
+def check_resumable(
+    args, world_size: int, numel=None, model_label: str = "this run's model"
+) -> tuple[Path, dict] | None:
     """``args.resume_from_checkpoint`` names a complete checkpoint that this run can continue:
     meta.json and every worker's file whole (the CRC check reads every file: run it once per job),
     the same method and data settings, a model of ``numel(folder)`` parameters (None: not checked).
@@ -316,15 +297,22 @@ def check_resumable(args, world_size: int, numel=None, model_label: str = "this 
     meta = load_meta(folder)
     check_files(folder, meta)
     if meta["method"] != args.method_name:
-        raise CheckpointError(f"{folder} was written by method {meta['method']!r}, this run is {args.method_name!r}")
-    if args.method_name in ("torch-ddp", "diloco", "streaming-diloco") and int(meta["world_size"]) != world_size:
+        raise CheckpointError(
+            f"{folder} was written by method {meta['method']!r}, this run is {args.method_name!r}"
+        )
+    if (
+        args.method_name in ("torch-ddp", "diloco", "streaming-diloco")
+        and int(meta["world_size"]) != world_size
+    ):
         raise CheckpointError(
             f"{folder} was written by {meta['world_size']} workers, this run has {world_size}; "
             f"{args.method_name} resumes only on the world size it was saved with"
         )
     numel = numel(folder) if numel is not None else None
     if numel is not None and numel != int(meta["numel"]):
-        raise CheckpointError(f"{folder} holds a model of {int(meta['numel']):,} parameters, {model_label} has {numel:,}")
+        raise CheckpointError(
+            f"{folder} holds a model of {int(meta['numel']):,} parameters, {model_label} has {numel:,}"
+        )
     changed = data_changes(meta.get("train") or {}, vars(args), int(meta["world_size"]) == world_size)
     if changed:
         raise CheckpointError(
@@ -337,7 +325,9 @@ def check_resumable(args, world_size: int, numel=None, model_label: str = "this 
     return folder, meta
 
 
-def save_run(engine, position, record, args: dict, rank: int, world_size: int, writer, snapshot_model) -> None:
+def save_run(
+    engine, position, record, args: dict, rank: int, world_size: int, writer, snapshot_model
+) -> None:
     """Checkpoint a run after `record`'s update: every worker's engine state, data position and
     RNG, and (rank 0) the model and meta.json. Refused, on every rank, when any worker's state holds
     NaN or inf: the last good checkpoint stays the newest. The state is copied now and written by
@@ -363,14 +353,33 @@ def save_run(engine, position, record, args: dict, rank: int, world_size: int, w
     device_rng = writer.ops.rng_state()
     if device_rng is not None:
         worker["cuda_rng"] = device_rng
-    meta = {"step": record.step, "samples": record.samples, "method": args["method_name"], "world_size": world_size,
-            "numel": state["numel"], "wall_time": record.wall_time, "train": args}  # fmt: skip
+    meta = {
+        "step": record.step,
+        "samples": record.samples,
+        "method": args["method_name"],
+        "world_size": world_size,
+        "numel": state["numel"],
+        "wall_time": record.wall_time,
+        "train": args,
+    }
     write_model = snapshot_model(writer) if rank == 0 else None
-    writer.submit(lambda: save(args["output_dir"], record.step, worker, meta, rank, world_size, write_model,
-                               args["save_total_limit"]))  # fmt: skip
+    writer.submit(
+        lambda: save(
+            args["output_dir"],
+            record.step,
+            worker,
+            meta,
+            rank,
+            world_size,
+            write_model,
+            args["save_total_limit"],
+        )
+    )
 
 
-def resume_run(engine, position, folder: Path, meta: dict, rank: int, world_size: int, device, batch_size: int) -> bool:
+def resume_run(
+    engine, position, folder: Path, meta: dict, rank: int, world_size: int, device, batch_size: int
+) -> bool:
     """Load a checkpoint into `engine` and the data `position`: exactly on the same world size
     (True), from this worker's own file; else resharded from the same samples (False), each old
     file memory-mapped so that only the slices this worker needs are read."""
@@ -384,7 +393,12 @@ def resume_run(engine, position, folder: Path, meta: dict, rank: int, world_size
         positions = []
         for r in range(old_world):
             state = old(r)
-            positions.append({"data": state["data"], "engine": {k: state["engine"].get(k) for k in ("accumulator", "accumulator_stats")}})
+            positions.append(
+                {
+                    "data": state["data"],
+                    "engine": {k: state["engine"].get(k) for k in ("accumulator", "accumulator_stats")},
+                }
+            )
             del state
         position.load_state_dict(data_position(positions, batch_size, world_size, position.batches_per_epoch))
         return False

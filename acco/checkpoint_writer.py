@@ -9,16 +9,20 @@ rounds), meta.json and the atomic rename. One save is in flight at most: the nex
 training and a stop on a signal wait for it, and its error is raised there. The snapshot is taken
 at the same point as a blocking save's, so a resume is exactly as before; a crash mid-write
 leaves a .tmp folder and the previous checkpoint, as before.
+
+Here too, the check a save makes first (`non_finite`): no NaN or inf in any worker's state, one
+all-reduced flag, so that every rank refuses the same checkpoint.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from acco.engine.device import device_ops
 
@@ -96,6 +100,49 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                print(f"acco: the checkpoint being written was abandoned after {timeout_s:.0f} s", file=sys.stderr)
+                print(
+                    f"acco: the checkpoint being written was abandoned after {timeout_s:.0f} s",
+                    file=sys.stderr,
+                )
             self._thread = self._error = None
         self._buffers = {}
+
+
+# --------------------------------------------------------------------------- the state's check before a save
+
+
+def floating_tensors(state, name: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) for every floating-point tensor in a nested state (dicts, lists)."""
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point():
+            yield name, state
+    elif isinstance(state, Mapping):
+        for k, v in state.items():
+            yield from floating_tensors(v, f"{name}.{k}" if name else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from floating_tensors(v, f"{name}.{i}" if name else str(i))
+
+
+def _non_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool: `t` holds NaN or +-inf. By its min and max (torch.aminmax propagates NaN; an
+    inf is the min or the max): one pass, two scalars, where torch.isfinite(t) would allocate a
+    bool per element (the accumulator: P bytes) and a sum or a norm could overflow on finite values."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~torch.isfinite(torch.stack(torch.aminmax(t))).all()
+
+
+def non_finite(state, device, world_size: int) -> list[str]:
+    """[] when every floating tensor of every worker's `state` is finite; else this worker's
+    offending names (or a note that another worker has them). One all-reduced flag; the tensors
+    are summed up on their device, with no host sync per tensor."""
+    tensors = list(floating_tensors(state))
+    bad = torch.zeros(1, device=device)
+    for _, t in tensors:
+        bad += _non_finite(t).to(device=device, dtype=bad.dtype)
+    if world_size > 1:
+        dist.all_reduce(bad)
+    if bad.item() == 0:
+        return []
+    return [name for name, t in tensors if _non_finite(t)] or ["(on another worker)"]

@@ -28,6 +28,7 @@ from acco.checkpoint_writer import CheckpointWriter
 from acco.config import TrainArgs
 from acco.data.errors import DataError
 from acco.data.loader import Rows, eval_batches, split_train_eval
+from acco.data.on_device import OnDevice, Rewound
 from acco.data.prepare import collate, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
@@ -37,88 +38,6 @@ from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
 
 __all__ = ["DecoupledTrainer", "TrainArgs", "causal_lm_loss"]
-
-
-_NONE = object()
-
-
-class _OnDevice:
-    """Moves each micro-batch to the device (and, for benchmarks, slows this worker down).
-
-    On CUDA the next micro-batch is prefetched: its host-to-device copy is queued on a side
-    stream when the current one is handed out, so it runs while the current one computes, and the
-    compute stream waits for it only when it uses it (an event, no host sync). `ahead` micro-batches
-    have then been read from `stream` but not handed out; a checkpoint's data position goes back
-    by that many. On CPU nothing is read ahead (`prefetch=True` there runs the same bookkeeping
-    without streams, for tests).
-    """
-
-    def __init__(self, stream, device: torch.device, slowdown: float = 1.0, prefetch: bool | None = None):
-        self.stream, self.device, self.slowdown = stream, device, slowdown
-        self._last = None
-        self.ops = device_ops(device)
-        self.prefetch = self.ops.streams if prefetch is None else prefetch
-        self.copy_stream = self.ops.new_stream() if self.prefetch else None
-        self._next = _NONE  # the prefetched (micro-batch, copy done) pair; None once the stream ended
-
-    @property
-    def ahead(self) -> int:
-        return int(self._next is not _NONE and self._next is not None)
-
-    def __iter__(self):
-        return self
-
-    def _move(self, batch: dict) -> dict:
-        # Each distinct tensor is sent once (packed blocks: the labels are the input_ids); on CUDA
-        # from pinned memory, so that the copy runs asynchronously to the host.
-        moved: dict[int, torch.Tensor] = {}
-        for v in batch.values():
-            if id(v) not in moved:
-                moved[id(v)] = self.ops.to_device(v)
-        return {k: moved[id(v)] for k, v in batch.items()}
-
-    def _fetch(self):
-        batch = next(self.stream, _NONE)
-        if batch is _NONE:
-            return None
-        with self.ops.use_stream(self.copy_stream):
-            moved = self._move(batch)
-            done = self.ops.event()
-            done.record(self.copy_stream)
-        return moved, done
-
-    def __next__(self):
-        if self.slowdown > 1 and self._last is not None:
-            # Emulate a slower accelerator: stretch the micro-batch that just finished.
-            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
-        if not self.prefetch:
-            batch = self._move(next(self.stream))
-            self._last = time.perf_counter()
-            return batch
-        current = self._fetch() if self._next is _NONE else self._next
-        if current is None:
-            self._next = None
-            raise StopIteration
-        self._next = self._fetch()  # its copy overlaps the compute of `current`
-        self._last = time.perf_counter()
-        batch, done = current
-        compute = self.ops.current_stream()
-        compute.wait_event(done)
-        for t in {id(t): t for t in batch.values()}.values():
-            # made on the copy stream, used on the compute stream: the allocator must not hand
-            # the memory out again before the compute stream is done with it
-            self.ops.record_stream(t, compute)
-        return batch
-
-
-class _Rewound:
-    """A data position `back` micro-batches behind `position` (those read ahead, not computed)."""
-
-    def __init__(self, position, back: int):
-        self.position, self.back = position, back
-
-    def state_dict(self) -> dict:
-        return checkpoint.rewind(self.position.state_dict(), self.back)
 
 
 # Dense bf16 peaks (FLOP/s) of common accelerators, by a substring of their name.
@@ -151,7 +70,9 @@ class DecoupledTrainer:
         self.model = model.to(self.device)
         if self.args.gradient_checkpointing:  # activations recomputed layer by layer in the backward pass
             if not hasattr(model, "gradient_checkpointing_enable"):
-                raise ValueError("train.gradient_checkpointing needs a transformers model (gradient_checkpointing_enable)")
+                raise ValueError(
+                    "train.gradient_checkpointing needs a transformers model (gradient_checkpointing_enable)"
+                )
             # Non-reentrant: the parameters' gradients land in the engine's flat buffer as usual.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = None
@@ -163,15 +84,25 @@ class DecoupledTrainer:
                 raise DataError(f"the eval set: {e} (give more eval data, raise train.eval_fraction "
                                 "or set train.eval=false)") from e
         elif self.train_data is not None and self.args.eval:
-            train_idx, eval_idx = split_train_eval(len(self.train_data), self.args.eval_fraction, self.args.seed)
-            self.train_data, self.eval_data = select(self.train_data, train_idx), select(self.train_data, eval_idx)
+            train_idx, eval_idx = split_train_eval(
+                len(self.train_data), self.args.eval_fraction, self.args.seed
+            )
+            self.train_data, self.eval_data = (
+                select(self.train_data, train_idx),
+                select(self.train_data, eval_idx),
+            )
         else:
             self.eval_data = None
 
     def _prepare(self, dataset):
-        return prepare_dataset(dataset, tokenizer=self.tokenizer, max_length=self.args.max_length,
-                               cache_dir=self.args.cache_dir or None, text_column=self.text_column_name,
-                               data_collator=self.data_collator)  # fmt: skip
+        return prepare_dataset(
+            dataset,
+            tokenizer=self.tokenizer,
+            max_length=self.args.max_length,
+            cache_dir=self.args.cache_dir or None,
+            text_column=self.text_column_name,
+            data_collator=self.data_collator,
+        )
 
     # ---- training -------------------------------------------------------------------------
 
@@ -191,7 +122,9 @@ class DecoupledTrainer:
         if resume_from_checkpoint is None:
             resume_from_checkpoint = args.resume_from_checkpoint
         # True means "latest" (transformers.Trainer's convention); "auto" with nothing to resume: None
-        folder = checkpoint.resolve(resume_from_checkpoint, args.output_dir) if resume_from_checkpoint else None
+        folder = (
+            checkpoint.resolve(resume_from_checkpoint, args.output_dir) if resume_from_checkpoint else None
+        )
         meta = None
         if folder is not None:
             meta = checkpoint.load_meta(folder)
@@ -199,34 +132,51 @@ class DecoupledTrainer:
             if done:  # checked before anything is written: the finished run stays as it is
                 if self.rank == 0:
                     print(done, flush=True)
-                return {"method": args.method_name, "world_size": self.world_size, "step": int(meta["step"]),
-                        "samples": int(meta["samples"]), "nothing_to_do": True}  # fmt: skip
+                return {
+                    "method": args.method_name,
+                    "world_size": self.world_size,
+                    "step": int(meta["step"]),
+                    "samples": int(meta["samples"]),
+                    "nothing_to_do": True,
+                }
             same_world = int(meta["world_size"]) == self.world_size
             changed = checkpoint.data_changes(meta.get("train") or {}, dataclasses.asdict(args), same_world)
             if changed:  # also before anything is written
-                raise checkpoint.CheckpointError(f"{folder}: cannot resume with {', '.join(changed)}: other samples would be read")
+                raise checkpoint.CheckpointError(
+                    f"{folder}: cannot resume with {', '.join(changed)}: other samples would be read"
+                )
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if folder is None:
             self._clear_old_checkpoints(out)
-        position, batches = micro_batches(self.train_data, args.batch_size, self.rank, self.world_size, args.seed,
-                                          self.data_collator)
+        position, batches = micro_batches(
+            self.train_data, args.batch_size, self.rank, self.world_size, args.seed, self.data_collator
+        )
         self.model.train()
         # The log (TensorBoard's import takes seconds on rank 0) exists before the engine, and
         # every rank starts the clock together: no rank computes while another is still setting up.
         resumed_step = int(meta["step"]) if folder is not None else None
-        log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length, args.log_step, resumed_step)
+        log = RunLog(
+            str(out),
+            self.rank,
+            self.world_size,
+            args.batch_size * args.max_length,
+            args.log_step,
+            resumed_step,
+        )
         self.engine = build_engine(self.model, args.engine_config())
         self._writer, self._checkpoint_pause_s = CheckpointWriter(self.device, args.async_save), 0.0
         last = summary = None
         stopped = on_signal = False
         # A preemption notice from here on stops the run after an update, checkpointed (launch/preemption.py).
         signals = contextlib.ExitStack()
-        caught = signals.enter_context(preemption.save_on_signals(args.save_on_signal, self.engine.request_stop))
+        caught = signals.enter_context(
+            preemption.save_on_signals(args.save_on_signal, self.engine.request_stop)
+        )
         try:
             if folder is not None:
                 self._resume(folder, meta, position)
-            stream = self._stream = _OnDevice(iter(batches), self.device, args.slowdown)
+            stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown)
             log.start_progress(args.nb_steps_tot, self.engine.samples)
             every_rank_at("start")
             records = self.engine.run(stream, causal_lm_loss)
@@ -234,7 +184,9 @@ class DecoupledTrainer:
                 log.update(record)
                 last = record
                 if not math.isfinite(record.loss):
-                    raise FloatingPointError(f"training loss is {record.loss} at update {record.step}; stopping")
+                    raise FloatingPointError(
+                        f"training loss is {record.loss} at update {record.step}; stopping"
+                    )
                 if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
                     stopped = self._evaluate_and_log(log, record)
                 # Every worker's record of the same update says stop: all checkpoint it and leave.
@@ -255,7 +207,9 @@ class DecoupledTrainer:
             self._writer.wait()  # the last checkpoint is whole before the run reports or exits
             facts = {**self._utilisation(log), **self._run_facts(stopped)}
             if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
-                facts.update(stopped_on_signal=caught[0] if caught else "a peer's signal", stopped_at_update=last.step)
+                facts.update(
+                    stopped_on_signal=caught[0] if caught else "a peer's signal", stopped_at_update=last.step
+                )
             summary = log.summary(args.method_name, self.device, facts)
         finally:
             self._writer.close(timeout_s=2 * args.timeout_s)  # after a failure: what can still land
@@ -283,8 +237,10 @@ class DecoupledTrainer:
     def _run_facts(self, stopped: bool) -> dict:
         """For summary.json: whether the run stopped at train.stop_at_eval_loss, and the bytes the
         engine holds on this worker (every engine reports them)."""
-        facts = {"state_bytes": int(sum(self.engine.state_bytes().values())),
-                 "checkpoint_pause_s": round(self._checkpoint_pause_s, 3)}  # fmt: skip
+        facts = {
+            "state_bytes": int(sum(self.engine.state_bytes().values())),
+            "checkpoint_pause_s": round(self._checkpoint_pause_s, 3),
+        }
         if self.args.stop_at_eval_loss is not None:
             facts["stopped_at_eval_loss"] = stopped
         return facts
@@ -313,7 +269,9 @@ class DecoupledTrainer:
         from acco.models import flops_per_token
 
         per_token = flops_per_token(self.model, self.args.max_length)
-        tokens_per_s = log.records[-1].samples * log.tokens_per_micro_batch / max(log.records[-1].wall_time, 1e-9)
+        tokens_per_s = (
+            log.records[-1].samples * log.tokens_per_micro_batch / max(log.records[-1].wall_time, 1e-9)
+        )
         peak = _peak_flops(self.device)
         per_worker = per_token * tokens_per_s / self.world_size
         return {"flops_per_token": per_token, "mfu": per_worker / peak if peak else None}
@@ -327,20 +285,32 @@ class DecoupledTrainer:
         # all-gathers the committed parameters from the master shards (a collective).
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.ahead:  # the prefetched micro-batch is read again on resume
-            position = _Rewound(position, stream.ahead)
+            position = Rewound(position, stream.ahead)
         with self.engine.committed_params():
-            checkpoint.save_run(self.engine, position, record, dataclasses.asdict(self.args), self.rank,
-                                self.world_size, self._writer, self._model_snapshot)  # fmt: skip
+            checkpoint.save_run(
+                self.engine,
+                position,
+                record,
+                dataclasses.asdict(self.args),
+                self.rank,
+                self.world_size,
+                self._writer,
+                self._model_snapshot,
+            )
         self._checkpoint_pause_s += time.perf_counter() - start
 
     def _resume(self, folder: Path, meta: dict, position) -> None:
-        exact = checkpoint.resume_run(self.engine, position, folder, meta, self.rank, self.world_size, self.device,
-                                      self.args.batch_size)  # fmt: skip
+        exact = checkpoint.resume_run(
+            self.engine, position, folder, meta, self.rank, self.world_size, self.device, self.args.batch_size
+        )
         if self.rank == 0:
             for change in checkpoint.config_changes(meta.get("train") or {}, dataclasses.asdict(self.args)):
                 print(f"acco: warning: {change}", file=sys.stderr, flush=True)
             how = "exactly" if exact else f"from {meta['world_size']} workers, resharded to {self.world_size}"
-            print(f"resuming {how} from {folder} (update {meta['step']}, {meta['samples']} micro-batches)", flush=True)
+            print(
+                f"resuming {how} from {folder} (update {meta['step']}, {meta['samples']} micro-batches)",
+                flush=True,
+            )
 
     @progress.names_lost_ranks
     @torch.no_grad()
@@ -367,7 +337,9 @@ class DecoupledTrainer:
         was_training = self.model.training
         self.model.eval()
         with committed, precision:
-            collate_fn = None if isinstance(data, Rows) else (lambda examples: collate(self.data_collator, examples))
+            collate_fn = (
+                None if isinstance(data, Rows) else (lambda examples: collate(self.data_collator, examples))
+            )
             for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size, collate_fn)):
                 if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
                     break

@@ -15,7 +15,7 @@ import pytest
 import torch
 from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
-from acco import checkpoint
+from acco import checkpoint, checkpoint_writer
 from acco.engine import CheckpointError, ConfigError
 
 # n_grad_accumulation pinned: acco takes 2 rounds x 2 micro-batches x 2 workers = 8 per update, 12 updates.
@@ -178,7 +178,7 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     for folder in saved:
         for rank in (0, 1):
             worker = checkpoint.load_worker(folder, rank, 2)
-            tensors = dict(checkpoint.floating_tensors(worker))
+            tensors = dict(checkpoint_writer.floating_tensors(worker))
             assert "engine.accumulator" in tensors and "engine.exp_avg_sq" in tensors
             for name, tensor in tensors.items():
                 assert torch.isfinite(tensor).all(), f"{folder.name} rank {rank}: {name}"
@@ -297,9 +297,11 @@ def test_resharding_resumes_from_the_committed_samples():
 
 
 def test_rewind_moves_a_data_position_back_across_epochs():
+    from acco.data.on_device import rewind
+
     data = {"epoch": 2, "position": 1, "seed": 0, "num_samples": 50, "global_batch_size": 8}  # 6 per epoch
-    assert checkpoint.rewind(data, 4) == data | {"epoch": 1, "position": 3}
-    assert checkpoint.rewind(data, 0) == data
+    assert rewind(data, 4) == data | {"epoch": 1, "position": 3}
+    assert rewind(data, 0) == data
 
 
 def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):

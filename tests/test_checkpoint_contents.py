@@ -17,7 +17,7 @@ from distributed import run_distributed
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from acco import checkpoint
+from acco import checkpoint, checkpoint_writer
 from acco.engine import CheckpointError, EngineConfig, build_engine
 
 # Every method with a fixed batch (acco also with the paper's estimate); the methods of the
@@ -186,7 +186,7 @@ def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict
             # in elements of the storage written, not of the tensor (a view's is larger)
             "largest": max(
                 (t.untyped_storage().nbytes() // t.element_size(), name)
-                for name, t in checkpoint.floating_tensors(state)
+                for name, t in checkpoint_writer.floating_tensors(state)
                 if name != "accumulator"
             ),
             "accumulator": state.get("accumulator") is not None,
@@ -288,7 +288,7 @@ def test_every_rank_file_writes_only_the_bytes_of_its_tensors(saved_root):
                 where = (method, fixed, folder.parent.name, folder.name, rank)
                 views = [
                     (name, t.numel() * t.element_size(), t.untyped_storage().nbytes())
-                    for name, t in checkpoint.floating_tensors(state)
+                    for name, t in checkpoint_writer.floating_tensors(state)
                     if t.untyped_storage().nbytes() != t.numel() * t.element_size()
                 ]
                 assert not views, (where, views)
@@ -303,7 +303,7 @@ def test_every_rank_file_writes_only_the_bytes_of_its_tensors(saved_root):
                     shard = 4 * math.ceil(numel / 2)  # fp32
                     sizes = [
                         (t.untyped_storage().nbytes(), name)
-                        for name, t in checkpoint.floating_tensors(engine)
+                        for name, t in checkpoint_writer.floating_tensors(engine)
                         if name != "accumulator"
                     ]
                     assert all(size <= shard for size, _ in sizes), (where, sizes)
@@ -362,7 +362,7 @@ def test_the_non_finite_check_finds_nan_and_inf_only_and_allocates_nothing_tenso
     finite = torch.full((100_000,), huge, dtype=dtype)
     finite[::2] = -huge
     assert (
-        checkpoint.non_finite(
+        checkpoint_writer.non_finite(
             {"a": finite, "b": [torch.zeros(0, dtype=dtype)], "step": torch.tensor(3.0)},
             torch.device("cpu"),
             1,
@@ -374,9 +374,10 @@ def test_the_non_finite_check_finds_nan_and_inf_only_and_allocates_nothing_tenso
             bad = finite.clone()
             bad[where] = value
             state = {"engine": {"master": finite, "exp_avg": [bad], "scalar": torch.tensor(value)}}
-            assert checkpoint.non_finite(state, torch.device("cpu"), 1) == [
+            assert checkpoint_writer.non_finite(state, torch.device("cpu"), 1) == [
                 "engine.exp_avg.0",
                 "engine.scalar",
             ], (value, where)
     # torch.isfinite(t) allocated t.abs() (as large as t) and four masks of a byte per element
-    assert _largest_allocation(lambda: checkpoint.non_finite({"a": finite}, torch.device("cpu"), 1)) < 1_000
+    check = checkpoint_writer.non_finite
+    assert _largest_allocation(lambda: check({"a": finite}, torch.device("cpu"), 1)) < 1_000

@@ -12,7 +12,7 @@ import pytest
 import torch
 from trainer_helpers import tiny_args, tiny_data, tiny_model
 
-from acco import checkpoint
+from acco import checkpoint, checkpoint_writer
 from acco.checkpoint_writer import CheckpointWriter
 
 
@@ -101,8 +101,12 @@ def test_the_next_save_waits_for_the_one_in_flight_and_reuses_its_buffers(tmp_pa
     writer.wait()
     assert log == ["state", "written 1", "state", "written 2"]
     assert {name: b.data_ptr() for name, b in writer._buffers.items()} == buffers  # no new host memory
-    assert torch.equal(checkpoint.load_worker(tmp_path / "checkpoint-2", 0, 1)["engine"]["master"], engine.master)
-    assert not torch.equal(checkpoint.load_worker(tmp_path / "checkpoint-1", 0, 1)["engine"]["master"], engine.master)
+    assert torch.equal(
+        checkpoint.load_worker(tmp_path / "checkpoint-2", 0, 1)["engine"]["master"], engine.master
+    )
+    assert not torch.equal(
+        checkpoint.load_worker(tmp_path / "checkpoint-1", 0, 1)["engine"]["master"], engine.master
+    )
 
 
 def test_a_failed_background_write_is_raised_by_the_next_wait(tmp_path, monkeypatch):
@@ -125,7 +129,9 @@ def test_a_run_writes_the_same_checkpoints_in_the_background_as_blocking(tmp_pat
     runs = {}
     for background in (True, False):
         out = tmp_path / f"async-{background}"
-        args = tiny_args("acco", out, nb_steps_tot=16, save_step=1, async_save=background, accumulate_while_waiting=False)
+        args = tiny_args(
+            "acco", out, nb_steps_tot=16, save_step=1, async_save=background, accumulate_while_waiting=False
+        )
         torch.manual_seed(0)
         summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train()
         assert summary["checkpoint_pause_s"] > 0
@@ -134,9 +140,9 @@ def test_a_run_writes_the_same_checkpoints_in_the_background_as_blocking(tmp_pat
     for name, state in runs[True].items():
         blocking = runs[False][name]
         assert state["data"] == blocking["data"] and torch.equal(state["rng"], blocking["rng"])
-        flat = dict(checkpoint.floating_tensors(state["engine"]))
-        assert flat.keys() == dict(checkpoint.floating_tensors(blocking["engine"])).keys()
-        for key, tensor in checkpoint.floating_tensors(blocking["engine"]):
+        flat = dict(checkpoint_writer.floating_tensors(state["engine"]))
+        assert flat.keys() == dict(checkpoint_writer.floating_tensors(blocking["engine"])).keys()
+        for key, tensor in checkpoint_writer.floating_tensors(blocking["engine"]):
             assert torch.equal(flat[key], tensor), f"{name}: {key}"
 
 

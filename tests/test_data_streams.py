@@ -204,10 +204,10 @@ def test_pretokenized_rows_are_padded_and_checked():
 
 
 def test_packed_blocks_read_their_rows_once_and_their_labels_are_the_input_ids():
-    from acco.trainer import _OnDevice
+    from acco.data.on_device import OnDevice
 
     blocks = np.arange(40, dtype=np.uint16).reshape(10, 4)
     batch = next(MicroBatchStream(blocks, batch_size=2, rank=0, world_size=1, seed=0))
     assert batch["labels"] is batch["input_ids"]  # one read, one tensor: a causal LM shifts the labels itself
-    sent = next(_OnDevice(iter([batch]), torch.device("cpu")))
+    sent = next(OnDevice(iter([batch]), torch.device("cpu")))
     assert sent["labels"] is sent["input_ids"] and torch.equal(sent["input_ids"], batch["input_ids"])

@@ -7,8 +7,8 @@ import pytest
 import torch
 from fake_cuda import DEVICES, maybe_installed
 
+from acco.data.on_device import OnDevice, Rewound
 from acco.launch.process_group import NCCL_MIN_TIMEOUT_S, backend_settings
-from acco.trainer import _OnDevice, _Rewound
 
 
 def test_nccl_gets_a_set_up_timeout_and_async_error_handling_gloo_keeps_its_own():
@@ -34,7 +34,7 @@ def test_prefetch_reads_one_ahead_and_hands_out_every_micro_batch_in_order(devic
     over (record_stream) before it reads it; the fake fails any use that skips either."""
     with maybe_installed(device) as fake:
         read: list[int] = []
-        stream = _OnDevice(counted(4, read), torch.device("cpu"), prefetch=True)
+        stream = OnDevice(counted(4, read), torch.device("cpu"), prefetch=True)
         assert stream.ahead == 0 and read == []  # nothing is read before the first request
         got = []
         for batch in stream:
@@ -45,13 +45,13 @@ def test_prefetch_reads_one_ahead_and_hands_out_every_micro_batch_in_order(devic
             assert read == list(range(min(len(got) + 1, 4)))
             assert stream.ahead == (1 if len(got) < 4 else 0)
         # by default: where streams are
-        assert _OnDevice(counted(1, []), torch.device("cpu")).prefetch == (fake is not None)
+        assert OnDevice(counted(1, []), torch.device("cpu")).prefetch == (fake is not None)
     assert got == [0, 1, 2, 3] and stream.ahead == 0
     if fake is not None:  # two distinct tensors per micro-batch, each handed over to the compute stream
         assert fake.counts["handovers"] == 8 and fake.counts["waits"] == 4
     # on the CPU by default nothing is read ahead
     read = []
-    plain = _OnDevice(counted(3, read), torch.device("cpu"))
+    plain = OnDevice(counted(3, read), torch.device("cpu"))
     assert int(next(plain)["input_ids"][0, 0]) == 0 and read == [0] and plain.ahead == 0
 
 
@@ -61,7 +61,7 @@ def test_a_checkpoint_position_goes_back_by_the_prefetched_micro_batch():
             return {"epoch": 2, "position": 0, "num_samples": 40, "global_batch_size": 4}
 
     # 10 micro-batches per epoch: one back from the start of epoch 2 is the last of epoch 1
-    assert _Rewound(Position(), 1).state_dict() == {
+    assert Rewound(Position(), 1).state_dict() == {
         "epoch": 1,
         "position": 9,
         "num_samples": 40,

@@ -1,0 +1,99 @@
+"""Micro-batches on their way to the device: copied (and prefetched on a GPU) by `OnDevice`, and
+the data position a checkpoint saves, moved back by what was read but not yet computed (`rewind`,
+`Rewound`)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from acco.engine.device import device_ops
+
+_NONE = object()
+
+
+class OnDevice:
+    """Moves each micro-batch to the device (and, for benchmarks, slows this worker down).
+
+    On CUDA the next micro-batch is prefetched: its host-to-device copy is queued on a side
+    stream when the current one is handed out, so it runs while the current one computes, and the
+    compute stream waits for it only when it uses it (an event, no host sync). `ahead` micro-batches
+    have then been read from `stream` but not handed out; a checkpoint's data position goes back
+    by that many. On CPU nothing is read ahead (`prefetch=True` there runs the same bookkeeping
+    without streams, for tests).
+    """
+
+    def __init__(self, stream, device: torch.device, slowdown: float = 1.0, prefetch: bool | None = None):
+        self.stream, self.device, self.slowdown = stream, device, slowdown
+        self._last = None
+        self.ops = device_ops(device)
+        self.prefetch = self.ops.streams if prefetch is None else prefetch
+        self.copy_stream = self.ops.new_stream() if self.prefetch else None
+        self._next = _NONE  # the prefetched (micro-batch, copy done) pair; None once the stream ended
+
+    @property
+    def ahead(self) -> int:
+        return int(self._next is not _NONE and self._next is not None)
+
+    def __iter__(self):
+        return self
+
+    def _move(self, batch: dict) -> dict:
+        # Each distinct tensor is sent once (packed blocks: the labels are the input_ids); on CUDA
+        # from pinned memory, so that the copy runs asynchronously to the host.
+        moved: dict[int, torch.Tensor] = {}
+        for v in batch.values():
+            if id(v) not in moved:
+                moved[id(v)] = self.ops.to_device(v)
+        return {k: moved[id(v)] for k, v in batch.items()}
+
+    def _fetch(self):
+        batch = next(self.stream, _NONE)
+        if batch is _NONE:
+            return None
+        with self.ops.use_stream(self.copy_stream):
+            moved = self._move(batch)
+            done = self.ops.event()
+            done.record(self.copy_stream)
+        return moved, done
+
+    def __next__(self):
+        if self.slowdown > 1 and self._last is not None:
+            # Emulate a slower accelerator: stretch the micro-batch that just finished.
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
+        if not self.prefetch:
+            batch = self._move(next(self.stream))
+            self._last = time.perf_counter()
+            return batch
+        current = self._fetch() if self._next is _NONE else self._next
+        if current is None:
+            self._next = None
+            raise StopIteration
+        self._next = self._fetch()  # its copy overlaps the compute of `current`
+        self._last = time.perf_counter()
+        batch, done = current
+        compute = self.ops.current_stream()
+        compute.wait_event(done)
+        for t in {id(t): t for t in batch.values()}.values():
+            # made on the copy stream, used on the compute stream: the allocator must not hand
+            # the memory out again before the compute stream is done with it
+            self.ops.record_stream(t, compute)
+        return batch
+
+
+class Rewound:
+    """A data position `back` micro-batches behind `position` (those read ahead, not computed)."""
+
+    def __init__(self, position, back: int):
+        self.position, self.back = position, back
+
+    def state_dict(self) -> dict:
+        return rewind(self.position.state_dict(), self.back)
+
+
+def rewind(data: dict, n: int) -> dict:
+    """A MicroBatchStream state moved back by `n` micro-batches (read ahead, not yet computed)."""
+    per_epoch = data["num_samples"] // data["global_batch_size"]
+    epoch, position = divmod(data["epoch"] * per_epoch + data["position"] - n, per_epoch)
+    return {**data, "epoch": epoch, "position": position}
