@@ -14,6 +14,7 @@ from acco_bench import gpu_micro
 from acco_bench.cli import main
 
 
+@pytest.mark.slow  # an acco-bench run (20 s on the loaded 2-core VM); the pieces below stay in make test
 def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
     out = tmp_path / "gpu"
     variants = ["engine-acco-compiled", "plain-bf16-compiled", "engine-acco"]
