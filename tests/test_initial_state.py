@@ -77,9 +77,10 @@ def _evaluate_under_autocast(rank, world):
     trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=docs, args=args)
     trainer.engine = build_engine(trainer.model, trainer.args.engine_config())
     seen = []
-    model.register_forward_hook(
-        lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.logits.dtype))
-    )
+    # The loss runs the base model and its own fused head (acco/loss.py), and the base model's last
+    # layer norm returns fp32 under autocast: watch the first linear layer's products instead.
+    first_linear = next(m for m in model.base_model.modules() if isinstance(m, torch.nn.Linear))
+    first_linear.register_forward_hook(lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.dtype)))
     trainer.evaluate()
     trainer.engine.close()
     return seen
