@@ -12,7 +12,8 @@
      per-chunk pass compiled as ``train.compile`` does (``--compile-backend``); the others eager
      (the side-stream check below runs compiled where ``engine-acco-compiled`` is asked).
    Every variant does ``2 * grad_accum`` micro-batches of ``batch_size x max_length`` tokens per
-   update (acco: ``grad_accum`` per round, two per update), timed over ``--steps`` after ``--warmup``.
+   update (acco: ``grad_accum`` per round, two per update), timed over ``--steps`` after ``--warmup``
+   (the runners: gpu_variants.py).
 2. Side-stream overlap: the engine runs acco with ``accumulate_while_waiting`` on, once as is,
    once with ``engine.comm.delay_hook`` putting ``torch.cuda._sleep`` of ``--delay-ms`` on the comm
    side stream in every round, and once (negative control) with the same sleep on the compute
@@ -35,12 +36,11 @@ Without CUDA it says so and exits 0 (``--require-cuda``: exit 3), the reason in 
 
 from __future__ import annotations
 
-import itertools
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
+
+from acco_bench.gpu_variants import random_batches, run_engine, run_plain
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = [
@@ -49,7 +49,6 @@ PEAK_BF16_TFLOPS = [
     ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("A6000", 154.8),
 ]
 
-LR = 1e-4  # the engine's and the plain loop's, constant
 SKIP_EXIT = 0
 NO_CUDA_EXIT = 3
 
@@ -84,154 +83,6 @@ def peak_tflops(name: str) -> float | None:
         if key in upper:
             return value
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# pieces
-
-
-def _random_batches(vocab: int, batch_size: int, max_length: int, device, n: int = 16, seed: int = 0):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    pool = [torch.randint(0, vocab, (batch_size, max_length), generator=g).to(device) for _ in range(n)]
-    return [{"input_ids": x, "labels": x} for x in pool]
-
-
-def _cycle(pool):
-    return itertools.cycle(pool)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _fresh_model(args, vocab: int, device, dtype, checkpointing: bool = False):
-    """The model from its local config (acco/conf/model, never a hub), in training mode."""
-    import torch
-
-    from acco.models import build_model
-    from acco_bench.settings import model_settings
-
-    torch.manual_seed(0)
-    model = build_model(model_settings(args.model), vocab_size=vocab, max_length=args.max_length)
-    model = model.to(device=device, dtype=dtype).train()  # checkpointing acts in training mode only
-    if checkpointing:  # transformers 5 renamed gradient_checkpointing_enable (a deprecated alias)
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def _checkpointing(model) -> bool:
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
-def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = False, delay=None,
-               budget: int | None = None, checkpointing: bool = False, compiled: bool = False) -> dict:
-    """Train through the engine at world size 1; tokens/s over the timed updates, and the
-    per-micro-batch compute time."""
-    import torch
-
-    from acco.engine import EngineConfig, build_engine
-
-    model = _fresh_model(args, vocab, device, torch.float32, checkpointing)
-    k = args.grad_accum
-    per_update = 2 * k
-    budget = budget or (args.warmup + args.steps) * per_update  # micro-batches of one worker
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    budget *= world  # nb_steps_tot counts every worker's micro-batches
-    cfg = EngineConfig(method=method, n_grad_accumulation=k if method == "acco" else per_update,
-                       nb_steps_tot=budget, use_mixed_precision=True,
-                       accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=LR,
-                       compile=args.compile_backend if compiled else False)
-    engine = build_engine(model, cfg)
-    if delay is not None:
-        engine.comm.delay_hook = delay
-    tokens_per_mb = args.batch_size * args.max_length
-    records = []
-    from acco.loss import causal_lm_loss as loss_fn
-    try:
-        for rec in engine.run(_cycle(pool), loss_fn):
-            records.append(rec)
-        _sync(device)
-    finally:
-        engine.close()
-    if len(records) < 3:
-        raise RuntimeError(f"only {len(records)} updates: raise --steps")
-    warm = max(0, min(args.warmup, len(records) - 3))
-    timed = records[warm + 1:]
-    t0, t1 = records[warm].wall_time, records[-1].wall_time
-    samples = records[-1].samples - records[warm].samples
-    computed = sum(r.micro_batches[0] for r in timed)
-    compute_s = sum(r.compute_s for r in timed)
-    checkpointed = _checkpointing(model)
-    del engine, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return {
-        "updates_timed": len(timed),
-        "tokens_per_s": samples * tokens_per_mb / (t1 - t0),
-        "step_time_s": statistics.median(b.wall_time - a.wall_time for a, b in zip(records[warm:], records[warm + 1:])),
-        "s_per_micro_batch": compute_s / max(1, computed),
-        "micro_batches_per_round": computed / max(1, len(timed)) / (2 if method == "acco" else 1),
-        "comm_s_per_update": statistics.median(r.comm_s for r in timed),
-        "wait_s_per_update": statistics.median(r.wait_s for r in timed),
-        "final_loss": records[-1].loss,
-        "gradient_checkpointing": checkpointed,
-    }
-
-
-def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False, compiled: bool = False) -> dict:
-    """A plain loop: forward/backward 2k micro-batches, fused AdamW step (CUDA, and the CPU since
-    torch 2.4), zero_grad."""
-    import contextlib
-
-    import torch
-
-    from acco.engine.compiling import compile_module
-    from acco.engine.config import EngineSettings
-
-    dtype = torch.float32 if autocast else torch.bfloat16
-    model = _fresh_model(args, vocab, device, dtype, checkpointing)
-    compile_module(model, {"backend": args.compile_backend} if compiled else None)  # as build_engine does
-    s = EngineSettings()  # the engine's AdamW, its defaults
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
-                            weight_decay=s.weight_decay, fused=True)
-    from acco.loss import causal_lm_loss as loss_fn
-    per_update = 2 * args.grad_accum
-    ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
-    it = _cycle(pool)
-    times = []
-    loss = None
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            _sync(device)
-            start = time.perf_counter()
-        t = time.perf_counter()
-        for _ in range(per_update):
-            with ctx():
-                loss_sum, tokens = loss_fn(model, next(it))
-            loss = loss_sum / (tokens * per_update)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    tokens = args.steps * per_update * args.batch_size * args.max_length
-    final = float(loss.detach()) * per_update if loss is not None else None
-    checkpointed, fused = _checkpointing(model), bool(opt.defaults["fused"])
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return {"updates_timed": args.steps, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed / args.steps,
-            "final_loss": final, "gradient_checkpointing": checkpointed, "fused_adamw": fused}
 
 
 def calibrate_sleep(device) -> float:
@@ -357,7 +208,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     peak = args.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    pool = _random_batches(vocab, args.batch_size, args.max_length, device, seed=rank)
+    pool = random_batches(vocab, args.batch_size, args.max_length, device, seed=rank)
     say = print if rank == 0 else (lambda *a, **k: None)
     result = {"device": name, "nproc": world, "torch": torch.__version__, "cuda": torch.version.cuda, "model": args.model,
               "vocab_size": vocab, "batch_size": args.batch_size, "max_length": args.max_length,
