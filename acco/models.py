@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 import acco.conf  # noqa: F401  (model configs loaded straight from their YAML use its resolver)
-from acco.config import ARCHS, ModelError, check_model_config, gpt_neo_attention_types
+from acco.config import ARCHS, GPT_NEO_WINDOW, ModelError, check_model_config, gpt_neo_attention_types
 
 __all__ = [
     "ARCHS",
@@ -152,7 +152,7 @@ def model_config(
             num_layers=layers,
             num_heads=heads,
             attention_types=attention_types,
-            window_size=c.get("window_size") or 256,
+            window_size=c.get("window_size") or GPT_NEO_WINDOW,
             intermediate_size=c.get("intermediate_size"),
             **common,
         )
