@@ -166,17 +166,22 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
     data = prepare_data(job)  # every rank takes part in the waits on rank 0
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
     model = _build_model(job, data.tokenizer, device, announce=rank == 0)
-    trainer = DecoupledTrainer(model=model, tokenizer=data.tokenizer, train_dataset=data.train,
-                               eval_dataset=data.eval, args=args)  # fmt: skip
+    trainer = DecoupledTrainer(
+        model=model, tokenizer=data.tokenizer, train_dataset=data.train, eval_dataset=data.eval, args=args
+    )
     del data  # the trainer holds the rows
     summary = trainer.train()
     code = 0
     if summary.get("stopped_on_signal"):  # checkpointed: the same command with resume auto continues
         code = EXIT_SAVED_ON_SIGNAL
         if rank == 0:
-            print(f"acco: stopped on {summary['stopped_on_signal']} after update {summary['stopped_at_update']} "
-                  f"({summary['samples']} micro-batches), checkpointed in {out}; run the same command with "
-                  f"train.resume_from_checkpoint=auto to continue (exit {code})", flush=True)  # fmt: skip
+            print(
+                f"acco: stopped on {summary['stopped_on_signal']} after update "
+                f"{summary['stopped_at_update']} ({summary['samples']} micro-batches), checkpointed in "
+                f"{out}; run the same command with train.resume_from_checkpoint=auto to continue "
+                f"(exit {code})",
+                flush=True,
+            )
     elif rank == 0 and not summary.get("nothing_to_do"):
         print(
             f"done: {summary['method']} {summary['samples']} micro-batches, final eval loss "
@@ -204,9 +209,13 @@ def _build_model(job: Job, tokenizer, device, announce: bool):
         if chosen == "flash_attention_2" or not model_cfg.get("pretrained"):
             model_cfg["attn_implementation"] = chosen
     model = build_model(
-        model_cfg, vocab_size=len(tokenizer), max_length=args.max_length, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        model_cfg,
+        vocab_size=len(tokenizer),
+        max_length=args.max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if announce:
         print(f"attention: {attention_of(model)} (model.attn_implementation=... to choose)", flush=True)
     return model

@@ -58,8 +58,13 @@ def _output_head(model):
     get_head, base = getattr(model, "get_output_embeddings", None), getattr(model, "base_model", None)
     head = get_head() if callable(get_head) else None
     config = getattr(model, "config", None)
-    if (not isinstance(head, torch.nn.Linear) or base is None or base is model
-            or getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_scaling", None)):  # fmt: skip
+    if (
+        not isinstance(head, torch.nn.Linear)
+        or base is None
+        or base is model
+        or getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "logits_scaling", None)
+    ):
         return None
     return head
 

@@ -132,10 +132,12 @@ def model_config(
     ``vocab_size`` is the tokenizer's; when None, the config's ``vocab_size`` key is used.
     """
     c = _to_dict(cfg)
-    vocab_size = check_model_config(c, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                                    pad_token_id=pad_token_id)  # fmt: skip
-    arch, hidden, layers, heads, positions = (c[k] for k in ("arch", "hidden_size", "num_layers", "num_heads",
-                                                             "max_position_embeddings"))  # fmt: skip
+    vocab_size = check_model_config(
+        c, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+    )
+    arch, hidden, layers, heads, positions = (
+        c[k] for k in ("arch", "hidden_size", "num_layers", "num_heads", "max_position_embeddings")
+    )
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -190,7 +192,8 @@ def _check_max_length(config: PretrainedConfig, max_length: int | None, label: s
     limit = getattr(config, "max_position_embeddings", None)
     if max_length is not None and limit is not None and max_length > limit:
         raise ModelError(
-            f"max_length {max_length} exceeds the model's max_position_embeddings ({limit}) for model {label!r}"
+            f"max_length {max_length} exceeds the model's max_position_embeddings ({limit}) "
+            f"for model {label!r}"
         )
 
 
@@ -264,8 +267,8 @@ def build_model(
         rows = model.get_input_embeddings().num_embeddings
         if vocab_size is not None and vocab_size > rows:  # the weights disagree with their config
             raise ModelError(
-                f"tokenizer vocabulary ({vocab_size} tokens) is larger than the embedding of pretrained model "
-                f"{pretrained!r} ({rows} rows)"
+                f"tokenizer vocabulary ({vocab_size} tokens) is larger than the embedding of pretrained "
+                f"model {pretrained!r} ({rows} rows)"
             )
         for key, tid in (
             ("bos_token_id", bos_token_id),
@@ -275,7 +278,8 @@ def build_model(
             if tid is not None:
                 if not 0 <= tid < rows:
                     raise ModelError(
-                        f"{key} {tid} is outside the embedding of pretrained model {pretrained!r} ({rows} rows)"
+                        f"{key} {tid} is outside the embedding of pretrained model {pretrained!r} "
+                        f"({rows} rows)"
                     )
                 setattr(model.config, key, tid)
     else:
@@ -337,8 +341,12 @@ def flops_per_token(model_or_config: Any, seq_len: int) -> float:
     return float(6 * n + 12 * layers * heads * head_dim * seq_len)
 
 
-def trainable_parameters(cfg: Any, vocab_size: int | None, max_length: int | None = None,
-                         pretrained_config: PretrainedConfig | None = None) -> int:  # fmt: skip
+def trainable_parameters(
+    cfg: Any,
+    vocab_size: int | None,
+    max_length: int | None = None,
+    pretrained_config: PretrainedConfig | None = None,
+) -> int:
     """The trainable parameters of the model ``build_model(cfg, vocab_size, max_length)`` builds,
     counted on the meta device (nothing allocated, no weights read); for a pretrained model, from
     its ``pretrained_config`` (the checks of a job's validation pass: a resumed checkpoint's size)."""

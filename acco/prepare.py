@@ -100,8 +100,13 @@ def prepare(cfg, num_proc: int | None = None) -> dict:
             stream = token_stream(docs, tokenizer, args.cache_dir, data.text_column, num_proc=num_proc)
             done[name] = {"tokens": len(stream), "path": str(path), "cached": cached}
     end = time.perf_counter()
-    return {"splits": done, "tokens": sum(s["tokens"] for s in done.values()), "num_proc": num_proc,
-            "seconds": end - start, "tokenize_seconds": end - tokenize_start}  # fmt: skip
+    return {
+        "splits": done,
+        "tokens": sum(s["tokens"] for s in done.values()),
+        "num_proc": num_proc,
+        "seconds": end - start,
+        "tokenize_seconds": end - tokenize_start,
+    }
 
 
 def report(result: dict) -> str:
@@ -113,12 +118,16 @@ def report(result: dict) -> str:
     new = sum(s["tokens"] for s in result["splits"].values() if not s["cached"])
     seconds, procs = result["tokenize_seconds"], result["num_proc"]
     if new:
-        done = (f"{new:,} tokenized in {seconds:.1f} s, {new / max(seconds, 1e-9):,.0f} tokens/s with {procs} "
-                f"process{'es' if procs > 1 else ''}")  # fmt: skip
+        done = (
+            f"{new:,} tokenized in {seconds:.1f} s, {new / max(seconds, 1e-9):,.0f} tokens/s with {procs} "
+            f"process{'es' if procs > 1 else ''}"
+        )
     else:
         done = "nothing to tokenize"
-    lines.append(f"{result['tokens']:,} tokens in {result['seconds']:.1f} s ({done}); a run with the same data, "
-                 "tokenizer and train.cache_dir maps these files")  # fmt: skip
+    lines.append(
+        f"{result['tokens']:,} tokens in {result['seconds']:.1f} s ({done}); a run with the same data, "
+        "tokenizer and train.cache_dir maps these files"
+    )
     return "\n".join(lines)
 
 

@@ -331,8 +331,14 @@ def check_fills_global_batch(job: Job, n_bytes: int | None) -> None:
     if job.loaded.tokenizer is None:  # bpe: trained as rank 0 will train it (the corpus is small here)
         job.loaded.tokenizer = job_tokenizer(job.config, job.loaded.splits[0])
     with _named(source):  # as the workers load the tokenizer: the packing cache entry is theirs
-        rows = prepare_dataset(job.loaded.splits[0], tokenizer=as_saved(job.loaded.tokenizer), max_length=args.max_length,
-                               cache_dir=args.cache_dir or None, text_column=data.text_column, alone=True)  # fmt: skip
+        rows = prepare_dataset(
+            job.loaded.splits[0],
+            tokenizer=as_saved(job.loaded.tokenizer),
+            max_length=args.max_length,
+            cache_dir=args.cache_dir or None,
+            text_column=data.text_column,
+            alone=True,
+        )
     n = len(rows)
     what = f"{n} {'instruction examples' if instruct else 'blocks'} of train.max_length {args.max_length}"
     split = f" in its training split (train.eval_fraction {args.eval_fraction})" if args.eval else ""
@@ -363,8 +369,11 @@ def check_prepared(job: Job, n_bytes: int | None) -> None:
     ):
         return
     argv = sys.argv[1:]  # the launcher's or the worker's command line: the same overrides
-    command = f"`acco-prepare {shlex.join(argv)}`" if argv and all(
-        "=" in a and not a.startswith("-") for a in argv) else "acco-prepare with this run's overrides"  # fmt: skip
+    command = (
+        f"`acco-prepare {shlex.join(argv)}`"
+        if argv and all("=" in a and not a.startswith("-") for a in argv)
+        else "acco-prepare with this run's overrides"
+    )
     source = f"data.path {str(data.path)!r}" if data.path else f"data={data.name}"
     _fail(
         f"{source}: about {tokens:,} tokens, not prepared yet in train.cache_dir {str(args.cache_dir)!r}: "

@@ -62,8 +62,13 @@ def prepare_data(job: Job) -> PreparedData:
     del corpus, loaded  # the documents of the splits only, until they are rows
 
     def rows(docs):
-        return prepare_dataset(docs, tokenizer=tokenizer, max_length=args.max_length, cache_dir=args.cache_dir or None,
-                               text_column=text_column)  # fmt: skip
+        return prepare_dataset(
+            docs,
+            tokenizer=tokenizer,
+            max_length=args.max_length,
+            cache_dir=args.cache_dir or None,
+            text_column=text_column,
+        )
 
     train = rows(train_docs)
     try:
@@ -114,8 +119,11 @@ def prepare_tokenizer(cfg, train_corpus, built=None):
     training texts and vocab_size, so that the next run on the same data reuses it. `built`: the
     tokenizer this process's validation pass built, which rank 0 saves rather than building again."""
     saved = Path(cfg.train.output_dir) / "tokenizer"
-    work = (lambda: build_tokenizer(cfg, train_corpus, save_dir=saved)) if built is None else (
-        lambda: built.save_pretrained(str(saved)))  # fmt: skip
+    work = (
+        (lambda: build_tokenizer(cfg, train_corpus, save_dir=saved))
+        if built is None
+        else (lambda: built.save_pretrained(str(saved)))
+    )
     after_rank0(work, key=f"tokenizer/{saved.resolve()}")
     return load_tokenizer(str(saved))
 
@@ -133,9 +141,13 @@ def build_tokenizer(cfg, train_corpus=None, save_dir=None):
         )
         vocab_size = int(cfg.model.vocab_size)
     return load_tokenizer(
-        spec, train_texts=texts, vocab_size=vocab_size, save_dir=save_dir,
-        cache_dir=cfg.train.get("cache_dir") or None, text_column=cfg.data.text_column,
-    )  # fmt: skip
+        spec,
+        train_texts=texts,
+        vocab_size=vocab_size,
+        save_dir=save_dir,
+        cache_dir=cfg.train.get("cache_dir") or None,
+        text_column=cfg.data.text_column,
+    )
 
 
 def is_prepared(splits, tokenizer, vocab_size: int, cache_dir, text_column: str = "text") -> bool:
@@ -151,8 +163,16 @@ def is_prepared(splits, tokenizer, vocab_size: int, cache_dir, text_column: str 
     return all(cache_path(docs, tokenizer, cache_dir, text_column).exists() for docs in splits)
 
 
-def prepare_dataset(dataset, *, tokenizer, max_length: int, cache_dir: str | None, text_column: str = "text",
-                    data_collator=None, alone: bool = False):  # fmt: skip
+def prepare_dataset(
+    dataset,
+    *,
+    tokenizer,
+    max_length: int,
+    cache_dir: str | None,
+    text_column: str = "text",
+    data_collator=None,
+    alone: bool = False,
+):
     """What the streams read: `Rows` of packed blocks (text), masked prompts (instructions)
     or padded token ids (pre-tokenized); with a data collator, the examples themselves.
     Instruction records are told by their instruction and output fields, before a text column
@@ -180,7 +200,8 @@ def prepare_dataset(dataset, *, tokenizer, max_length: int, cache_dir: str | Non
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         return Rows(pad_token_ids(dataset, max_length, pad))
     raise DataError(
-        f"dataset has neither a {text_column!r} column, instruction/output columns nor input_ids (has {columns})"
+        f"dataset has neither a {text_column!r} column, instruction/output columns nor input_ids "
+        f"(has {columns})"
     )
 
 
@@ -210,8 +231,10 @@ def _packed(
     folder being on another machine's disk, tokenizes for itself)."""
     if not cache_dir:
         return pack_documents(docs, tokenizer, max_length, None, text_column)
-    return blocks_of(rank0_first(lambda: token_stream(docs, tokenizer, cache_dir, text_column), "packing", alone),
-                     max_length)  # fmt: skip
+    return blocks_of(
+        rank0_first(lambda: token_stream(docs, tokenizer, cache_dir, text_column), "packing", alone),
+        max_length,
+    )
 
 
 def select(data, idx: torch.Tensor):

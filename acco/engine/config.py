@@ -35,7 +35,9 @@ class CheckpointError(ValueError):
 
 def check_max_grad_norm(value, key: str = "max_grad_norm") -> None:
     """None, or a finite number >= 0 (0 and None turn clipping off)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf
+    ):
         raise ConfigError(f"{key} must be a finite number >= 0 (0 or null: no clipping), got {value!r}")
 
 
@@ -140,7 +142,9 @@ class EngineConfig(EngineSettings):
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.scheduler_name not in SCHEDULERS:
-            raise ConfigError(f"scheduler_name must be one of {', '.join(SCHEDULERS)}, got {self.scheduler_name!r}")
+            raise ConfigError(
+                f"scheduler_name must be one of {', '.join(SCHEDULERS)}, got {self.scheduler_name!r}"
+            )
         for name in ("n_grad_accumulation", "nb_steps_tot"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -152,16 +156,23 @@ class EngineConfig(EngineSettings):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.acco_estimate not in ACCO_ESTIMATES:
-            raise ConfigError(f"acco_estimate must be one of {', '.join(ACCO_ESTIMATES)}, got {self.acco_estimate!r}")
+            raise ConfigError(
+                f"acco_estimate must be one of {', '.join(ACCO_ESTIMATES)}, got {self.acco_estimate!r}"
+            )
         if self.estimate_comm not in ESTIMATE_COMMS:
-            raise ConfigError(f"estimate_comm must be one of {', '.join(ESTIMATE_COMMS)}, got {self.estimate_comm!r}")
+            raise ConfigError(
+                f"estimate_comm must be one of {', '.join(ESTIMATE_COMMS)}, got {self.estimate_comm!r}"
+            )
         if self.estimate_comm != "full" and self.method != "acco":
             raise ConfigError(f"estimate_comm={self.estimate_comm} applies to acco's estimate round only; "
                               f"method {self.method} has none (estimate_comm=full)")
         self._validate_split()
         check_max_grad_norm(self.max_grad_norm)
         if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
-            raise ConfigError(f"grad_accum_dtype must be one of {', '.join(GRAD_ACCUM_DTYPES)}, got {self.grad_accum_dtype!r}")
+            raise ConfigError(
+                f"grad_accum_dtype must be one of {', '.join(GRAD_ACCUM_DTYPES)}, "
+                f"got {self.grad_accum_dtype!r}"
+            )
         for name in ("warmup", "n_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -169,16 +180,22 @@ class EngineConfig(EngineSettings):
             raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
         self._validate_local_sgd()
         if not (self.compile in (True, False) or (isinstance(self.compile, str) and self.compile)):
-            raise ConfigError(f"compile must be auto, true, false or a torch.compile backend, got {self.compile!r}")
+            raise ConfigError(
+                f"compile must be auto, true, false or a torch.compile backend, got {self.compile!r}"
+            )
 
     def _validate_split(self) -> None:
         e, most = self.estimate_micro_batches, 2 * int(self.n_grad_accumulation) - 1
         if e is not None and self.method != "acco":
-            raise ConfigError(f"estimate_micro_batches applies to acco's estimate round only; method {self.method} "
-                              "has none (estimate_micro_batches=null)")
+            raise ConfigError(
+                f"estimate_micro_batches applies to acco's estimate round only; method {self.method} "
+                "has none (estimate_micro_batches=null)"
+            )
         if e not in (None, "auto") and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= most):
-            raise ConfigError(f"estimate_micro_batches must be an integer in [1, 2 n_grad_accumulation - 1 = {most}], "
-                              f"auto, or null (n_grad_accumulation), got {e!r}")
+            raise ConfigError(
+                f"estimate_micro_batches must be an integer in [1, 2 n_grad_accumulation - 1 = {most}], "
+                f"auto, or null (n_grad_accumulation), got {e!r}"
+            )
 
     def _validate_local_sgd(self) -> None:
         for name in ("sync_every", "num_fragments"):
@@ -186,15 +203,21 @@ class EngineConfig(EngineSettings):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_fragments > self.sync_every:
-            raise ConfigError(f"num_fragments ({self.num_fragments}) must be <= sync_every ({self.sync_every}): "
-                              "one fragment is synchronised at a time")
+            raise ConfigError(
+                f"num_fragments ({self.num_fragments}) must be <= sync_every ({self.sync_every}): "
+                "one fragment is synchronised at a time"
+            )
         if self.method == "diloco" and (self.num_fragments != 1 or self.fragment_sync_delay != 0):
-            raise ConfigError("diloco synchronises the whole model at once: num_fragments=1 and fragment_sync_delay=0 "
-                              "(method_name=streaming-diloco for fragments)")
+            raise ConfigError(
+                "diloco synchronises the whole model at once: num_fragments=1 and fragment_sync_delay=0 "
+                "(method_name=streaming-diloco for fragments)"
+            )
         spacing = self.sync_every // self.num_fragments
         if not 0 <= self.fragment_sync_delay < spacing:
-            raise ConfigError(f"fragment_sync_delay must be in [0, sync_every // num_fragments = {spacing}), got "
-                              f"{self.fragment_sync_delay!r}: a fragment's all-reduce must land before the next one starts")
+            raise ConfigError(
+                f"fragment_sync_delay must be in [0, sync_every // num_fragments = {spacing}), got "
+                f"{self.fragment_sync_delay!r}: a fragment's all-reduce must land before the next one starts"
+            )
         if not 0 <= self.fragment_update_alpha <= 1:
             raise ConfigError(f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha!r}")
         if not 0 < self.outer_lr < math.inf:
