@@ -65,16 +65,29 @@ def add_arguments(p) -> None:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="side-stream sleep per comm round for the overlap check (0: 3 x a round's compute)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, for MFU")
-    p.add_argument("--variants", default="engine-acco,engine-ddp,plain-bf16,plain-autocast,engine-acco-gc,plain-bf16-gc,"
-                   "engine-acco-compiled,plain-bf16-compiled",
-                   help="throughput variants to run (suffix -compiled: train.compile; -gc: gradient checkpointing)")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the -compiled variants")
-    p.add_argument("--micro", choices=("auto", "on", "off"), default="auto", help="the micro-benchmark (auto: CUDA)")
+    p.add_argument(
+        "--variants",
+        default="engine-acco,engine-ddp,plain-bf16,plain-autocast,engine-acco-gc,plain-bf16-gc,"
+        "engine-acco-compiled,plain-bf16-compiled",
+        help="throughput variants to run (suffix -compiled: train.compile; -gc: gradient checkpointing)",
+    )
+    p.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of the -compiled variants"
+    )
+    p.add_argument(
+        "--micro", choices=("auto", "on", "off"), default="auto", help="the micro-benchmark (auto: CUDA)"
+    )
     p.add_argument("--no-stream-check", action="store_true", help="skip the side-stream check")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (code-path check only)")
-    p.add_argument("--require-cuda", action="store_true", help=f"exit {NO_CUDA_EXIT} when there is no CUDA device")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="processes, one GPU each, on NCCL (2 or more: the multi-GPU path; engine variants only)")
+    p.add_argument(
+        "--require-cuda", action="store_true", help=f"exit {NO_CUDA_EXIT} when there is no CUDA device"
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes, one GPU each, on NCCL (2 or more: the multi-GPU path; engine variants only)",
+    )
 
 
 def peak_tflops(name: str) -> float | None:
@@ -155,8 +168,11 @@ def main(args) -> int:
         return _skip(args, "torch is not installed")
     if args.device == "cuda" and not torch.cuda.is_available():
         built = torch.version.cuda
-        reason = ("no CUDA device: this torch is a CPU-only build" if built is None
-                  else f"no CUDA device visible (torch built for CUDA {built}, torch.cuda.is_available() is False)")
+        reason = (
+            "no CUDA device: this torch is a CPU-only build"
+            if built is None
+            else f"no CUDA device visible (torch built for CUDA {built}, torch.cuda.is_available() is False)"
+        )
         return _skip(args, reason)
     if args.nproc > 1:
         visible = torch.cuda.device_count() if args.device == "cuda" else args.nproc
@@ -184,8 +200,14 @@ def _worker(rank: int, args, port: int) -> None:
 
     from acco.launch.process_group import init_distributed
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(args.nproc),
+        LOCAL_WORLD_SIZE=str(args.nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     # --device cpu: the same processes on gloo, a check of the code path only
     _, _, _, device = init_distributed(60.0, backend="nccl" if args.device == "cuda" else "gloo")
     try:
@@ -210,10 +232,20 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     pool = random_batches(vocab, args.batch_size, args.max_length, device, seed=rank)
     say = print if rank == 0 else (lambda *a, **k: None)
-    result = {"device": name, "nproc": world, "torch": torch.__version__, "cuda": torch.version.cuda, "model": args.model,
-              "vocab_size": vocab, "batch_size": args.batch_size, "max_length": args.max_length,
-              "micro_batches_per_update": 2 * args.grad_accum, "flops_per_token": fpt,
-              "peak_bf16_tflops": peak, "variants": {}}
+    result = {
+        "device": name,
+        "nproc": world,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "model": args.model,
+        "vocab_size": vocab,
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "micro_batches_per_update": 2 * args.grad_accum,
+        "flops_per_token": fpt,
+        "peak_bf16_tflops": peak,
+        "variants": {},
+    }
     say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
         f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
@@ -227,13 +259,16 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         if base not in ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast"):
             print(f"acco-bench gpu: unknown variant {variant!r}", file=sys.stderr)
             return 2
+        kw = dict(checkpointing=gc, compiled=compiled)
         try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
             if base.startswith("engine-"):
-                r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, checkpointing=gc, compiled=compiled)
+                r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, **kw)
             else:
-                r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", checkpointing=gc, compiled=compiled)
+                r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", **kw)
         except Exception as e:  # noqa: BLE001
-            result.setdefault("failed", {})[variant] = say(f"  {variant}: FAILED: {e!r}"[:500]) or repr(e)[:2000]
+            result.setdefault("failed", {})[variant] = (
+                say(f"  {variant}: FAILED: {e!r}"[:500]) or repr(e)[:2000]
+            )
             continue
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
@@ -242,14 +277,21 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
         say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
     v = result["variants"]
-    for a, b in (("engine-acco", "plain-bf16"), ("engine-acco", "plain-autocast"), ("engine-ddp", "plain-bf16"),
-                 ("engine-acco-gc", "plain-bf16-gc"), ("engine-acco-compiled", "plain-bf16-compiled"),
-                 ("engine-acco-compiled", "engine-acco")):
+    for a, b in (
+        ("engine-acco", "plain-bf16"),
+        ("engine-acco", "plain-autocast"),
+        ("engine-ddp", "plain-bf16"),
+        ("engine-acco-gc", "plain-bf16-gc"),
+        ("engine-acco-compiled", "plain-bf16-compiled"),
+        ("engine-acco-compiled", "engine-acco"),
+    ):
         if a in v and b in v:
             result[f"ratio_{a}_over_{b}"] = v[a]["tokens_per_s"] / v[b]["tokens_per_s"]
     for a in list(v):  # what checkpointing saves: peak memory with it over without
         if a + "-gc" in v and v[a].get("peak_gpu_mem_mb"):
-            result[f"ratio_{a}-gc_over_{a}_peak_gpu_mem"] = v[a + "-gc"]["peak_gpu_mem_mb"] / v[a]["peak_gpu_mem_mb"]
+            result[f"ratio_{a}-gc_over_{a}_peak_gpu_mem"] = (
+                v[a + "-gc"]["peak_gpu_mem_mb"] / v[a]["peak_gpu_mem_mb"]
+            )
     if device.type == "cuda" and not args.no_stream_check:
         ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
         result["stream_check"] = stream_check(args, device, vocab, pool, ms)
@@ -272,11 +314,15 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
 def gpu_markdown(r: dict) -> str:
     from acco_bench.report import fmt, md_table
 
-    lines = [f"# acco-bench gpu: {r['device']}" + (f" x {r['nproc']} (NCCL)" if r.get("nproc", 1) > 1 else ""), "",
-             f"{r['model']} (random init, vocab {r['vocab_size']}), bf16, micro-batch {r['batch_size']} x "
-             f"{r['max_length']} tokens, {r['micro_batches_per_update']} micro-batches per update, "
-             f"{fmt(r['flops_per_token'] / 1e6, 1)} MFLOP per token, peak {r['peak_bf16_tflops']} TFLOP/s, "
-             f"torch {r['torch']} (CUDA {r['cuda']}).", ""]
+    lines = [
+        f"# acco-bench gpu: {r['device']}" + (f" x {r['nproc']} (NCCL)" if r.get("nproc", 1) > 1 else ""),
+        "",
+        f"{r['model']} (random init, vocab {r['vocab_size']}), bf16, micro-batch {r['batch_size']} x "
+        f"{r['max_length']} tokens, {r['micro_batches_per_update']} micro-batches per update, "
+        f"{fmt(r['flops_per_token'] / 1e6, 1)} MFLOP per token, peak {r['peak_bf16_tflops']} TFLOP/s, "
+        f"torch {r['torch']} (CUDA {r['cuda']}).",
+        "",
+    ]
     rows = [[k, fmt(v["tokens_per_s"], 0), fmt(100 * v["mfu"], 1, "%") if v.get("mfu") is not None else "-",
              fmt(v["step_time_s"]), fmt(v.get("peak_gpu_mem_mb"), 0)] for k, v in r["variants"].items()]
     lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB"], rows))
@@ -286,11 +332,15 @@ def gpu_markdown(r: dict) -> str:
             lines.append(f"\n{key[6:].replace('_', ' ')}: {val:.3f}")
     sc = r.get("stream_check")
     if sc:
-        lines += ["", f"Side-stream check ({'PASSED' if sc['passed'] else 'FAILED'}): a {sc['delay_ms_per_round']:.0f} ms "
-                  f"sleep per comm round on the side stream changed the compute time per micro-batch by "
-                  f"x{sc['compute_slowdown_side_stream']:.3f} (micro-batches per round "
-                  f"{sc['no_delay']['micro_batches_per_round']:.1f} -> {sc['side_stream_delay']['micro_batches_per_round']:.1f});"
-                  f" the same sleep on the compute stream (control): x{sc['compute_slowdown_control']:.2f}."]
+        lines += [
+            "",
+            f"Side-stream check ({'PASSED' if sc['passed'] else 'FAILED'}): a {sc['delay_ms_per_round']:.0f} "
+            f"ms sleep per comm round on the side stream changed the compute time per micro-batch by "
+            f"x{sc['compute_slowdown_side_stream']:.3f} (micro-batches per round "
+            f"{sc['no_delay']['micro_batches_per_round']:.1f} -> "
+            f"{sc['side_stream_delay']['micro_batches_per_round']:.1f}); the same sleep on the compute "
+            f"stream (control): x{sc['compute_slowdown_control']:.2f}.",
+        ]
     if r.get("micro"):
         from acco_bench.gpu_micro import markdown
 

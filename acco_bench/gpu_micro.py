@@ -71,8 +71,17 @@ def todays_loss(hidden, weight, targets, chunk: int = 1024):
     return sum(checkpoint(part, h, t, use_reentrant=False) for h, t in pairs)
 
 
-def run(device, rows: int, length: int, hidden: int, heads: int, vocab: int, window: int, backend: str | None,
-        repeats: int = 20) -> dict:  # fmt: skip
+def run(
+    device,
+    rows: int,
+    length: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    window: int,
+    backend: str | None,
+    repeats: int = 20,
+) -> dict:
     """The four breakdowns above; `backend` compiles flex attention and the fused loss (None: eager)."""
     import torch
     import torch.nn.functional as F
@@ -95,22 +104,30 @@ def run(device, rows: int, length: int, hidden: int, heads: int, vocab: int, win
         head[f"vocab_{v}"] = measure(lambda w=w, g=g: (h @ w.t(), g @ w, g.t() @ h))
     out["head_gemm"] = head
     x, dy = randn(rows, 4 * hidden, grad=True), randn(rows, 4 * hidden)
-    out["gelu"] = {name: measure(lambda act=act: act(x).backward(dy))
-                   for name, act in (("gelu_new", NewGELUActivation()), ("gelu_pytorch_tanh", GELUTanh()))}  # fmt: skip
+    out["gelu"] = {
+        name: measure(lambda act=act: act(x).backward(dy))
+        for name, act in (("gelu_new", NewGELUActivation()), ("gelu_pytorch_tanh", GELUTanh()))
+    }
     batch = max(1, rows // length)
     q, k, v = (randn(batch, heads, length, hidden // heads, grad=True) for _ in range(3))
     do = randn(batch, heads, length, hidden // heads)
     mask = window_mask(length, window, device)
     attention = {
-        "sdpa_masked": measure(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).backward(do)),
-        "sdpa_is_causal": measure(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0).backward(do)),
-    }  # fmt: skip
+        "sdpa_masked": measure(
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).backward(do)
+        ),
+        "sdpa_is_causal": measure(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0).backward(do)
+        ),
+    }
     attention["flex_sliding_window"] = _flex(measure, q, k, v, do, window, backend, device)
     out["local_attention"] = attention
     targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
     hg, wg = randn(rows, hidden, grad=True), randn(vocab, hidden, grad=True)
-    loss = {"todays": measure(lambda: todays_loss(hg, wg, targets).backward()),
-            "fused": measure(lambda: linear_cross_entropy(hg, wg, None, targets).backward())}  # fmt: skip
+    loss = {
+        "todays": measure(lambda: todays_loss(hg, wg, targets).backward()),
+        "fused": measure(lambda: linear_cross_entropy(hg, wg, None, targets).backward()),
+    }
     if backend:
         options = {"backend": backend}
         loss["fused_compiled"] = measure(
@@ -138,17 +155,29 @@ def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> flo
 def from_args(args, device) -> dict:
     """`run` at acco-bench gpu's shapes: --model's width, heads, window and vocabulary, --batch-size
     x --max-length rows; compiled with --compile-backend on CUDA."""
+    from acco.config import GPT_NEO_WINDOW
     from acco_bench.settings import model_settings
 
     m = model_settings(args.model)
-    return run(device, args.batch_size * args.max_length, args.max_length, int(m["hidden_size"]), int(m["num_heads"]),
-               int(m.get("vocab_size") or 50257), int(m.get("window_size") or 256),
-               args.compile_backend if device.type == "cuda" else None)  # fmt: skip
+    return run(
+        device,
+        args.batch_size * args.max_length,
+        args.max_length,
+        int(m["hidden_size"]),
+        int(m["num_heads"]),
+        int(m.get("vocab_size") or 50257),
+        int(m.get("window_size") or GPT_NEO_WINDOW),
+        args.compile_backend if device.type == "cuda" else None,
+    )
 
 
 def markdown(m: dict) -> list[str]:
-    lines = ["", f"Micro-benchmark ({m['rows']} rows, bf16, forward and backward, ms, median; compiled with "
-             f"{m['backend'] or 'nothing'}):", ""]  # fmt: skip
+    lines = [
+        "",
+        f"Micro-benchmark ({m['rows']} rows, bf16, forward and backward, ms, median; compiled with "
+        f"{m['backend'] or 'nothing'}):",
+        "",
+    ]
     for group in ("head_gemm", "gelu", "local_attention", "loss"):
         parts = ", ".join(
             f"{name} {ms:.3f}" if isinstance(ms, float) else f"{name} {ms}" for name, ms in m[group].items()

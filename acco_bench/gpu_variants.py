@@ -105,7 +105,9 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     return {
         "updates_timed": len(timed),
         "tokens_per_s": samples * tokens_per_mb / (t1 - t0),
-        "step_time_s": statistics.median(b.wall_time - a.wall_time for a, b in zip(records[warm:], records[warm + 1:])),
+        "step_time_s": statistics.median(
+            b.wall_time - a.wall_time for a, b in zip(records[warm:], records[warm + 1 :])
+        ),
         "s_per_micro_batch": compute_s / max(1, computed),
         "micro_batches_per_round": computed / max(1, len(timed)) / (2 if method == "acco" else 1),
         "comm_s_per_update": statistics.median(r.comm_s for r in timed),
@@ -115,7 +117,9 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     }
 
 
-def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False, compiled: bool = False) -> dict:
+def run_plain(
+    args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False, compiled: bool = False
+) -> dict:
     """A plain loop: forward/backward 2k micro-batches, fused AdamW step (CUDA, and the CPU since
     torch 2.4), zero_grad."""
     import contextlib
@@ -158,5 +162,11 @@ def run_plain(args, device, vocab: int, pool, autocast: bool, checkpointing: boo
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"updates_timed": args.steps, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed / args.steps,
-            "final_loss": final, "gradient_checkpointing": checkpointed, "fused_adamw": fused}
+    return {
+        "updates_timed": args.steps,
+        "tokens_per_s": tokens / elapsed,
+        "step_time_s": elapsed / args.steps,
+        "final_loss": final,
+        "gradient_checkpointing": checkpointed,
+        "fused_adamw": fused,
+    }
