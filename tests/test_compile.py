@@ -94,8 +94,13 @@ def _neo_run(compile_setting, tmp_path=None):
     torch.manual_seed(0)
     model = build_model(NEO, vocab_size=97)
     keys = list(model.state_dict())
-    cfg = EngineConfig(method="ddp", n_grad_accumulation=2, nb_steps_tot=6, compile=compile_setting,
-                       accumulate_while_waiting=False)  # fmt: skip
+    cfg = EngineConfig(
+        method="ddp",
+        n_grad_accumulation=2,
+        nb_steps_tot=6,
+        compile=compile_setting,
+        accumulate_while_waiting=False,
+    )
     engine = build_engine(model, cfg)
     gen = torch.Generator().manual_seed(1)
     batches = []
@@ -135,8 +140,12 @@ def test_gpt_neo_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, bac
     assert all(block._compiled_call_impl is not None for block in compiled)
     assert calls.count(True) == 6 * 2 and calls.count(False) == 2  # the per-chunk pass ran compiled
     torch.testing.assert_close([r.loss for r in records], [r.loss for r in eager_rec], rtol=1e-6, atol=0)
-    torch.testing.assert_close(parameters_to_vector(model.parameters()), parameters_to_vector(eager.parameters()),
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        parameters_to_vector(model.parameters()),
+        parameters_to_vector(eager.parameters()),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     torch.testing.assert_close(evaluation, eager_eval, rtol=1e-6, atol=0)
     model.save_pretrained(tmp_path)
     reloaded = build_model(NEO | {"pretrained": str(tmp_path)}, vocab_size=97)

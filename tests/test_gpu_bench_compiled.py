@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from acco_bench import gpu_micro
 from acco_bench.cli import main
 
+# acco-bench gpu on the CPU at the tiny model's shapes: 2 timed updates after 1 of warm-up
+TINY_ON_CPU = "gpu --device cpu --model tiny --batch-size 2 --max-length 16 --steps 2 --warmup 1".split()
+
 
 @pytest.mark.slow  # an acco-bench run (20 s on the loaded 2-core VM); the pieces below stay in make test
 def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
@@ -21,9 +24,8 @@ def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(["gpu", "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--max-length", "16",
-                     "--steps", "2", "--warmup", "1", "--variants", ",".join(variants), "--compile-backend",
-                     "aot_eager", "--micro", "on", "--out", str(out)]) == 0  # fmt: skip
+        argv = [*TINY_ON_CPU, "--variants", ",".join(variants), "--micro", "on", "--out", str(out)]
+        assert main([*argv, "--compile-backend", "aot_eager"]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads((out / "gpu.json").read_text())
@@ -45,8 +47,17 @@ def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
 
 
 def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
-    m = gpu_micro.run(torch.device("cpu"), rows=32, length=16, hidden=16, heads=2, vocab=203, window=4,
-                      backend="aot_eager", repeats=1)  # fmt: skip
+    m = gpu_micro.run(
+        torch.device("cpu"),
+        rows=32,
+        length=16,
+        hidden=16,
+        heads=2,
+        vocab=203,
+        window=4,
+        backend="aot_eager",
+        repeats=1,
+    )
     assert set(m["head_gemm"]) == {"vocab_203", "vocab_256"}
     assert set(m["loss"]) == {"todays", "fused", "fused_compiled"}
     assert all(isinstance(ms, float) for group in ("head_gemm", "loss") for ms in m[group].values()), m
@@ -69,9 +80,8 @@ def test_the_micro_benchmarks_masks_are_gpt_neos_local_attention(window):
 
 def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path):
     out = tmp_path / "gpu"
-    assert main(["gpu", "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--max-length", "16",
-                 "--steps", "2", "--warmup", "1", "--variants", "plain-bf16-compiled,plain-bf16", "--compile-backend",
-                 "no_such_backend", "--out", str(out)]) == 1  # fmt: skip
+    argv = [*TINY_ON_CPU, "--variants", "plain-bf16-compiled,plain-bf16", "--out", str(out)]
+    assert main([*argv, "--compile-backend", "no_such_backend"]) == 1
     result = json.loads((out / "gpu.json").read_text())
     assert (
         list(result["variants"]) == ["plain-bf16"]

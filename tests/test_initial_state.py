@@ -80,7 +80,9 @@ def _evaluate_under_autocast(rank, world):
     # The loss runs the base model and its own fused head (acco/loss.py), and the base model's last
     # layer norm returns fp32 under autocast: watch the first linear layer's products instead.
     first_linear = next(m for m in model.base_model.modules() if isinstance(m, torch.nn.Linear))
-    first_linear.register_forward_hook(lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.dtype)))
+    first_linear.register_forward_hook(
+        lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), o.dtype))
+    )
     trainer.evaluate()
     trainer.engine.close()
     return seen

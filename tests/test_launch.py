@@ -214,7 +214,8 @@ STALL_IN_SETUP = """
     try:
         every_rank_at("tokenizing")
     except LostWorkerError as e:
-        (out / "lost.json").write_text(json.dumps({"message": str(e), "lost": e.lost, "s": time.monotonic() - start}))
+        lost = {"message": str(e), "lost": e.lost, "s": time.monotonic() - start}
+        (out / "lost.json").write_text(json.dumps(lost))
     os.kill(int((out / "pid1").read_text()), signal.SIGKILL)
 """
 
@@ -224,12 +225,20 @@ def test_a_worker_stalled_in_one_off_work_is_named_within_the_timeout(tmp_path):
     within the collective timeout (2 s here), not after the hour that one-off work may take."""
     script = write_script(tmp_path, "stall.py", STALL_IN_SETUP)
     port = free_port()
-    slurm = dict(SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_JOB_ID="78", SLURM_JOB_NODELIST="localhost",
-                 MASTER_PORT=str(port))  # fmt: skip
+    slurm = dict(
+        SLURM_STEP_ID="0",
+        SLURM_NTASKS="2",
+        SLURM_JOB_ID="78",
+        SLURM_JOB_NODELIST="localhost",
+        MASTER_PORT=str(port),
+    )
     procs = [
-        subprocess.Popen([sys.executable, script, str(tmp_path)], env=clean_env({**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}))
+        subprocess.Popen(
+            [sys.executable, script, str(tmp_path)],
+            env=clean_env({**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}),
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     try:
         assert procs[0].wait(timeout=90) == 0
         assert procs[1].wait(timeout=10) == -signal.SIGKILL
@@ -239,7 +248,9 @@ def test_a_worker_stalled_in_one_off_work_is_named_within_the_timeout(tmp_path):
             p.wait()
     lost = json.loads((tmp_path / "lost.json").read_text())
     assert lost["lost"] == [1] and lost["s"] < 8, lost
-    assert lost["message"].startswith("rank 1 stopped responding (died or stalled) while the workers waited for")
+    assert lost["message"].startswith(
+        "rank 1 stopped responding (died or stalled) while the workers waited for"
+    )
 
 
 def test_self_command():

@@ -102,7 +102,9 @@ def test_launcher_relays_the_lost_rank_that_the_survivors_found(tmp_path, capfd)
 def test_launcher_prefers_a_crashed_worker_to_one_that_lost_its_peer(tmp_path, capfd):
     script = write_script(tmp_path, "lost_peer.py", LOST_PEER.replace("STALL_S", str(STALL_S)))
     os.mkfifo(tmp_path / "rank0-pid")
-    code = launch_local(2, [sys.executable, script, "crash", str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2)
+    code = launch_local(
+        2, [sys.executable, script, "crash", str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2
+    )
     err = capfd.readouterr().err
     assert code == 128 + signal.SIGKILL
     assert "acco.launch: rank 1 (pid" in err and "killed by signal SIGKILL" in err, err
@@ -170,8 +172,9 @@ EARLY_SIGNAL = """
 def test_a_signal_that_comes_as_the_first_worker_starts_is_forwarded(tmp_path):
     blocker = write_script(tmp_path, "blocker.py", BLOCKER)
     launcher = write_script(tmp_path, "early.py", EARLY_SIGNAL)
-    proc = subprocess.run([sys.executable, launcher, blocker], env=clean_env(), capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, launcher, blocker], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, proc.stderr[-2000:])
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert blocker not in ps  # no worker outlived the launcher
@@ -219,7 +222,9 @@ def gated_launch(tmp_path, check_passes: bool):
         if not check_passes:
             raise ValueError("bad input")
 
-    code = launch_local(2, [sys.executable, script, str(tmp_path)], env_extra={"PYTHONPATH": REPO}, check=check)
+    code = launch_local(
+        2, [sys.executable, script, str(tmp_path)], env_extra={"PYTHONPATH": REPO}, check=check
+    )
     return code, pids
 
 
@@ -261,8 +266,13 @@ def test_on_a_save_signal_the_launcher_waits_for_its_workers_to_checkpoint(tmp_p
     """grace_s=0: a launcher that killed its workers after forwarding would leave no 'saved' line."""
     saver = write_script(tmp_path, "saver.py", SAVER)
     launcher = write_script(tmp_path, "saving.py", SAVING_LAUNCHER)
-    proc = subprocess.Popen([sys.executable, launcher, saver], env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, launcher, saver],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines = [proc.stdout.readline() for _ in range(2)]
     assert all(line.startswith("ready") for line in lines), lines
     proc.send_signal(signal.SIGUSR1)
@@ -275,5 +285,7 @@ def test_on_a_save_signal_the_launcher_waits_for_its_workers_to_checkpoint(tmp_p
 def test_workers_that_checkpointed_on_their_own_signal_are_no_failure(tmp_path):
     script = write_script(tmp_path, "saved.py", "import sys\nsys.exit(75)\n")
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
-    proc = subprocess.run([sys.executable, launcher, script], env=clean_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, launcher, script], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == EXIT_SAVED_ON_SIGNAL and "acco.launch" not in proc.stderr, proc.stderr

@@ -15,8 +15,9 @@ def textbook(model, batch):
     """The formula as written (and as acco computed it before): slice the logits, upcast, sum."""
     logits = model(input_ids=batch["input_ids"], use_cache=False).logits
     labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")  # fmt: skip
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return loss, (labels != IGNORE_INDEX).sum()
 
 
@@ -24,8 +25,16 @@ def textbook(model, batch):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_the_loss_is_the_textbook_formula(monkeypatch, arch, chunked):
     torch.manual_seed(0)
-    config = dict(arch=arch, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=64,
-                  intermediate_size=64, tie_word_embeddings=arch == "gpt_neo")  # fmt: skip
+    config = dict(
+        arch=arch,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=64,
+        window_size=64,
+        intermediate_size=64,
+        tie_word_embeddings=arch == "gpt_neo",
+    )
     model = build_model(config, vocab_size=97, max_length=64)
     labels = torch.randint(0, 97, (3, 40))
     labels[0, :7] = IGNORE_INDEX  # a masked prompt

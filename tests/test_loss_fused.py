@@ -91,8 +91,16 @@ def test_no_gradient_work_without_grad_and_none_in_backward():
 
 
 def _config(arch: str) -> dict:
-    return dict(arch=arch, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=64,
-                intermediate_size=64, tie_word_embeddings=arch == "gpt_neo")  # fmt: skip
+    return dict(
+        arch=arch,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=64,
+        window_size=64,
+        intermediate_size=64,
+        tie_word_embeddings=arch == "gpt_neo",
+    )
 
 
 def _batch(vocab: int = 97):

@@ -21,7 +21,9 @@ def train_losses(out: Path) -> dict[int, float]:
 def tiny_model():
     from acco.models import build_model
 
-    config = dict(arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16, window_size=16)
+    config = dict(
+        arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=16, window_size=16
+    )
     return build_model(config, vocab_size=96, max_length=16)
 
 
@@ -33,10 +35,28 @@ def tiny_args(method: str, output_dir, **more) -> dict:
     if method == "diloco":
         more = {"sync_every": 3, **more}
     if method == "streaming-diloco":  # fragment 0's all-reduce is in flight at checkpoint-2
-        more = {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, **more}
-    return dict(method_name=method, batch_size=2, n_grad_accumulation=2, nb_steps_tot=48, max_length=16,
-                learning_rate=3e-3, accumulate_while_waiting=False, eval=False, save_step=2,
-                output_dir=str(output_dir)) | more  # fmt: skip
+        more = {
+            "sync_every": 4,
+            "num_fragments": 2,
+            "fragment_sync_delay": 1,
+            "fragment_update_alpha": 0.5,
+            **more,
+        }
+    return (
+        dict(
+            method_name=method,
+            batch_size=2,
+            n_grad_accumulation=2,
+            nb_steps_tot=48,
+            max_length=16,
+            learning_rate=3e-3,
+            accumulate_while_waiting=False,
+            eval=False,
+            save_step=2,
+            output_dir=str(output_dir),
+        )
+        | more
+    )
 
 
 def tiny_data() -> dict:
