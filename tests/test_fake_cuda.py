@@ -130,7 +130,7 @@ def test_save_and_resume_through_the_gpu_paths_is_exact(tmp_path, method):
         ref, resumed = tmp_path / "reference", tmp_path / "resumed"
         torch.manual_seed(0)
         trainer = DecoupledTrainer(
-            model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, ref, nb_steps_tot=24)
+            model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, ref, nb_steps_tot=16)
         )
         summary = trainer.train()
         assert "peak_gpu_mem_mb" in summary and "peak_rss_mb" not in summary  # the device's memory, named so
@@ -140,7 +140,7 @@ def test_save_and_resume_through_the_gpu_paths_is_exact(tmp_path, method):
         torch.manual_seed(1)
         torch.rand(8, generator=fake.rng)  # the device RNG moves on: the resume must bring it back
         DecoupledTrainer(
-            model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, resumed, nb_steps_tot=24)
+            model=tiny_model(), train_dataset=tiny_data(), args=tiny_args(method, resumed, nb_steps_tot=16)
         ).train(resume_from_checkpoint=str(ref / "checkpoint-2"))
         assert device_ops(torch.device("cpu")) is fake and torch.equal(fake.rng_state(), saved["cuda_rng"])
     straight, again = train_losses(ref), train_losses(resumed)
