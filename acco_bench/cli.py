@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
             s = _settings(args, latency=args.latency)
             if args.comm_shares is not None:
-                from acco_bench.comm_share import run_share_sweep
+                from acco_bench.cluster import run_share_sweep
 
                 sweep = run_share_sweep(s, args.comm_shares, Path(args.out))
             else:
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 else 0
             )
         if args.command == "report":
-            from acco_bench.report import rerender_dir
+            from acco_bench.rerender import rerender_dir
 
             print(rerender_dir(Path(args.dir)))
             return 0

@@ -18,10 +18,11 @@ Effective batch: ``grad_accum`` is the number of micro-batches per worker and pe
 for ddp, torch-ddp, dpu and wp; acco runs ``grad_accum / 2`` per round, since one acco update takes
 two rounds (the paper's Table 5: acco 2 against ddp 4).
 
-This module runs the benchmark: one method's workers (:func:`run_workers`), the CPU load meanwhile,
-every method in turn (:func:`run_bench`) and the sweep (:func:`run_sweep`). A run's settings are
-in :mod:`acco_bench.settings`, the network its workers start on in :mod:`acco_bench.network`, and
-the figures read from their files in :mod:`acco_bench.analysis`.
+This module runs the benchmark: every method in turn (:func:`run_bench`), each one's workers
+started by :func:`acco_bench.workers.run_workers`, and the sweeps by rate (:func:`run_sweep`) and by
+comm share (:func:`run_share_sweep`, each point calibrated by :mod:`acco_bench.comm_share`). A
+run's settings are in :mod:`acco_bench.settings`, the network its workers start on in
+:mod:`acco_bench.network`, and the figures read from their files in :mod:`acco_bench.analysis`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -43,183 +40,9 @@ from acco_bench import BenchError
 from acco_bench.analysis import BUSY_CORES, add_comparisons, combine_repeats, method_metrics
 from acco_bench.network import Network, parse_rate
 from acco_bench.settings import BenchSettings
+from acco_bench.workers import LoadMeter, check_worker_available, run_workers, worker_command
 
 RETRY_PAUSE_S = 20.0
-
-# The worker command; ACCO_BENCH_WORKER (a shell-quoted command prefix) replaces it, e.g. to time
-# a development build of the trainer.
-WORKER_ENV = "ACCO_BENCH_WORKER"
-
-
-def worker_command() -> list[str]:
-    """The command every worker runs (its Hydra overrides follow): ``python -m acco.cli``, or
-    ``$ACCO_BENCH_WORKER``."""
-    custom = os.environ.get(WORKER_ENV)
-    if custom:
-        return shlex.split(custom)
-    return [sys.executable, "-m", "acco.cli"]
-
-
-def check_worker_available() -> None:
-    """Fail with one clear line when the training CLI is not importable."""
-    if os.environ.get(WORKER_ENV):
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("acco.cli") is None:
-        raise BenchError(
-            "the training CLI (acco.cli) is not installed: acco-bench drives `python -m acco.cli`"
-        )
-
-
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-        os.killpg(proc.pid, sig)
-
-
-def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = 3.0) -> None:
-    """SIGTERM every worker's process group, SIGKILL what is left after ``grace_s``."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        _kill_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.poll() is None:
-            _kill_group(p, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
-
-
-_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def busy_cpu_s() -> float | None:
-    """CPU seconds the whole machine spent in user + nice + system mode so far (Linux)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()
-    except (OSError, IndexError):
-        return None
-    user, nice, system = (int(x) for x in fields[1:4])
-    return (user + nice + system) / _HZ
-
-
-def _proc_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of one process, all its threads (Linux)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _HZ
-
-
-class LoadMeter:
-    """How much CPU something other than the benchmark's workers used while they ran.
-
-    The machine's busy time (user + nice + system, from /proc/stat) minus what the workers and
-    this process used: on a shared machine, other jobs distort the timings, and this says by
-    how much (in cores, averaged over the run)."""
-
-    def __init__(self):
-        self.t0 = time.monotonic()
-        self.busy0 = busy_cpu_s()
-        self.self0 = sum(os.times()[:2])
-        self.workers: dict[int, float] = {}
-        self.network: dict[int, tuple[float, float]] = {}  # pid -> (first, last) CPU seconds seen
-
-    def sample(self, procs: Sequence[subprocess.Popen], network: Sequence[subprocess.Popen] = ()) -> None:
-        """``network``: long-lived processes of the emulated network (the delay line), counted
-        apart from the workers and from the other load."""
-        for p in procs:
-            cpu = _proc_cpu_s(p.pid)
-            if cpu is not None:
-                self.workers[p.pid] = max(cpu, self.workers.get(p.pid, 0.0))
-        for p in network:
-            cpu = _proc_cpu_s(p.pid)
-            if cpu is not None:
-                self.network[p.pid] = (self.network.get(p.pid, (cpu, cpu))[0], cpu)
-
-    def result(self) -> dict:
-        wall = time.monotonic() - self.t0
-        busy1 = busy_cpu_s()
-        if self.busy0 is None or busy1 is None or wall <= 0:
-            return {}
-        mine = sum(self.workers.values()) + sum(os.times()[:2]) - self.self0
-        network = sum(last - first for first, last in self.network.values())
-        foreign = max(0.0, (busy1 - self.busy0) - mine - network)
-        out = {"workers_cpu_cores": mine / wall, "other_cpu_cores": foreign / wall, "cpus": os.cpu_count()}
-        if self.network:
-            out["network_cpu_cores"] = network / wall
-        return out
-
-
-def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Network,
-                load: LoadMeter | None = None) -> float:
-    """Run one method's workers to completion; returns the wall time. Raises BenchError on a
-    failure (first failing rank, with its log's tail) or on the timeout; no worker survives.
-    ``load``, when given, is sampled while the workers run."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    logs = out_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    addr, port = net.master()
-    threads = str(settings.worker_threads())
-    procs: list[subprocess.Popen] = []
-    files = []
-    start = time.monotonic()
-    try:
-        for rank in range(settings.hosts):
-            env = dict(os.environ)
-            env.update(RANK=str(rank), WORLD_SIZE=str(settings.hosts), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR=addr, MASTER_PORT=str(port), OMP_NUM_THREADS=threads,
-                       MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1")
-            argv = [*worker_command(), *settings.overrides(method, out_dir, rank)]
-            if rank == 0:
-                (out_dir / "command.txt").write_text(
-                    " ".join(shlex.quote(a) for a in argv) + "\n")
-            log = open(logs / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
-            files.append(log)
-            procs.append(net.popen(rank, argv, env, log, sched_batch=settings.sched == "batch"))
-        deadline = start + settings.timeout_s
-        while True:
-            if load is not None:
-                load.sample(procs, net.network_procs())
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                stop_processes(procs)
-                raise BenchError(
-                    f"{method}: rank {rank} exited with code {code}; its log "
-                    f"({logs / f'rank{rank}.log'}) ends with:\n{_tail(logs / f'rank{rank}.log')}"
-                )
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                stop_processes(procs)
-                raise BenchError(f"{method}: timed out after {settings.timeout_s:.0f} s (--timeout); "
-                                 f"workers killed; logs in {logs}")
-            time.sleep(0.1)
-        return time.monotonic() - start
-    finally:
-        stop_processes(procs)
-        for f in files:
-            f.close()
-
-
-# --------------------------------------------------------------------------------------------
-# one benchmark: every method on one network
-
 
 def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, log=print,
               calibration: dict | None = None) -> dict:
@@ -423,3 +246,30 @@ def write_sweep(settings: BenchSettings, labels: list[str], points: list[dict], 
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2, default=str) + "\n")
     report.write_sweep_report(sweep, out)
     return sweep
+
+
+def run_share_sweep(settings, shares, out: Path, log=print) -> dict:
+    """``acco-bench sweep --comm-shares``: one calibration and one :func:`run_bench` per share, on one
+    network (its unshaped probe shared), then ``sweep.json``, ``sweep.md`` and the plots."""
+    from acco_bench.comm_share import calibrate, check_share, rate_label
+
+    settings.validate()
+    for s in shares:
+        check_share(s)
+    if settings.loopback:
+        raise BenchError("--comm-shares needs emulated hosts: on loopback there is no link to set")
+    check_worker_available()
+    out.mkdir(parents=True, exist_ok=True)
+    points = []
+    with Network(settings.hosts, None, settings.latency, settings.loopback) as net:
+        base = None
+        for share in shares:
+            label = f"share {share:.2f}"
+            cal = calibrate(settings, net, share, out / "calibration", log, unshaped=base)
+            base = cal["unshaped"]
+            s = replace(settings, bandwidth=cal["rate"], comm_share=share)
+            log(f"[acco-bench] sweep point {label}: {rate_label(cal['rate'])}")
+            bench = run_bench(s, out / f"share-{share:.2f}", net=net, log=log, calibration=cal)
+            points.append({"label": label, "bandwidth": cal["rate"], "bandwidth_bps": parse_rate(cal["rate"]),
+                           "bench": bench})
+    return write_sweep(settings, [p["label"] for p in points], points, out)

@@ -126,7 +126,7 @@ def _probe_settings(settings, bandwidth: str | None):
 def probe(settings, net, bandwidth: str | None, out: Path, log=print) -> dict:
     """A short ddp run on ``net`` with its links at ``bandwidth`` (None: unshaped): C, M, bytes."""
     from acco_bench.analysis import method_metrics
-    from acco_bench.cluster import LoadMeter, run_workers
+    from acco_bench.workers import LoadMeter, run_workers
 
     net.set_bandwidth(bandwidth)
     s = _probe_settings(settings, bandwidth)
@@ -168,31 +168,3 @@ def calibrate(settings, net, share: float, out: Path, log=print, unshaped: dict 
     return {"comm_share_asked": share, "rate": rate, "compute_s": compute, "fixed_comm_s": m0,
             "bits_per_update_counted": bits0,
             "bits_per_update_fitted": bits, "unshaped": base, "probes": [shaped]}
-
-
-def run_share_sweep(settings, shares, out: Path, log=print) -> dict:
-    """``acco-bench sweep --comm-shares``: one calibration and one :func:`run_bench` per share, on one
-    network (its unshaped probe shared), then ``sweep.json``, ``sweep.md`` and the plots."""
-    from acco_bench.cluster import check_worker_available, run_bench, write_sweep
-    from acco_bench.network import Network
-
-    settings.validate()
-    for s in shares:
-        check_share(s)
-    if settings.loopback:
-        raise BenchError("--comm-shares needs emulated hosts: on loopback there is no link to set")
-    check_worker_available()
-    out.mkdir(parents=True, exist_ok=True)
-    points = []
-    with Network(settings.hosts, None, settings.latency, settings.loopback) as net:
-        base = None
-        for share in shares:
-            label = f"share {share:.2f}"
-            cal = calibrate(settings, net, share, out / "calibration", log, unshaped=base)
-            base = cal["unshaped"]
-            s = replace(settings, bandwidth=cal["rate"], comm_share=share)
-            log(f"[acco-bench] sweep point {label}: {rate_label(cal['rate'])}")
-            bench = run_bench(s, out / f"share-{share:.2f}", net=net, log=log, calibration=cal)
-            points.append({"label": label, "bandwidth": cal["rate"], "bandwidth_bps": parse_rate(cal["rate"]),
-                           "bench": bench})
-    return write_sweep(settings, [p["label"] for p in points], points, out)

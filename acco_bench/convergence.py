@@ -33,9 +33,9 @@ from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.analysis import read_jsonl, summary_stats
-from acco_bench.cluster import check_worker_available, run_workers
 from acco_bench.network import Network
 from acco_bench.settings import BenchSettings, model_settings
+from acco_bench.workers import check_worker_available, run_workers
 
 TINYSTORIES = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories" / "TinyStories-valid-head.txt"

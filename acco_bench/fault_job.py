@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from acco_bench import BenchError
-from acco_bench.cluster import busy_cpu_s
+from acco_bench.workers import busy_cpu_s
 
 POLL_S = 0.01  # how often the drill looks at the job's processes and files
 

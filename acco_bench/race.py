@@ -1,7 +1,7 @@
 """``acco-bench race``: the wall-clock time every method needs to reach ddp's loss.
 
 On the emulated cluster of ``acco-bench cluster`` (:class:`~acco_bench.network.Network`, the same
-workers through :func:`~acco_bench.cluster.run_workers`), in the paper's setting (acco, dpu and wp
+workers through :func:`~acco_bench.workers.run_workers`), in the paper's setting (acco, dpu and wp
 keep accumulating micro-batches while their round runs: ``accumulate_while_waiting``):
 
 1. ddp trains to its budget (``nb_steps_tot`` micro-batches over all workers); its final eval loss
@@ -43,16 +43,11 @@ from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.analysis import read_jsonl
-from acco_bench.cluster import (
-    LoadMeter,
-    check_worker_available,
-    machine_description,
-    run_workers,
-    worker_command,
-)
+from acco_bench.cluster import machine_description
 from acco_bench.network import Network
 from acco_bench.race_report import plot_race, race_markdown, write_race_report  # noqa: F401 (re-exported)
 from acco_bench.settings import BenchSettings
+from acco_bench.workers import LoadMeter, check_worker_available, run_workers, worker_command
 
 REFERENCE = "ddp"
 RACE_METHODS = ("ddp", "torch-ddp", "acco", "diloco", "streaming-diloco")

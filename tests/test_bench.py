@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from acco_bench import BenchError, cluster
+from acco_bench import BenchError
 from acco_bench.analysis import add_comparisons, method_metrics
 from acco_bench.cli import main
-from acco_bench.cluster import WORKER_ENV
 from acco_bench.network import Network, namespaces
 from acco_bench.settings import BenchSettings
+from acco_bench.workers import WORKER_ENV, run_workers
 
 REASON = namespaces.netns_unavailable_reason()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -288,7 +288,7 @@ def test_timeout_kills_the_workers(tmp_path, monkeypatch):
     settings = BenchSettings(hosts=2, loopback=True, timeout_s=1.5, methods=("ddp",))
     with Network(2, None, None, loopback=True) as net:
         with pytest.raises(BenchError, match="timed out"):
-            cluster.run_workers(settings, "ddp", tmp_path / "ddp", net)
+            run_workers(settings, "ddp", tmp_path / "ddp", net)
     for log in (tmp_path / "ddp" / "logs").iterdir():
         assert log.exists()
     # nothing of ours still runs that script

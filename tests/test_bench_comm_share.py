@@ -134,7 +134,10 @@ def test_the_demo_refuses_a_rate_and_a_share(capsys):
 @pytest.mark.slow
 def test_the_share_measured_lands_near_the_one_asked(tmp_path):
     """The calibration (two short ddp runs) then a ddp run of the benchmark's own model at the rate
-    chosen: its measured comm share within 0.05 of 0.4."""
+    chosen. What the calibration controls is the comm at that rate: within 15% of its prediction.
+    The share also moves with the compute, which other load on the cores changes between the
+    calibration and the run (seen: 1.88 s then 1.38 s per update), so it gets a looser bound here;
+    on a quiet machine it lands within 0.05 (BENCHMARKS.md, "Time to the same loss")."""
     out = tmp_path / "cluster"
     argv = ["cluster", "--comm-share", "0.4", "--methods", "ddp", "--nb-steps-tot", "160",
             "--retry-disturbed", "0", "--timeout", "300", "--out", str(out)]
@@ -142,6 +145,10 @@ def test_the_share_measured_lands_near_the_one_asked(tmp_path):
     bench = json.loads((out / "bench.json").read_text())
     assert bench["comm_share_asked"] == 0.4 and bench["rate"] == bench["config"]["network"]["bandwidth"]
     assert bench["calibration"]["probes"] and bench["calibration"]["unshaped"]["bandwidth"] is None
-    assert abs(bench["comm_share_measured"] - 0.4) <= 0.05, bench["calibration"]
+    cal = bench["calibration"]
+    predicted = cal["fixed_comm_s"] + cal["bits_per_update_fitted"] / parse_rate(bench["rate"])
+    measured = bench["methods"]["ddp"]["comm_s_per_update"]
+    assert abs(measured - predicted) <= 0.15 * predicted, (measured, predicted, cal)
+    assert abs(bench["comm_share_measured"] - 0.4) <= 0.15, cal
     assert "asked **0.40**" in (out / "bench.md").read_text()
     assert namespaces.list_namespaces(f"{namespaces.DEFAULT_PREFIX}{os.getpid()}-") == []
