@@ -16,10 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
-# test: the library, under 5 minutes on 2 cores; test-slow: the acco-bench runs that launch whole
-# training jobs (tests marked slow), several minutes more. CI (.ci/run) runs both.
+# test: the library; test-slow: the acco-bench runs that launch whole training jobs (tests marked
+# slow), several minutes more. CI (.ci/run) runs both. The library's tests run in two pytest
+# processes (pytest-xdist), a test file each at a time: many of them wait (timeouts, workers
+# importing torch) more than they compute. The slow tier stays serial: its runs time things.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile tests
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
