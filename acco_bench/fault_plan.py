@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from acco.launch.local import GO_FD_ENV
 from acco_bench import BenchError
 
 KINDS = {
@@ -24,7 +25,7 @@ SIGNALS = {"kill-warm-start": signal.SIGKILL, "kill": signal.SIGKILL, "term-save
 WEIGHTS = {"kill": 0.6, "term-save": 0.25, "kill-warm-start": 0.15}
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
-               "ACCO_JOB_CONFIG")  # fmt: skip
+               GO_FD_ENV)  # fmt: skip
 
 
 @dataclass(frozen=True)

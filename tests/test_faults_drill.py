@@ -88,3 +88,16 @@ def test_the_fault_drill_survives_every_fault_and_ends_bit_equal(tmp_path):
         "Final parameters bit-equal to the uninterrupted run's: **yes**"
         in (tmp_path / "bench.md").read_text()
     )
+
+
+def test_the_drills_job_inherits_no_launcher_variables(monkeypatch):
+    """A drill started from inside a worker (its rank, or the local launcher's start gate) must not
+    hand those to torchrun's workers: one would wait at a gate no launcher opens."""
+    from acco.launch.local import GO_FD_ENV
+    from acco_bench.fault_plan import job_env
+
+    monkeypatch.setenv(GO_FD_ENV, "7")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    env = job_env(DrillSettings())
+    assert not {GO_FD_ENV, "RANK", "SLURM_PROCID"} & env.keys() and "PATH" in env
