@@ -99,18 +99,21 @@ def _chunk_pass(h, w, b, t, vocab: int, grad: bool):
     """One chunk: (sum of its losses in fp32, the gradient of its logits in h's dtype or None).
     w (and b) are padded to a multiple of VOCAB_MULTIPLE rows; the rows from `vocab` on are masked."""
     logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, fp64 stays fp64
+    # fp32 (fp64 stays fp64): a copy of bf16 logits, the logits themselves otherwise. Either way a
+    # tensor of this chunk's own, worked on in place below: eager runs then hold one chunk-sized
+    # tensor (and the bf16 logits), not one per step (compiled runs fuse the steps anyway).
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if vocab < z.shape[1]:
-        z = z.masked_fill(torch.arange(z.shape[1], device=z.device) >= vocab, float("-inf"))
+        z[:, vocab:] = float("-inf")
     lse = torch.logsumexp(z, dim=1)
     valid = t != IGNORE_INDEX
     safe = torch.where(valid, t, 0).unsqueeze(1)
     loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
     if not grad:
         return loss, None
-    probs = torch.exp(z - lse.unsqueeze(1))
-    probs = probs.scatter_add(1, safe, -torch.ones_like(safe, dtype=probs.dtype))  # softmax - one-hot
-    return loss, (probs * valid.unsqueeze(1)).to(h.dtype)
+    probs = z.sub_(lse.unsqueeze(1)).exp_()  # the softmax, in z's place
+    probs.scatter_add_(1, safe, -torch.ones_like(safe, dtype=probs.dtype))  # minus the one-hot
+    return loss, probs.mul_(valid.unsqueeze(1)).to(h.dtype)
 
 
 _COMPILED: dict = {}
