@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_helpers import loss_test_config
 
 import acco.loss
 from acco.loss import IGNORE_INDEX, causal_lm_loss
@@ -25,16 +26,7 @@ def textbook(model, batch):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_the_loss_is_the_textbook_formula(monkeypatch, arch, chunked):
     torch.manual_seed(0)
-    config = dict(
-        arch=arch,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        max_position_embeddings=64,
-        window_size=64,
-        intermediate_size=64,
-        tie_word_embeddings=arch == "gpt_neo",
-    )
+    config = loss_test_config(arch)
     model = build_model(config, vocab_size=97, max_length=64)
     labels = torch.randint(0, 97, (3, 40))
     labels[0, :7] = IGNORE_INDEX  # a masked prompt

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
+from trainer_helpers import loss_test_config
 
 import acco.loss
 from acco.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy
@@ -90,19 +91,6 @@ def test_no_gradient_work_without_grad_and_none_in_backward():
     assert forward.matmuls() == 2 * chunks and weight.grad is None and hidden.grad is not None
 
 
-def _config(arch: str) -> dict:
-    return dict(
-        arch=arch,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        max_position_embeddings=64,
-        window_size=64,
-        intermediate_size=64,
-        tie_word_embeddings=arch == "gpt_neo",
-    )
-
-
 def _batch(vocab: int = 97):
     gen = torch.Generator().manual_seed(3)
     labels = torch.randint(0, vocab, (3, 40), generator=gen)
@@ -138,7 +126,7 @@ def test_equals_todays_loss_in_fp32(monkeypatch, arch):
     """Loss and every parameter's gradient (the head, tied to the embedding in GPT-Neo, included)."""
     monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
     torch.manual_seed(0)
-    model = build_model(_config(arch), vocab_size=97, max_length=64)
+    model = build_model(loss_test_config(arch), vocab_size=97, max_length=64)
     loss, grads = _loss_and_grads(causal_lm_loss, model, _batch())
     want_loss, want = _loss_and_grads(todays_loss, model, _batch())
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-4)
@@ -159,7 +147,7 @@ def test_as_exact_as_todays_loss_in_bf16(monkeypatch, arch):
     (each rounds differently: the logits' gradient is rounded before, not after, its scale)."""
     monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
     torch.manual_seed(0)
-    model = build_model(_config(arch), vocab_size=97, max_length=64).to(torch.bfloat16)
+    model = build_model(loss_test_config(arch), vocab_size=97, max_length=64).to(torch.bfloat16)
     exact_loss, exact = _loss_and_grads(todays_loss, copy.deepcopy(model).double(), _batch())
     loss, grads = _loss_and_grads(causal_lm_loss, model, _batch())
     want_loss, want = _loss_and_grads(todays_loss, model, _batch())
@@ -175,7 +163,7 @@ def test_autocast_fp32_parameters(monkeypatch):
     nn.Linear's; fp32 gradients as close to the fp64 value as today's loss gives them."""
     monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 16)
     torch.manual_seed(0)
-    model = build_model(_config("gpt_neo"), vocab_size=97, max_length=64)
+    model = build_model(loss_test_config("gpt_neo"), vocab_size=97, max_length=64)
     exact_loss, exact = _loss_and_grads(todays_loss, copy.deepcopy(model).double(), _batch())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, grads = _loss_and_grads(causal_lm_loss, model, _batch())

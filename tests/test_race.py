@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from trainer_helpers import SMALL
 
 from acco.data import load_tokenizer, synthetic_corpus
 from acco.models import build_model
@@ -19,22 +20,11 @@ from acco_bench.cli import main
 from acco_bench.network import namespaces
 from acco_bench.settings import DEMO_ACCO, DEMO_COMM_SHARE, BenchSettings
 
-TINY_MODEL = dict(
-    name="small",
-    arch="gpt_neo",
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    max_position_embeddings=64,
-    window_size=64,
-    pretrained=None,
-)
-
 
 def _trainer(tmp_path, **overrides) -> DecoupledTrainer:
     docs = synthetic_corpus(200)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
-    model = build_model(TINY_MODEL, vocab_size=len(tokenizer), max_length=32)
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
     args = dict(
         method_name="ddp",
         batch_size=4,

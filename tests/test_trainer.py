@@ -15,6 +15,7 @@ import pytest
 import torch
 from distributed import free_port, run_distributed
 from omegaconf import OmegaConf
+from trainer_helpers import SMALL
 
 from acco.data import DataError, load_tokenizer, synthetic_corpus
 from acco.engine import EngineConfig, build_engine
@@ -273,17 +274,6 @@ def test_cli_fine_tunes_on_alpaca_records(tmp_path):
     assert 0 < summary["target_tokens_per_s"] < summary["tokens_per_s"] / 4
 
 
-# A plain dict (no Hydra interpolation to resolve), smaller than tiny: these tests are about data.
-SMALL = dict(
-    name="small",
-    arch="gpt_neo",
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    max_position_embeddings=64,
-    window_size=64,
-    pretrained=None,
-)
 
 
 def _small_run(tmp_path, **overrides) -> dict:

@@ -9,6 +9,23 @@ from pathlib import Path
 import torch
 
 TINY = Path(__file__).parents[1] / "acco" / "conf" / "model" / "tiny.yaml"
+# A plain dict (no Hydra interpolation to resolve), smaller than tiny: for tests about data and runs.
+SMALL = dict(
+    name="small",
+    arch="gpt_neo",
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    max_position_embeddings=64,
+    window_size=64,
+    pretrained=None,
+)
+
+
+def loss_test_config(arch: str) -> dict:
+    """GPT-Neo (tied head) or Llama at 32 wide, two layers: the loss tests' models."""
+    return dict(arch=arch, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+                window_size=64, intermediate_size=64, tie_word_embeddings=arch == "gpt_neo")  # fmt: skip
 
 
 def train_losses(out: Path) -> dict[int, float]:
