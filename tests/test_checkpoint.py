@@ -61,6 +61,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_a_dead_worker_stops_the_run_and_leaves_the_checkpoint_intact(interrupted):
     out, proc, elapsed = interrupted
     assert proc.returncode != 0
@@ -78,6 +79,7 @@ def test_a_dead_worker_stops_the_run_and_leaves_the_checkpoint_intact(interrupte
     assert not list(out.glob("checkpoint-*.tmp"))
 
 
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_resume_on_the_same_world_size_is_exact(interrupted, reference):
     out, _, _ = interrupted
     proc = cli(out, "train.save_step=4", "train.resume_from_checkpoint=latest")
@@ -92,6 +94,7 @@ def test_resume_on_the_same_world_size_is_exact(interrupted, reference):
     )
 
 
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_resume_on_another_world_size_continues_from_the_same_samples(interrupted, tmp_path):
     out, _, _ = interrupted
     moved = tmp_path / "one-worker"
@@ -110,6 +113,7 @@ def test_resume_on_another_world_size_continues_from_the_same_samples(interrupte
 STALL_TIMEOUT_S = 5  # launch.timeout_s of the stall test: the detection takes this plus a few seconds
 
 
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
     """4 workers, rank 2 stalls. Its ring neighbours time out as well as the others: the progress
     record must still name rank 2, and nobody else, as the lost one, and the run ends with no
@@ -163,6 +167,7 @@ def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
         assert state["step"] == 2 and torch.isfinite(state["master"]).all()
 
 
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     out = tmp_path / "nan"
     proc = cli(out, "train.save_step=1", fault="rank=0,step=12,mode=nan")  # from the 13th micro-batch on
@@ -193,6 +198,7 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     validate_job(compose([*base, "launch.nproc=2", "train.resume_from_checkpoint=latest"]), world_size=2)
 
 
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_resuming_a_finished_run_does_nothing_and_writes_nothing(reference, capsys, monkeypatch):
     """The CLI's own path (acco.cli.run), in-process with one worker: the validation pass finds the
     budget done, and the job says so and returns 0 before any worker starts."""
@@ -231,6 +237,7 @@ def validation_error(out: Path, *overrides: str) -> str:
     return str(info.value)
 
 
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
     """Every bad resume is one clear line from the validation pass, before anything is written:
     through the CLI once (one line on stderr, no traceback, no folder written), then in-process

@@ -34,6 +34,7 @@ def cli(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # a whole CLI job on 2 workers (the slow tier: make test-slow)
 def test_cli_trains_acco_and_ddp_with_all_outputs(tmp_path):
     common = (
         "data.n_docs=600",
@@ -254,6 +255,7 @@ ALPACA = [
 ]
 
 
+@pytest.mark.slow  # a whole CLI job on 2 workers (the slow tier: make test-slow)
 def test_cli_fine_tunes_on_alpaca_records(tmp_path):
     data = tmp_path / "alpaca.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in ALPACA * 30) + "\n")
