@@ -141,8 +141,11 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
     import torch.distributed as dist
 
     from acco.data.prepare import prepare_data
+    from acco.host_memory import keep_heap_small
     from acco.launch.process_group import decided_by_rank0, init_distributed, stop_heartbeat
     from acco.trainer import DecoupledTrainer
+
+    keep_heap_small()  # freed activations go back to the system (acco/host_memory.py)
 
     # the launcher's validated job (or a quiet exit if its pass failed), else this config's
     job: Job = pickle.loads(wait_for_go()) if role is Role.LAUNCHED else job_of(cfg, world_size)

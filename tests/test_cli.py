@@ -76,7 +76,12 @@ def test_a_lone_worker_validates_once_and_hands_the_trainer_rows(tmp_path, monke
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(acco.trainer.DecoupledTrainer, "__init__", recording_init)
+    import acco.host_memory
+
+    keep = acco.host_memory.keep_heap_small
+    monkeypatch.setattr(acco.host_memory, "keep_heap_small", lambda: seen.setdefault("heap", keep()))
     assert cli.run(compose(["launch.nproc=1", *job_overrides(tmp_path, "train.eval=true")])) == 0
+    assert seen["heap"] is True  # the worker fixed glibc's mmap threshold before building anything
     assert len(checks) == 1  # the one validation pass
     assert handed[0] is not None and handed[0].corpus is not None  # its corpus, taken by the worker
     assert seen["loaded after"] is None  # and let go of once the rows exist
