@@ -22,6 +22,11 @@ VARIANTS = {
     "acco-int8-e1": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=1")),
     # ... and with the split picked from the rounds' measured durations
     "acco-int8-auto": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto")),
+    # ... and, while a round runs, each worker gathering at most c times the round's minimum
+    # (accumulate_cap; the paper's setting, --accumulate-while-waiting, lets the batch grow with the wait)
+    **{f"acco-cap{c}": ("acco", (f"train.accumulate_cap={c}",)) for c in ("1.25", "1.5", "2")},
+    **{f"acco-int8-auto-cap{c}": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto",
+                                           f"train.accumulate_cap={c}")) for c in ("1.25", "1.5", "2")},
     # DiLoCo's sync period H (inner steps), for the sweep; streaming: 4 fragments, tau 1.
     **{f"diloco-h{h}": ("diloco", (f"train.sync_every={h}",)) for h in (5, 10, 20, 50)},
     **{f"streaming-diloco-h{h}": ("streaming-diloco", (f"train.sync_every={h}", "train.num_fragments=4",

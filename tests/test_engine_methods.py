@@ -14,6 +14,9 @@ import torch
 from distributed import run_distributed
 from engine_helpers import Reference, assert_close, config, reference_acco, reference_delayed, run_engine
 
+from acco.config import InputError, compose
+from acco.engine import ConfigError, EngineConfig
+
 
 # max_grad_norm between the gradient norms these runs see (mlp 0.39-0.55, block 0.63-0.92
 # unclipped), so that some updates are clipped and others not, acco's estimates included.
@@ -138,3 +141,32 @@ def test_time_varying_counts_with_accumulate_while_waiting():
     # dpu: the micro-batches of update k are those computed during round k-1 (k = 0: warm start).
     expected = reference_delayed(Reference("mlp", cfg, 2, [1, 1]), len(records), False, counts + [[1, 1]])
     assert_close(theta, expected, "dpu with time-varying counts")
+
+
+def test_accumulate_cap_bounds_what_a_round_gathers_while_waiting():
+    """accumulate_cap 2: a round as slow as many micro-batches still gathers at most twice its
+    minimum per worker, and the update is still the mean over what was gathered."""
+    cfgs = [config(method=m, n_grad_accumulation=2, nb_steps_tot=96, accumulate_while_waiting=True,
+                   accumulate_cap=2) for m in ("dpu", "acco")]  # fmt: skip
+    (theta, records), (_, acco_records) = run_distributed(run_engine, 2, "mlp", cfgs, 0.05)[0]
+    counts = [r.micro_batches for r in records]
+    assert counts[0] == [2, 2] and all(max(c) <= 4 for c in counts), counts
+    assert any(max(c) == 4 for c in counts[1:]), f"the slow round did not fill the cap: {counts}"
+    expected = reference_delayed(Reference("mlp", cfgs[0], 2, [2, 2]), len(records), False, counts + [[2, 2]])
+    assert_close(theta, expected, "dpu with capped counts")
+    # acco: two rounds of at least 2 micro-batches each per update, so at most 2 x 4 per worker
+    acco_counts = [r.micro_batches for r in acco_records]
+    assert all(max(c) <= 8 for c in acco_counts) and any(max(c) == 8 for c in acco_counts[1:]), acco_counts
+
+
+def test_accumulate_cap_is_checked_where_it_is_set():
+    assert EngineConfig(method="acco", accumulate_cap=1.5).accumulate_cap == 1.5
+    for bad in (0, -1, 0.5, float("inf"), float("nan"), True, "2"):
+        with pytest.raises(ConfigError, match="accumulate_cap must be a number >= 1 or null"):
+            EngineConfig(method="acco", accumulate_cap=bad)
+    with pytest.raises(InputError) as info:  # the CLI's key: one line, named as the user wrote it
+        compose(["train=acco", "train.accumulate_cap=0"])
+    line = str(info.value)
+    assert "\n" not in line and line.startswith("train.accumulate_cap must be"), line
+    assert compose(["train=acco", "train.accumulate_cap=2"]).train.accumulate_cap == 2
+

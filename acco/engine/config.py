@@ -75,6 +75,11 @@ class EngineSettings:
     accumulate_while_waiting: bool = True
     """Keep computing micro-batches until the comm round has finished (the paper's default).
     False: exactly n_grad_accumulation per round (fixed batch, for exact comparisons)."""
+    accumulate_cap: float | None = None
+    """With accumulate_while_waiting: a worker computes at most this many times a round's minimum
+    (n_grad_accumulation, or acco's split; rounded down, never below the minimum) while the round
+    runs, then waits for it; null: no cap (the paper's). Where comm is long beside compute the
+    uncapped batch grows with the wait, and each update buys less loss per sample (docs/methods.md)."""
     n_warmup_steps: int = 0
     """That many first updates (updates, not micro-batches) of an overlapped method (acco, dpu, wp)
     run as sequential ddp."""
@@ -167,6 +172,10 @@ class EngineConfig(EngineSettings):
             raise ConfigError(f"estimate_comm={self.estimate_comm} applies to acco's estimate round only; "
                               f"method {self.method} has none (estimate_comm=full)")
         self._validate_split()
+        cap = self.accumulate_cap
+        numeric = isinstance(cap, (int, float)) and not isinstance(cap, bool)
+        if cap is not None and not (numeric and 1 <= cap < math.inf):
+            raise ConfigError(f"accumulate_cap must be a number >= 1 or null (no cap), got {cap!r}")
         check_max_grad_norm(self.max_grad_norm)
         if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
             raise ConfigError(

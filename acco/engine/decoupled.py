@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -127,7 +128,9 @@ class DecoupledEngine:
         start = time.perf_counter()
         n = 0
         keep_going = round_in_flight is not None and self.cfg.accumulate_while_waiting
-        while n < minimum or (keep_going and not round_in_flight.done()):
+        cap = self.cfg.accumulate_cap
+        most = max(minimum, int(minimum * cap)) if cap else math.inf
+        while n < minimum or (keep_going and n < most and not round_in_flight.done()):
             batch = next(batches, _END)
             if batch is _END:
                 self.stats[EXHAUSTED] = 1
