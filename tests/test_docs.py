@@ -306,3 +306,18 @@ def test_the_checker_passes_the_same_commands_spelt_right():
         "sbatch examples/slurm_alpaca.sbatch",
     ]:
         assert check_command(shlex.split(command)) is None, command
+
+
+def ci_commands(run: Path) -> list[list[str]]:
+    """The commands a CI script runs, less its shell set-up (`set`, `cd`)."""
+    argvs = [shlex.split(line, comments=True) for line in run.read_text().splitlines()]
+    return [argv for argv in argvs if argv and argv[0] not in ("set", "cd")]
+
+
+def test_ci_runs_the_test_commands_the_readme_gives():
+    """.ci/run, on a clean clone, runs exactly the README's test commands, in its order."""
+    tests = (["make", "test"], ["make", "test-slow"])
+    readme_tests = [argv for _, argv in commands(ROOT / "README.md") if argv in tests]
+    assert readme_tests == [["make", "test"], ["make", "test-slow"]], readme_tests
+    assert ci_commands(ROOT / ".ci" / "run") == readme_tests
+
