@@ -144,15 +144,17 @@ def test_time_varying_counts_with_accumulate_while_waiting():
 
 
 def test_accumulate_cap_bounds_what_a_round_gathers_while_waiting():
-    """accumulate_cap 2: a round as slow as many micro-batches still gathers at most twice its
-    minimum per worker, and the update is still the mean over what was gathered."""
-    cfgs = [config(method=m, n_grad_accumulation=2, nb_steps_tot=96, accumulate_while_waiting=True,
-                   accumulate_cap=2) for m in ("dpu", "acco")]  # fmt: skip
-    (theta, records), (_, acco_records) = run_distributed(run_engine, 2, "mlp", cfgs, 0.05)[0]
+    """A round as slow as many micro-batches still gathers at most cap x its minimum per worker,
+    rounded down (dpu: 1.5 x 3 -> 4), and the update is still the mean over what was gathered."""
+    dpu = config(method="dpu", n_grad_accumulation=3, nb_steps_tot=120, accumulate_while_waiting=True,
+                 accumulate_cap=1.5)  # fmt: skip
+    acco = config(method="acco", n_grad_accumulation=2, nb_steps_tot=96, accumulate_while_waiting=True,
+                  accumulate_cap=2)  # fmt: skip
+    (theta, records), (_, acco_records) = run_distributed(run_engine, 2, "mlp", [dpu, acco], 0.05)[0]
     counts = [r.micro_batches for r in records]
-    assert counts[0] == [2, 2] and all(max(c) <= 4 for c in counts), counts
+    assert counts[0] == [3, 3] and all(max(c) <= 4 for c in counts), counts
     assert any(max(c) == 4 for c in counts[1:]), f"the slow round did not fill the cap: {counts}"
-    expected = reference_delayed(Reference("mlp", cfgs[0], 2, [2, 2]), len(records), False, counts + [[2, 2]])
+    expected = reference_delayed(Reference("mlp", dpu, 2, [3, 3]), len(records), False, counts + [[3, 3]])
     assert_close(theta, expected, "dpu with capped counts")
     # acco: two rounds of at least 2 micro-batches each per update, so at most 2 x 4 per worker
     acco_counts = [r.micro_batches for r in acco_records]
@@ -169,4 +171,3 @@ def test_accumulate_cap_is_checked_where_it_is_set():
     line = str(info.value)
     assert "\n" not in line and line.startswith("train.accumulate_cap must be"), line
     assert compose(["train=acco", "train.accumulate_cap=2"]).train.accumulate_cap == 2
-
