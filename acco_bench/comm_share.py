@@ -6,8 +6,8 @@ bytes of ddp's round over the link's rate plus what does not shrink with the rat
 and the latency): M(R) = M0 + b/R. :func:`calibrate` measures both, on the emulated hosts the run
 then uses, right before it (a shared machine's speed drifts):
 
-1. a short ddp run (:data:`PROBE_UPDATES` updates, the run's model, batch and threads) on unshaped
-   links: its compute C0, its comm M0 and the bytes each host sent per update (tx counters);
+1. a short ddp run (``BenchSettings.probe_updates`` updates, the run's model, batch and threads) on
+   unshaped links: its compute C0, its comm M0 and the bytes each host sent per update (tx counters);
 2. a first rate from those, R1 = 8 bytes / (S/(1-S) C0 - M0) (:func:`rate_for_share`);
 3. a short ddp run at R1: C1 and M1 measured, b = (M1 - M0) R1 (:func:`fitted_bits`: the ring's
    bytes as the link carries them, headers and all), and the rate R = b / (S/(1-S) C - M0), C the
@@ -29,8 +29,6 @@ from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.network import parse_rate
-
-PROBE_UPDATES = 10  # per calibration run; the first is left out of the medians
 
 
 def check_share(share: float) -> None:
@@ -120,7 +118,7 @@ def _probe_settings(settings, bandwidth: str | None):
     if not any(o.split("=", 1)[0].lstrip("+~") == "train.max_eval_batches" for o in extra):
         extra += ("train.max_eval_batches=1",)  # only the final evaluation, and a short one
     return replace(settings, methods=("ddp",), bandwidth=bandwidth, comm_share=None, eval_step=None,
-                   nb_steps_tot=PROBE_UPDATES * settings.grad_accum * settings.hosts, extra=extra, repeats=1)
+                   nb_steps_tot=settings.probe_updates * settings.grad_accum * settings.hosts, extra=extra, repeats=1)
 
 
 def probe(settings, net, bandwidth: str | None, out: Path, log=print) -> dict:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo")
     parser.add_argument(
-        "--nb-steps-tot", type=int, default=360, help="ddp's budget, micro-batches over both workers"
+        "--nb-steps-tot", type=int, default=240, help="ddp's budget, micro-batches over both workers"
     )
     parser.add_argument("--comm-share", type=float, default=None, metavar="S",
                         help=f"ddp's comm over its step, to set the rate by (default {DEMO_COMM_SHARE})")
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         accumulate_while_waiting=False,
         grad_accum=6,
         eval_step=2,
+        probe_updates=5,  # two probes of 5 updates: the calibration in a quarter of the demo's ~2 minutes
         extra=tuple(args.extra),
     )
     if loopback:

@@ -75,6 +75,7 @@ class BenchSettings:
     bandwidth: str | None = "100mbit"  # None: unshaped
     # ddp's comm over its step to calibrate the rate to (acco_bench/comm_share.py); None: --bandwidth
     comm_share: float | None = None
+    probe_updates: int = 10  # per calibration run (comm_share.py); the first is left out of the medians
     latency: str | None = "1ms"  # one-way, per link (netem, or tbf + the delay line)
     methods: tuple[str, ...] = ALL_METHODS
     model: str = "tiny"
@@ -128,6 +129,8 @@ class BenchSettings:
                 raise BenchError(f"--slow-worker rank {rank} is not one of the {self.hosts} hosts")
             if factor < 1:
                 raise BenchError(f"--slow-worker factor must be >= 1, got {factor}")
+        if self.probe_updates < 3:
+            raise BenchError(f"probe_updates must be >= 3 (the first is left out), got {self.probe_updates}")
         if self.comm_share is not None:
             if not 0 < self.comm_share < 1:
                 raise BenchError(f"--comm-share must be between 0 and 1 (ddp's comm over its step), "

@@ -88,6 +88,16 @@ def test_calibration_on_a_simulated_link(monkeypatch, tmp_path):
     assert None not in net2.rates
 
 
+def test_a_probe_runs_ddp_alone_for_the_probe_updates():
+    from acco_bench.settings import BenchSettings
+
+    s = comm_share._probe_settings(BenchSettings(probe_updates=5, grad_accum=6, hosts=2, eval_step=2), "9mbit")
+    assert s.methods == ("ddp",) and s.bandwidth == "9mbit" and s.comm_share is None and s.eval_step is None
+    assert s.nb_steps_tot == 5 * 6 * 2 and "train.max_eval_batches=1" in s.extra
+    with pytest.raises(BenchError, match="probe_updates must be >= 3"):
+        BenchSettings(probe_updates=2).validate()
+
+
 def test_the_share_line_names_the_share_first():
     asked = comm_share.share_fields(0.4, 0.41, "80000kbit")
     assert asked["rate_mbit_s"] == 80.0
