@@ -91,7 +91,8 @@ def test_calibration_on_a_simulated_link(monkeypatch, tmp_path):
 def test_a_probe_runs_ddp_alone_for_the_probe_updates():
     from acco_bench.settings import BenchSettings
 
-    s = comm_share._probe_settings(BenchSettings(probe_updates=5, grad_accum=6, hosts=2, eval_step=2), "9mbit")
+    asked = BenchSettings(probe_updates=5, grad_accum=6, hosts=2, eval_step=2)
+    s = comm_share._probe_settings(asked, "9mbit")
     assert s.methods == ("ddp",) and s.bandwidth == "9mbit" and s.comm_share is None and s.eval_step is None
     assert s.nb_steps_tot == 5 * 6 * 2 and "train.max_eval_batches=1" in s.extra
     with pytest.raises(BenchError, match="probe_updates must be >= 3"):
