@@ -16,6 +16,9 @@ ALL_METHODS = ("ddp", "torch-ddp", "dpu", "wp", "acco", "diloco", "streaming-dil
 VARIANTS = {
     "acco-paper": ("acco", ("train.acco_estimate=paper",)),
     "acco-lean": ("acco", ("train.acco_estimate=lean",)),
+    # One micro-batch per worker while the estimate round runs, the rest during the update round
+    # (the split alone, both rounds exact: the loss sweep separates it from the int8 round)
+    "acco-e1": ("acco", ("train.estimate_micro_batches=1",)),
     # The cheap estimate round (estimate_comm int8), with the even split and with one micro-batch
     # per worker while the estimate round runs (the rest during the update round) ...
     "acco-int8": ("acco", ("train.estimate_comm=int8",)),
