@@ -7,12 +7,15 @@ import dataclasses
 import inspect
 
 import pytest
+import yaml
 
+from acco.config import compose
 from acco.engine.config import EngineConfig, EngineSettings
+from acco.job import job_of
 from acco_bench import reference, reference_lm
 from acco_bench.cli import _settings, build_parser
 from acco_bench.lr_sweep import estimate_of
-from acco_bench.settings import BenchSettings
+from acco_bench.settings import KNOWN_METHODS, VARIANTS, BenchSettings, base_method
 
 LIBRARY = EngineSettings()
 
@@ -64,3 +67,13 @@ def test_the_flags_default_to_the_bench_settings(command):
     got = dataclasses.asdict(_settings(args, **kw))
     want = dataclasses.asdict(BenchSettings())
     assert {k: got[k] for k in want if k not in own} == {k: want[k] for k in want if k not in own}
+
+
+@pytest.mark.parametrize("method", KNOWN_METHODS)
+def test_every_method_and_variant_makes_a_valid_job(method, tmp_path):
+    """What acco-bench passes a worker composes and validates, and each variant's overrides land."""
+    job = job_of(compose(BenchSettings().overrides(method, tmp_path, rank=0)), world_size=2)
+    assert job.args.method_name == base_method(method)
+    for override in VARIANTS.get(method, (None, ()))[1]:
+        key, value = override.split("=", 1)
+        assert getattr(job.args, key.removeprefix("train.")) == yaml.safe_load(value), override
