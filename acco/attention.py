@@ -88,8 +88,9 @@ def use_sdpa(model: nn.Module) -> int:
 
     The model's config then says "sdpa" (never saved: transformers does not serialise it), so that
     transformers builds SDPA's masks rather than eager's: None for a batch without padding (no
-    attention_mask, or an all-ones one: read once per forward, a host sync on a GPU; no mask at
-    all costs none, see `skip_packing_check`), a boolean 4-D mask otherwise.
+    attention_mask, or an all-ones one: read once per forward, a host sync on a GPU, which is why
+    the trainer drops an all-ones mask on the host, acco/data/on_device.py; no mask at all costs
+    none, see `skip_packing_check`), a boolean 4-D mask otherwise.
     Eager's mask is a float T x T tensor even for an unpadded batch, which would hide that case."""
     swapped = 0
     for module in model.modules():

@@ -28,7 +28,7 @@ from acco.checkpoint_writer import CheckpointWriter
 from acco.config import TrainArgs
 from acco.data.errors import DataError
 from acco.data.loader import Rows, eval_batches, split_train_eval
-from acco.data.on_device import OnDevice, Rewound
+from acco.data.on_device import OnDevice, Rewound, without_full_mask
 from acco.data.prepare import collate, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
@@ -343,7 +343,7 @@ class DecoupledTrainer:
             for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size, collate_fn)):
                 if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
                     break
-                batch = {k: v.to(self.device) for k, v in batch.items()}
+                batch = {k: v.to(self.device) for k, v in without_full_mask(batch).items()}
                 loss_sum, tokens = causal_lm_loss(self.model, batch)
                 totals[0] += loss_sum
                 totals[1] += tokens

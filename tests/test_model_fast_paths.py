@@ -1,7 +1,8 @@
 """The model's fast paths that change nothing it computes (acco/models.py, acco/attention.py):
 gelu_new runs as the fused gelu_pytorch_tanh, equal within rounding, and saved models load as
 before; a training step on a batch without mask or position ids makes no host sync (on a GPU a
-read of a device tensor, `.item()` or `bool()`, waits for every kernel queued before it)."""
+read of a device tensor, `.item()` or `bool()`, waits for every kernel queued before it), and an
+all-ones mask is dropped on the host before the copy, so that such a batch is one of those."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.activations import GELUTanh, NewGELUActivation
 
+from acco.data.on_device import OnDevice
 from acco.loss import causal_lm_loss
 from acco.models import build_model
 
@@ -110,3 +112,24 @@ def test_a_training_step_makes_no_host_sync(arch):
     with HostSyncs() as seen:
         model(input_ids=ids, position_ids=torch.arange(16).expand(2, -1))
     assert seen.syncs
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "llama"])
+def test_an_all_ones_mask_is_dropped_on_the_host(arch):
+    torch.manual_seed(0)
+    model = build_model(TINY | {"arch": arch}, vocab_size=97)
+    ids = torch.randint(0, 97, (2, 16))
+    full = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    with HostSyncs() as seen:  # given to the model, transformers reads the mask to find no padding
+        masked_loss, _ = causal_lm_loss(model, full)
+    assert seen.syncs
+    moved = next(OnDevice(iter([full]), torch.device("cpu")))  # the trainer's way to the device
+    assert "attention_mask" not in moved
+    with HostSyncs() as seen:
+        loss, n = causal_lm_loss(model, moved)
+        (loss / n).backward()
+    assert seen.syncs == []
+    torch.testing.assert_close(loss, masked_loss)
+    padded = full | {"attention_mask": torch.ones_like(ids).index_fill_(1, torch.tensor([15]), 0)}
+    kept = next(OnDevice(iter([padded]), torch.device("cpu")))  # any padding keeps the mask
+    assert torch.equal(kept["attention_mask"], padded["attention_mask"])

@@ -13,6 +13,16 @@ from acco.engine.device import device_ops
 _NONE = object()
 
 
+def without_full_mask(batch: dict) -> dict:
+    """`batch` without its attention_mask when that mask, still on the host, is all ones: the model
+    then takes its mask-free path (SDPA's ``is_causal``), and transformers does not read the mask on
+    the device to find out the same (a host sync per forward on a GPU). Any padding keeps the mask."""
+    mask = batch.get("attention_mask")
+    if mask is None or mask.device.type != "cpu" or not bool(mask.all()):
+        return batch
+    return {k: v for k, v in batch.items() if k != "attention_mask"}
+
+
 class OnDevice:
     """Moves each micro-batch to the device (and, for benchmarks, slows this worker down).
 
@@ -40,6 +50,7 @@ class OnDevice:
         return self
 
     def _move(self, batch: dict) -> dict:
+        batch = without_full_mask(batch)
         # Each distinct tensor is sent once (packed blocks: the labels are the input_ids); on CUDA
         # from pinned memory, so that the copy runs asynchronously to the host.
         moved: dict[int, torch.Tensor] = {}
