@@ -88,11 +88,14 @@ def test_every_method_trains_the_same_compiled():
 NEO = dict(
     arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64, window_size=8
 )
+LLAMA = dict(NEO, arch="llama", num_kv_heads=2, intermediate_size=64)
+del LLAMA["window_size"]
+REPEATED_BLOCKS = {"gpt_neo": lambda m: list(m.transformer.h), "llama": lambda m: list(m.model.layers)}
 
 
-def _neo_run(compile_setting, tmp_path=None):
+def _run(compile_setting, tmp_path=None, arch=NEO):
     torch.manual_seed(0)
-    model = build_model(NEO, vocab_size=97)
+    model = build_model(arch, vocab_size=97)
     keys = list(model.state_dict())
     cfg = EngineConfig(
         method="ddp",
@@ -114,11 +117,16 @@ def _neo_run(compile_setting, tmp_path=None):
     return model, records, evaluation
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_gpt_neo_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend):
-    """aot_eager in make test; inductor (C++ code generated for the CPU) in the slow tier."""
+@pytest.mark.parametrize(
+    "backend, arch",
+    [("aot_eager", NEO), ("aot_eager", LLAMA), pytest.param("inductor", NEO, marks=pytest.mark.slow)],
+    ids=["aot_eager-gpt_neo", "aot_eager-llama", "inductor-gpt_neo"],
+)
+def test_the_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend, arch):
+    """GPT-Neo's and Llama's repeated blocks; aot_eager in make test, inductor (C++ code generated
+    for the CPU) in the slow tier."""
     monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 20)
-    eager, eager_rec, eager_eval = _neo_run(False)
+    eager, eager_rec, eager_eval = _run(False, arch=arch)
     assert eager.acco_compile is None
     calls, real = [], acco.loss._compiled_pass
 
@@ -133,10 +141,10 @@ def test_gpt_neo_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, bac
         return counted
 
     monkeypatch.setattr(acco.loss, "_compiled_pass", spy)
-    model, records, evaluation = _neo_run(backend)
+    model, records, evaluation = _run(backend, arch=arch)
     assert model.acco_compile == {"backend": backend}
     compiled = blocks(model)
-    assert compiled == list(model.transformer.h)
+    assert compiled == REPEATED_BLOCKS[arch["arch"]](model)
     assert all(block._compiled_call_impl is not None for block in compiled)
     assert calls.count(True) == 6 * 2 and calls.count(False) == 2  # the per-chunk pass ran compiled
     torch.testing.assert_close([r.loss for r in records], [r.loss for r in eager_rec], rtol=1e-6, atol=0)
@@ -148,7 +156,7 @@ def test_gpt_neo_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, bac
     )
     torch.testing.assert_close(evaluation, eager_eval, rtol=1e-6, atol=0)
     model.save_pretrained(tmp_path)
-    reloaded = build_model(NEO | {"pretrained": str(tmp_path)}, vocab_size=97)
+    reloaded = build_model(arch | {"pretrained": str(tmp_path)}, vocab_size=97)
     assert reloaded.state_dict().keys() == model.state_dict().keys()
 
 

@@ -88,3 +88,18 @@ def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path):
         and "no_such_backend" in result["failed"]["plain-bf16-compiled"]
     )
     assert "FAILED plain-bf16-compiled" in (out / "gpu.md").read_text()
+
+
+def test_a_llama_runs_through_acco_bench_gpu_compiled_and_eager(tmp_path):
+    """The Llama path the first GPU run measures (`--model llama3`), here at llama-tiny's size: its
+    blocks and the fused loss compiled (aot_eager) give the eager engine's loss, and the plain loop
+    runs the same model compiled."""
+    out = tmp_path / "gpu"
+    variants = ["engine-acco-compiled", "engine-acco", "plain-bf16-compiled"]
+    argv = [*TINY_ON_CPU, "--variants", ",".join(variants), "--micro", "off", "--out", str(out)]
+    argv[argv.index("tiny")] = "llama-tiny"
+    assert main([*argv, "--compile-backend", "aot_eager"]) == 0
+    result = json.loads((out / "gpu.json").read_text())
+    v = result["variants"]
+    assert list(v) == variants and all(r["tokens_per_s"] > 0 for r in v.values())
+    assert v["engine-acco-compiled"]["final_loss"] == pytest.approx(v["engine-acco"]["final_loss"], rel=1e-3)
