@@ -287,6 +287,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     ):
         if a in v and b in v:
             result[f"ratio_{a}_over_{b}"] = v[a]["tokens_per_s"] / v[b]["tokens_per_s"]
+    result["memory_accounting"] = memory_accounting(v)
     for a in list(v):  # what checkpointing saves: peak memory with it over without
         if a + "-gc" in v and v[a].get("peak_gpu_mem_mb"):
             result[f"ratio_{a}-gc_over_{a}_peak_gpu_mem"] = (
@@ -311,6 +312,21 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     return 1 if (sc is not None and not sc["passed"]) or result.get("failed") else 0
 
 
+def memory_accounting(variants: dict) -> dict:
+    """The engine's peak memory over the plain loop's, against the state it holds beyond the plain
+    loop's (docs/algorithm.md's bytes per parameter: acco 6 + 28/W in bf16, the plain loop 8): the
+    two should agree within 10%; activations, the batches and the loss are the same in both."""
+    out = {}
+    for a, b in (("engine-acco", "plain-bf16"), ("engine-acco-compiled", "plain-bf16-compiled")):
+        peaks = [variants.get(x, {}).get("peak_gpu_mem_mb") for x in (a, b)]
+        if all(peaks):
+            peak = peaks[0] - peaks[1]
+            state = variants[a]["state_mb"] - variants[b]["state_mb"]
+            out[f"{a}_over_{b}"] = {"peak_difference_mb": peak, "state_difference_mb": state,
+                                    "ratio": peak / state if state else None}
+    return out
+
+
 def gpu_markdown(r: dict) -> str:
     from acco_bench.report import fmt, md_table
 
@@ -324,8 +340,12 @@ def gpu_markdown(r: dict) -> str:
         "",
     ]
     rows = [[k, fmt(v["tokens_per_s"], 0), fmt(100 * v["mfu"], 1, "%") if v.get("mfu") is not None else "-",
-             fmt(v["step_time_s"]), fmt(v.get("peak_gpu_mem_mb"), 0)] for k, v in r["variants"].items()]
-    lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB"], rows))
+             fmt(v["step_time_s"]), fmt(v.get("peak_gpu_mem_mb"), 0), fmt(v.get("state_mb"), 0)]
+            for k, v in r["variants"].items()]
+    lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB", "state MB"], rows))
+    for pair, m in r.get("memory_accounting", {}).items():
+        lines.append(f"\npeak memory, {pair.replace('_', ' ')}: {m['peak_difference_mb']:.0f} MB more, "
+                     f"the state held {m['state_difference_mb']:.0f} MB more (x{m['ratio']:.2f})")
     lines += [f"\nFAILED {k}: {e}" for k, e in r.get("failed", {}).items()]
     for key, val in r.items():
         if key.startswith("ratio_"):

@@ -99,6 +99,7 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     computed = sum(r.micro_batches[0] for r in timed)
     compute_s = sum(r.compute_s for r in timed)
     checkpointed = _checkpointing(model)
+    state_bytes = sum(engine.state_bytes().values())
     del engine, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -114,6 +115,7 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
         "wait_s_per_update": statistics.median(r.wait_s for r in timed),
         "final_loss": records[-1].loss,
         "gradient_checkpointing": checkpointed,
+        "state_mb": state_bytes / 2**20,  # what the engine holds for training (docs/algorithm.md)
     }
 
 
@@ -159,6 +161,9 @@ def run_plain(
     tokens = args.steps * per_update * args.batch_size * args.max_length
     final = float(loss.detach()) * per_update if loss is not None else None
     checkpointed, fused = _checkpointing(model), bool(opt.defaults["fused"])
+    # parameters, their gradients (freed by zero_grad, held through each update) and AdamW's moments
+    held = sum(2 * p.numel() * p.element_size() + sum(t.numel() * t.element_size()
+               for t in opt.state[p].values() if t.dim() > 0) for p in model.parameters())
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -169,4 +174,5 @@ def run_plain(
         "final_loss": final,
         "gradient_checkpointing": checkpointed,
         "fused_adamw": fused,
+        "state_mb": held / 2**20,
     }
