@@ -124,9 +124,10 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
         help="emulate a slower device: that rank sleeps (FACTOR-1) x its compute time per micro-batch",
     )
     p.add_argument("--accumulate-while-waiting", action="store_true",
-                   help="overlapped methods keep computing until the round is done (the paper's setting; the "
-                        "batch per update then varies: compare samples/s). Default: fixed batch, "
-                        "so seconds per update compare the overlap alone")
+                   help="overlapped methods keep computing until the round is done, up to "
+                        "train.accumulate_cap (1.5) x their micro-batches (the paper's setting, capped; "
+                        "the batch per update then varies: compare samples/s). Default: fixed batch, so "
+                        "seconds per update compare the overlap alone")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 (slower than fp32 on most CPUs)")
     p.add_argument("--loopback", action="store_true",
                    help="no namespaces: local processes on 127.0.0.1, unshaped")
@@ -277,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="accumulate_while_waiting",
         action="store_false",
         help="overlapped methods compute exactly their micro-batches per round (default: they keep "
-        "accumulating while it runs, the paper's setting)",
+        "accumulating while it runs, up to train.accumulate_cap, the paper's setting capped)",
     )
     _add_link(p)
     p.add_argument("--eval-step", type=int, default=2, help="evaluate every that many updates (every method)")

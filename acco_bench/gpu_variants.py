@@ -76,7 +76,8 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     budget *= world  # nb_steps_tot counts every worker's micro-batches
     cfg = EngineConfig(method=method, n_grad_accumulation=k if method == "acco" else per_update,
                        nb_steps_tot=budget, use_mixed_precision=True,
-                       accumulate_while_waiting=accumulate, scheduler_name="constant", learning_rate=LR,
+                       accumulate_while_waiting=accumulate, accumulate_cap=None,  # the stream check counts
+                       scheduler_name="constant", learning_rate=LR,
                        compile=args.compile_backend if compiled else False)
     engine = build_engine(model, cfg)
     if delay is not None:

@@ -2,7 +2,8 @@
 
 On the emulated cluster of ``acco-bench cluster`` (:class:`~acco_bench.network.Network`, the same
 workers through :func:`~acco_bench.workers.run_workers`), in the paper's setting (acco, dpu and wp
-keep accumulating micro-batches while their round runs: ``accumulate_while_waiting``):
+keep accumulating micro-batches while their round runs: ``accumulate_while_waiting``, up to
+``accumulate_cap``; the ``-uncapped`` variants without it):
 
 1. ddp trains to its budget (``nb_steps_tot`` micro-batches over all workers); its final eval loss
    is the **target**;

@@ -26,8 +26,12 @@ VARIANTS = {
     # ... and with the split picked from the rounds' measured durations
     "acco-int8-auto": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto")),
     # ... and, while a round runs, each worker gathering at most c times the round's minimum
-    # (accumulate_cap; the paper's setting, --accumulate-while-waiting, lets the batch grow with the wait)
+    # (accumulate_cap, 1.5 by default under --accumulate-while-waiting); -uncapped: the paper's own
+    # setting, where the batch grows with the wait
     **{f"acco-cap{c}": ("acco", (f"train.accumulate_cap={c}",)) for c in ("1.25", "1.5", "2")},
+    **{f"{m}-uncapped": (m, ("train.accumulate_cap=null",)) for m in ("acco", "dpu", "wp")},
+    "acco-int8-auto-uncapped": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto",
+                                         "train.accumulate_cap=null")),
     **{f"acco-int8-auto-cap{c}": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto",
                                            f"train.accumulate_cap={c}")) for c in ("1.25", "1.5", "2")},
     # DiLoCo's sync period H (inner steps), for the sweep; streaming: 4 fragments, tau 1.

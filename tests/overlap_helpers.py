@@ -52,8 +52,12 @@ def overlap_run(rank, device, delay_ms: float, on_side_stream: bool, world: int 
         def sleep():
             time.sleep(delay_ms / 1000)
 
-    cfg = config(
-        method="acco", n_grad_accumulation=1, nb_steps_tot=OVERLAP_BUDGET, accumulate_while_waiting=True
+    cfg = config(  # uncapped: how many micro-batches a delayed round gathers is what is measured
+        method="acco",
+        n_grad_accumulation=1,
+        nb_steps_tot=OVERLAP_BUDGET,
+        accumulate_while_waiting=True,
+        accumulate_cap=None,
     )
     model = make_model("mlp").to(device)
     engine = build_engine(model, cfg)

@@ -25,7 +25,10 @@ def counted(n: int, log: list):
     for i in range(n):
         log.append(i)
         ids = torch.full((2, 3), i)
-        yield {"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 3)}
+        yield {"input_ids": ids, "labels": ids, "attention_mask": PADDED.clone()}
+
+
+PADDED = torch.tensor([[1, 1, 1], [1, 1, 0]])  # a padded row: the mask travels (all ones, it is dropped)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -40,7 +43,7 @@ def test_prefetch_reads_one_ahead_and_hands_out_every_micro_batch_in_order(devic
         for batch in stream:
             got.append(int(batch["input_ids"][0, 0]))
             assert batch["labels"] is batch["input_ids"]  # sent once
-            assert torch.equal(batch["attention_mask"], torch.ones(2, 3))
+            assert torch.equal(batch["attention_mask"], PADDED)
             # the next one was read while this one is handed out (none after the last)
             assert read == list(range(min(len(got) + 1, 4)))
             assert stream.ahead == (1 if len(got) < 4 else 0)

@@ -131,8 +131,10 @@ def test_unequal_counts_give_the_count_weighted_mean():
 
 
 def test_time_varying_counts_with_accumulate_while_waiting():
-    """With a slow comm round, workers keep accumulating; the update is the mean over all of them."""
-    cfg = config(method="dpu", n_grad_accumulation=1, nb_steps_tot=150, accumulate_while_waiting=True)
+    """With a slow comm round, workers keep accumulating (uncapped: the paper's); the update is the
+    mean over all of them."""
+    cfg = config(method="dpu", n_grad_accumulation=1, nb_steps_tot=150, accumulate_while_waiting=True,
+                 accumulate_cap=None)  # fmt: skip
     theta, records = run_distributed(run_engine, 2, "mlp", [cfg], 0.02)[0][0]
     counts = [r.micro_batches for r in records]
     assert counts[0] == [1, 1]  # the warm start computes exactly n_grad_accumulation

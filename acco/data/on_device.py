@@ -50,7 +50,6 @@ class OnDevice:
         return self
 
     def _move(self, batch: dict) -> dict:
-        batch = without_full_mask(batch)
         # Each distinct tensor is sent once (packed blocks: the labels are the input_ids); on CUDA
         # from pinned memory, so that the copy runs asynchronously to the host.
         moved: dict[int, torch.Tensor] = {}
@@ -63,6 +62,7 @@ class OnDevice:
         batch = next(self.stream, _NONE)
         if batch is _NONE:
             return None
+        batch = without_full_mask(batch)  # a host read, before anything is queued on the copy stream
         with self.ops.use_stream(self.copy_stream):
             moved = self._move(batch)
             done = self.ops.event()
@@ -74,7 +74,7 @@ class OnDevice:
             # Emulate a slower accelerator: stretch the micro-batch that just finished.
             time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
         if not self.prefetch:
-            batch = self._move(next(self.stream))
+            batch = self._move(without_full_mask(next(self.stream)))
             self._last = time.perf_counter()
             return batch
         current = self._fetch() if self._next is _NONE else self._next
