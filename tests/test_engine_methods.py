@@ -173,3 +173,7 @@ def test_accumulate_cap_is_checked_where_it_is_set():
     line = str(info.value)
     assert "\n" not in line and line.startswith("train.accumulate_cap must be"), line
     assert compose(["train=acco", "train.accumulate_cap=2"]).train.accumulate_cap == 2
+    # 1.5 by default (BENCHMARKS.md, "Comm share 0.6, the paper's setting, and the accumulate cap"),
+    # null for the paper's uncapped setting
+    assert EngineConfig().accumulate_cap == 1.5 and compose(["train=dpu"]).train.accumulate_cap == 1.5
+    assert compose(["train=acco", "train.accumulate_cap=null"]).train.accumulate_cap is None
