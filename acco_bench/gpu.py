@@ -345,7 +345,7 @@ def gpu_markdown(r: dict) -> str:
     lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB", "state MB"], rows))
     for pair, m in r.get("memory_accounting", {}).items():
         lines.append(f"\npeak memory, {pair.replace('_', ' ')}: {m['peak_difference_mb']:.0f} MB more, "
-                     f"the state held {m['state_difference_mb']:.0f} MB more (x{m['ratio']:.2f})")
+                     f"the state held {m['state_difference_mb']:.0f} MB more (x{fmt(m['ratio'])})")
     lines += [f"\nFAILED {k}: {e}" for k, e in r.get("failed", {}).items()]
     for key, val in r.items():
         if key.startswith("ratio_"):
