@@ -125,6 +125,8 @@ def test_an_all_ones_mask_is_dropped_on_the_host(arch):
     assert seen.syncs
     moved = next(OnDevice(iter([full]), torch.device("cpu")))  # the trainer's way to the device
     assert "attention_mask" not in moved
+    prefetched = OnDevice(iter([full]), torch.device("cpu"), prefetch=True)  # a GPU's way, on the CPU
+    assert "attention_mask" not in next(prefetched)
     with HostSyncs() as seen:
         loss, n = causal_lm_loss(model, moved)
         (loss / n).backward()
