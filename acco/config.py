@@ -124,7 +124,7 @@ class TrainArgs(EngineSettings, _Method):
     output_dir: str = "outputs/run"
     seed: int = 0
     log_step: int = 10  # optimizer updates between log lines
-    slowdown: float = 1.0  # benchmarks: this worker sleeps (slowdown - 1) x its compute time
+    slowdown: float = 1.0  # benchmarks, CPU only: this worker sleeps (slowdown - 1) x its compute (CPU) time
     cache_dir: str | None = DEFAULT_CACHE_DIR  # tokenized corpora and trained tokenizers (acco-prepare)
     timeout_s: float = 30.0  # collectives give up after this long: a dead or stalled worker
     # The seed's keys that have no effect here (SEED_ONLY_KEYS); null when not given.

@@ -120,3 +120,34 @@ def test_bench_gpu_nproc_2_runs_its_processes_and_skips_without_the_gpus(tmp_pat
     result = json.loads((tmp_path / "cpu" / "gpu.json").read_text())
     assert result["nproc"] == 2 and list(result["variants"]) == ["engine-acco"]  # plain loops are 1-process
     assert result["variants"]["engine-acco"]["updates_timed"] >= 2
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_slow_worker_stretches_its_compute_not_its_waits(monkeypatch, prefetch):
+    """`train.slowdown` (acco-bench --slow-worker) sleeps (slowdown - 1) x what this worker computed
+    since it took the last micro-batch: a wait in between (ddp's round, acco at its cap) is not
+    stretched. It was once the wall time, which stretched ddp's comm by the slowdown and aimed
+    --comm-share wrong (0.31 measured for 0.40 asked)."""
+    import threading
+    import time
+
+    from acco.data import on_device
+
+    slept: list[float] = []
+    monkeypatch.setattr(on_device.time, "sleep", slept.append)
+    stream = OnDevice(counted(3, []), torch.device("cpu"), slowdown=3.0, prefetch=prefetch)
+    next(stream)
+    assert slept == []  # nothing computed before the first micro-batch
+    start = time.thread_time()
+    while time.thread_time() - start < 0.05:  # 0.05 s of this thread's CPU: the micro-batch's compute
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    threading.Event().wait(0.3)  # then a wait on a round: no CPU
+    next(stream)
+    assert len(slept) == 1 and 2 * 0.05 <= slept[0] < 2 * 0.15, slept  # (3 - 1) x the compute alone
+
+
+def test_the_slowdown_is_refused_off_the_cpu():
+    from acco.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.slowdown emulates a slower worker on the CPU only"):
+        OnDevice(iter([]), torch.device("cuda"), slowdown=2.0)

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from acco.engine.config import ConfigError
 from acco.engine.device import device_ops
 
 _NONE = object()
@@ -35,6 +36,10 @@ class OnDevice:
     """
 
     def __init__(self, stream, device: torch.device, slowdown: float = 1.0, prefetch: bool | None = None):
+        if slowdown > 1 and device.type != "cpu":
+            # The stretch is this thread's CPU time: on an accelerator that is launch overhead, not compute.
+            raise ConfigError(f"train.slowdown emulates a slower worker on the CPU only; this worker runs on "
+                              f"{device.type}: leave train.slowdown at 1 there (use a slower device instead)")
         self.stream, self.device, self.slowdown = stream, device, slowdown
         self._last = None
         self.ops = device_ops(device)
@@ -71,18 +76,20 @@ class OnDevice:
 
     def __next__(self):
         if self.slowdown > 1 and self._last is not None:
-            # Emulate a slower accelerator: stretch the micro-batch that just finished.
-            time.sleep((self.slowdown - 1) * (time.perf_counter() - self._last))
+            # Emulate a slower worker: stretch what this thread computed since it took the last
+            # micro-batch. Its CPU time, not the wall time: a wait on a round in between (ddp's
+            # all-reduce, acco at its cap) is not compute and must not be stretched.
+            time.sleep((self.slowdown - 1) * (time.thread_time() - self._last))
         if not self.prefetch:
             batch = self._move(without_full_mask(next(self.stream)))
-            self._last = time.perf_counter()
+            self._last = time.thread_time()
             return batch
         current = self._fetch() if self._next is _NONE else self._next
         if current is None:
             self._next = None
             raise StopIteration
         self._next = self._fetch()  # its copy overlaps the compute of `current`
-        self._last = time.perf_counter()
+        self._last = time.thread_time()
         batch, done = current
         compute = self.ops.current_stream()
         compute.wait_event(done)
