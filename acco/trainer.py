@@ -187,12 +187,13 @@ class DecoupledTrainer:
                     raise FloatingPointError(
                         f"training loss is {record.loss} at update {record.step}; stopping"
                     )
-                if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
-                    stopped = self._evaluate_and_log(log, record)
-                # Every worker's record of the same update says stop: all checkpoint it and leave.
-                on_signal = record.stop and record.samples < args.nb_steps_tot
-                if (args.save_step and record.step % args.save_step == 0) or on_signal:
-                    self._checkpoint(record, position)
+                with stream.not_compute():  # a slowdown stretches micro-batches, not these
+                    if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
+                        stopped = self._evaluate_and_log(log, record)
+                    # Every worker's record of the same update says stop: all checkpoint it and leave.
+                    on_signal = record.stop and record.samples < args.nb_steps_tot
+                    if (args.save_step and record.step % args.save_step == 0) or on_signal:
+                        self._checkpoint(record, position)
                 if stopped or on_signal:
                     break
             # Every rank, also after a stop: nothing in flight and the model at the committed

@@ -125,9 +125,11 @@ def test_bench_gpu_nproc_2_runs_its_processes_and_skips_without_the_gpus(tmp_pat
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_a_slow_worker_stretches_its_compute_not_its_waits(monkeypatch, prefetch):
     """`train.slowdown` (acco-bench --slow-worker) sleeps (slowdown - 1) x what this worker computed
-    since it took the last micro-batch: a wait in between (ddp's round, acco at its cap) is not
-    stretched. It was once the wall time, which stretched ddp's comm by the slowdown and aimed
-    --comm-share wrong (0.31 measured for 0.40 asked)."""
+    since it took the last micro-batch: a wait in between (ddp's round, acco at its cap) and what the
+    trainer does apart (evaluations, checkpoints) are not stretched. It was once the wall time, which
+    stretched ddp's comm by the slowdown and aimed --comm-share wrong (0.31 measured for 0.40 asked);
+    then the evaluations' CPU time (0.34 for 0.40: ddp's compute 1.75 s in the probes, which do not
+    evaluate, 2.29 s in the race)."""
     import threading
     import time
 
@@ -138,10 +140,16 @@ def test_a_slow_worker_stretches_its_compute_not_its_waits(monkeypatch, prefetch
     stream = OnDevice(counted(3, []), torch.device("cpu"), slowdown=3.0, prefetch=prefetch)
     next(stream)
     assert slept == []  # nothing computed before the first micro-batch
-    start = time.thread_time()
-    while time.thread_time() - start < 0.05:  # 0.05 s of this thread's CPU: the micro-batch's compute
-        torch.ones(64, 64) @ torch.ones(64, 64)
+
+    def compute(seconds: float) -> None:  # this thread's CPU for that long
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            torch.ones(64, 64) @ torch.ones(64, 64)
+
+    compute(0.05)  # the micro-batch's compute
     threading.Event().wait(0.3)  # then a wait on a round: no CPU
+    with stream.not_compute():
+        compute(0.3)  # then an evaluation: timed apart from training, so not stretched either
     next(stream)
     assert len(slept) == 1 and 2 * 0.05 <= slept[0] < 2 * 0.15, slept  # (3 - 1) x the compute alone
 

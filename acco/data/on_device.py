@@ -4,6 +4,7 @@ the data position a checkpoint saves, moved back by what was read but not yet co
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -73,6 +74,17 @@ class OnDevice:
             done = self.ops.event()
             done.record(self.copy_stream)
         return moved, done
+
+    @contextlib.contextmanager
+    def not_compute(self):
+        """What runs in here between two micro-batches (an evaluation, a checkpoint) is left out of
+        the compute that `slowdown` stretches: the race times training without the evaluations."""
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            if self._last is not None:
+                self._last += time.thread_time() - start
 
     def __next__(self):
         if self.slowdown > 1 and self._last is not None:
