@@ -80,8 +80,8 @@ class EngineSettings:
     (n_grad_accumulation, or acco's split; rounded down, never below the minimum) while the round
     runs, then waits for it; null: no cap (the paper's). Where comm is long beside compute, or a
     worker is slower than the others, the uncapped batch grows with the wait and each update buys
-    less loss per sample: uncapped, acco, dpu and wp did not reach ddp's loss in twice its samples
-    with one worker 2x slower, capped at 1.5 acco did in 0.65x ddp's time (docs/methods.md)."""
+    less loss per sample: with one worker 2x slower, uncapped acco, dpu and wp did not reach ddp's
+    loss in twice its samples; capped at 1.5 acco did in 0.91x ddp's time (docs/methods.md)."""
     n_warmup_steps: int = 0
     """That many first updates (updates, not micro-batches) of an overlapped method (acco, dpu, wp)
     run as sequential ddp."""
