@@ -121,7 +121,7 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
         type=_slow,
         default=d.slow_worker,
         metavar="RANK:FACTOR",
-        help="emulate a slower CPU worker: that rank sleeps (FACTOR-1) x its compute's CPU time per micro-batch",
+        help="emulate a slower CPU worker: that rank sleeps (FACTOR-1) x each micro-batch's CPU time",
     )
     p.add_argument("--accumulate-while-waiting", action="store_true",
                    help="overlapped methods keep computing until the round is done, up to "
