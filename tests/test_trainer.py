@@ -173,6 +173,40 @@ def test_single_process_trainer_with_omegaconf_args_and_processing_class(tmp_pat
     assert summary["final_eval_loss"] < before
 
 
+def test_a_slow_worker_is_not_stretched_by_the_trainers_evaluations(tmp_path, monkeypatch):
+    """The trainer evaluates and checkpoints inside `OnDevice.not_compute()`: with train.slowdown,
+    an evaluation's CPU must not be stretched into the next micro-batch (it was once: the race saw
+    the slow worker's compute alternate 1.76 / 2.36 s, and --comm-share 0.40 measured 0.34)."""
+    import time
+    import types
+
+    from acco.data import on_device
+
+    slept: list[float] = []
+    clock = types.SimpleNamespace(thread_time=time.thread_time, sleep=slept.append)
+    monkeypatch.setattr(on_device, "time", clock)  # this module's sleeps only, recorded
+    evaluate = DecoupledTrainer._evaluate_and_log
+
+    def slow_evaluation(self, log, record):  # 0.4 s of this thread's CPU, as a bigger eval set would
+        start = time.thread_time()
+        while time.thread_time() - start < 0.4:
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        return evaluate(self, log, record)
+
+    monkeypatch.setattr(DecoupledTrainer, "_evaluate_and_log", slow_evaluation)
+    docs = synthetic_corpus(120)
+    tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=320)
+    args = dict(method_name="ddp", batch_size=2, learning_rate=1e-3, nb_steps_tot=6, max_length=16,
+                eval_step=1, slowdown=2.0, output_dir=str(tmp_path / "run"), save=False)  # fmt: skip
+    trainer = DecoupledTrainer(
+        model=build_model(SMALL, vocab_size=len(tokenizer), max_length=16),
+        processing_class=tokenizer, train_dataset=docs, eval_dataset=docs[:8], args=args,
+    )  # fmt: skip
+    assert trainer.train()["updates"] == 6
+    # (2 - 1) x one micro-batch of a 1-layer model: milliseconds; with the evaluation, over 0.4 s.
+    assert len(slept) >= 3 and max(slept) < 0.2, slept
+
+
 def test_unknown_train_key_is_rejected():
     from acco.engine import ConfigError
     from acco.trainer import TrainArgs
