@@ -81,7 +81,8 @@ class EngineSettings:
     runs, then waits for it; null: no cap (the paper's). Where comm is long beside compute, or a
     worker is slower than the others, the uncapped batch grows with the wait and each update buys
     less loss per sample: with one worker 2x slower, uncapped acco, dpu and wp did not reach ddp's
-    loss in twice its samples; capped at 1.5 acco did in 0.91x ddp's time (docs/methods.md)."""
+    loss in twice its samples; capped at 1.5 acco tied ddp (0.91-1.11x its time, 3 seeds) and its
+    int8 configuration won (0.62-0.68x) (docs/methods.md)."""
     n_warmup_steps: int = 0
     """That many first updates (updates, not micro-batches) of an overlapped method (acco, dpu, wp)
     run as sequential ddp."""
