@@ -131,14 +131,13 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
     p.add_argument("--mixed-precision", action="store_true", help="bf16 (slower than fp32 on most CPUs)")
     p.add_argument("--loopback", action="store_true",
                    help="no namespaces: local processes on 127.0.0.1, unshaped")
-    p.add_argument(
-        "--timeout", type=float, default=d.timeout_s, help="seconds per method before its workers are killed"
-    )
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per method before a kill")
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="run every method that many times (interleaved) and report the median run")
     p.add_argument("--retry-disturbed", type=int, default=d.retry_disturbed,
                    help="run a method again, at most that many times, when other processes used more than "
-                        "0.15 CPU cores during its run (a shared machine)")
+                        "0.15 CPU cores during its run (a shared machine); race: also when its compute per "
+                        "micro-batch is 1.25x off the runs before it (the machine's speed moved)")
     p.add_argument("--sched", choices=("normal", "batch"), default=d.sched,
                    help="scheduling policy of the workers: batch (SCHED_BATCH) stops gloo's I/O thread from "
                         "preempting the compute thread at every packet on a machine without spare cores")
@@ -272,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     from acco_bench.race import RACE_BUDGET, RACE_METHODS
 
     _add_common(p, "outputs/bench/race", RACE_BUDGET, methods=RACE_METHODS)
-    p.set_defaults(accumulate_while_waiting=True, retry_disturbed=0)  # every method once: nothing to retry
+    p.set_defaults(accumulate_while_waiting=True, retry_disturbed=1)  # a run on a drifted machine: once more
     p.add_argument(
         "--fixed-batch",
         dest="accumulate_while_waiting",
@@ -405,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "race":
             from acco_bench.race import run_race
 
-            if args.repeats != 1 or args.retry_disturbed:
-                raise BenchError("race runs every method once: --repeats and --retry-disturbed do not apply "
-                                 "(each method's CPU load is recorded in bench.json)")
+            if args.repeats != 1:
+                raise BenchError("race runs every method once: --repeats does not apply (a disturbed run is "
+                                 "run again: --retry-disturbed)")
             if args.eval_step < 1 or args.eval_batches < 1:
                 raise BenchError("--eval-step and --eval-batches must be >= 1")
             s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, eval_step=args.eval_step,

@@ -13,7 +13,10 @@ then uses, right before it (a shared machine's speed drifts):
    bytes as the link carries them, headers and all), and the rate R = b / (S/(1-S) C - M0), C the
    mean of C0 and C1: this machine's compute measured twice in the minute before the run (on a
    shared machine one short run's compute is off by up to a third: measured 2.39 s, then 3.10 s,
-   then 2.45 s in the run itself, while the comm came within 1% of M0 + b/R).
+   then 2.45 s in the run itself, while the comm came within 1% of M0 + b/R);
+4. where C0 and C1 differ by more than :data:`PROBE_SPREAD` (measured: 18-61% on a VM whose speed
+   moved, against 0-10% on a steady one), a third run at R measures C2, and C is the median of the
+   three: one probe on a slow or fast spell no longer sets the rate alone.
 
 The run reports the share it measured, ddp's M / (C + M) with the medians of
 :func:`acco_bench.analysis.method_metrics` (slowest worker's compute, smallest comm), beside the
@@ -29,6 +32,8 @@ from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.network import parse_rate
+
+PROBE_SPREAD = 0.15  # the probes' compute this far apart (relative): a third probe, and their median
 
 
 def check_share(share: float) -> None:
@@ -122,14 +127,16 @@ def _probe_settings(settings, bandwidth: str | None):
                    repeats=1)
 
 
-def probe(settings, net, bandwidth: str | None, out: Path, log=print) -> dict:
-    """A short ddp run on ``net`` with its links at ``bandwidth`` (None: unshaped): C, M, bytes."""
+def probe(settings, net, bandwidth: str | None, out: Path, log=print, name: str | None = None) -> dict:
+    """A short ddp run on ``net`` with its links at ``bandwidth`` (None: unshaped): C, M, bytes.
+    ``name``: its folder under ``out`` (default: the rate, or ``unshaped``)."""
     from acco_bench.analysis import method_metrics
+    from acco_bench.drift import compute_per_micro_batch
     from acco_bench.workers import LoadMeter, run_workers
 
     net.set_bandwidth(bandwidth)
     s = _probe_settings(settings, bandwidth)
-    run_dir = out / ("unshaped" if bandwidth is None else bandwidth)
+    run_dir = out / (name or ("unshaped" if bandwidth is None else bandwidth))
     if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
         shutil.rmtree(run_dir)
     load = LoadMeter()
@@ -141,6 +148,7 @@ def probe(settings, net, bandwidth: str | None, out: Path, log=print) -> dict:
     res = {"bandwidth": bandwidth, "compute_s": m["compute_s_per_update"], "comm_s": m["comm_s_per_update"],
            "share": share_of(m["compute_s_per_update"], m["comm_s_per_update"]), "updates": m["updates"],
            "bytes_per_update": sent / m["updates"], "other_cpu_cores": load.result().get("other_cpu_cores"),
+           "compute_s_per_micro_batch": compute_per_micro_batch(run_dir),
            "run_dir": str(run_dir)}
     log(f"[acco-bench] calibration: ddp at {rate_label(bandwidth)}: compute {res['compute_s']:.3f} s, comm "
         f"{res['comm_s']:.3f} s per update (share {res['share']:.2f}), {res['bytes_per_update'] / 2**20:.2f} "
@@ -162,8 +170,20 @@ def calibrate(settings, net, share: float, out: Path, log=print, unshaped: dict 
     bits = fitted_bits(m0, parse_rate(first), shaped["comm_s"], bits0)
     compute = (c0 + shaped["compute_s"]) / 2
     rate = tc_rate(rate_for_share(compute, share, bits, m0))
+    probes = [shaped]
+    if probes_disagree(c0, shaped["compute_s"]):
+        log(f"[acco-bench] calibration: ddp's compute moved from {c0:.3f} s to {shaped['compute_s']:.3f} s "
+            "per update between the probes (the machine's speed): a third probe decides")
+        probes.append(probe(settings, net, rate, out, log, name="third"))
+        compute = statistics.median([c0, shaped["compute_s"], probes[-1]["compute_s"]])
+        rate = tc_rate(rate_for_share(compute, share, bits, m0))
     net.set_bandwidth(rate)
     log(f"[acco-bench] calibration: comm share {share:.2f} -> rate {rate_label(rate)} ({rate})")
     return {"comm_share_asked": share, "rate": rate, "compute_s": compute, "fixed_comm_s": m0,
             "bits_per_update_counted": bits0,
-            "bits_per_update_fitted": bits, "unshaped": base, "probes": [shaped]}
+            "bits_per_update_fitted": bits, "unshaped": base, "probes": probes}
+
+
+def probes_disagree(c0: float, c1: float) -> bool:
+    """Two probes' compute per update further apart than :data:`PROBE_SPREAD`."""
+    return max(c0, c1) > (1 + PROBE_SPREAD) * min(c0, c1)

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         accumulate_while_waiting=False,
         grad_accum=6,
         eval_step=2,
+        retry_disturbed=1,  # a run on a drifting machine runs once more (acco_bench/drift.py)
         probe_updates=5,  # two probes of 5 updates (10 by default): the demo in 2.5 minutes on 2 cores
         extra=tuple(args.extra),
     )

@@ -39,12 +39,13 @@ import collections
 import json
 import shutil
 import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 
-from acco_bench import BenchError
+from acco_bench import BenchError, drift
 from acco_bench.analysis import read_jsonl
-from acco_bench.cluster import machine_description
+from acco_bench.cluster import RETRY_PAUSE_S, machine_description
 from acco_bench.network import Network
 from acco_bench.race_report import plot_race, race_markdown, write_race_report  # noqa: F401 (re-exported)
 from acco_bench.settings import BenchSettings
@@ -203,6 +204,7 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         "comm_s_per_update": median("comm_s"),
         "wait_s_per_update": median("wait_s"),
         # acco: e per worker while the estimate round runs, per update (auto moves it)
+        "compute_s_per_micro_batch": drift.compute_per_micro_batch(run_dir),
         "estimate_micro_batches": dict(
             sorted(
                 collections.Counter(
@@ -216,6 +218,30 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         "load": load,
         "run_dir": str(run_dir),
     }
+
+
+def _run_once(s: BenchSettings, method: str, run_dir: Path, net: Network, log) -> dict:
+    """One run of ``method`` in a clean ``run_dir``, with its load and the bytes on each link."""
+    if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
+        shutil.rmtree(run_dir)
+    load = LoadMeter()
+    before = net.tx_bytes()
+    exit_error = None
+    try:
+        wall = run_workers(s, method, run_dir, net, load)
+    except BenchError as e:
+        if not (run_dir / "summary.json").exists():
+            raise
+        # Training finished (rank 0 wrote summary.json) and a worker failed on its way out: the
+        # figures are whole; the failure is recorded with them.
+        exit_error, wall = str(e), None
+        log(f"[acco-bench] {method}: a worker failed after training finished: {e.args[0].splitlines()[0]}")
+    after = net.tx_bytes()
+    sent = [b - a for a, b in zip(before, after)] if before is not None else None
+    res = _method_result(run_dir, s, wall, load.result(), sent)
+    if exit_error:
+        res["worker_exit_error"] = exit_error
+    return res
 
 
 def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", eval_batches: int = 8,
@@ -238,12 +264,16 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     budget = settings.nb_steps_tot
     methods: dict[str, dict] = {}
     target, calibration, measured = None, None, None
+    probe_values: list[float | None] = []  # ddp's compute per micro-batch in the calibration
+    accepted: list[float | None] = []  # the same, of every checked method run so far (drift.py)
     share = settings.comm_share
     bw = None if share is not None else settings.bandwidth
     with Network(settings.hosts, bw, settings.latency, settings.loopback) as net:
         if share is not None:
             calibration = comm_share.calibrate(settings, net, share, out / "calibration", log)
             settings = replace(settings, bandwidth=calibration["rate"])
+            probe_values = [p.get("compute_s_per_micro_batch")
+                            for p in (calibration["unshaped"], *calibration["probes"])]
         log(f"[acco-bench] race: {net.note}")
         for method in order:
             ref = method == REFERENCE
@@ -255,37 +285,30 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                 ),
             )
             run_dir = out / method
-            if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
-                shutil.rmtree(run_dir)
             log(f"[acco-bench] {method}: " + (f"to its budget, {budget} micro-batches" if ref else
                 f"to eval loss {target:.4f} or {s.nb_steps_tot} micro-batches"))
-            load = LoadMeter()
-            before = net.tx_bytes()
-            exit_error = None
             try:
-                try:
-                    wall = run_workers(s, method, run_dir, net, load)
-                except BenchError as e:
-                    if not (run_dir / "summary.json").exists():
-                        raise
-                    # Training finished (rank 0 wrote summary.json) and a worker failed on its way
-                    # out: the figures are whole; the failure is recorded with them.
-                    exit_error, wall = str(e), None
-                    log(
-                        f"[acco-bench] {method}: a worker failed after training finished: "
-                        f"{e.args[0].splitlines()[0]}"
-                    )
-                after = net.tx_bytes()
-                sent = [b - a for a, b in zip(before, after)] if before is not None else None
-                methods[method] = _method_result(run_dir, s, wall, load.result(), sent)
-                if exit_error:
-                    methods[method]["worker_exit_error"] = exit_error
+                attempts = 0
+                while True:
+                    res = _run_once(s, method, run_dir, net, log)
+                    why = drift.disturbance(method, res, probe_values + accepted)
+                    if why is None or attempts >= settings.retry_disturbed:
+                        break
+                    attempts += 1
+                    log(f"[acco-bench] {method}: {why}; running it again ({attempts}/"
+                        f"{settings.retry_disturbed}) after {RETRY_PAUSE_S:.0f} s")
+                    time.sleep(RETRY_PAUSE_S)
+                if why:
+                    log(f"[acco-bench] {method}: WARNING: {why} (kept: no retry left)")
+                methods[method] = {**res, "disturbed_attempts": attempts}
             except BenchError as e:
                 log(f"[acco-bench] {method} FAILED: {e}")
                 methods[method] = {"error": str(e)}
                 if ref:
                     break
                 continue
+            if drift.checked(method):
+                accepted.append(res["compute_s_per_micro_batch"])
             if ref:
                 target = methods[method]["final_eval_loss"]
                 m = method_metrics(run_dir, s)  # the share as the calibration measures it
@@ -308,6 +331,11 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
         network = net.describe()
     if target is not None:
         add_targets(methods, target)
+    compute_ref = drift.mark(methods, probe_values)
+    if drift.drifted_methods({"methods": methods}):
+        log(f"[acco-bench] WARNING: the machine's speed moved during the race: "
+            f"{', '.join(drift.drifted_methods({'methods': methods}))} computed more than {drift.DRIFT:g}x "
+            "away from the others per micro-batch; their ratios to ddp are not comparable (race.md)")
     race = {
         "config": {
             **settings.describe(),
@@ -324,6 +352,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
         },
         **comm_share.share_fields(share, measured, network["bandwidth"], calibration),
         "target_eval_loss": target,
+        "compute_reference_s_per_micro_batch": compute_ref,
         "methods": methods,
     }
     (out / "bench.json").write_text(json.dumps(race, indent=2, default=str) + "\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 def race_markdown(race: dict, plots: list[str]) -> str:
     from acco_bench.comm_share import share_line
+    from acco_bench.drift import DRIFT, drifted_methods
     from acco_bench.report import fmt, md_table
 
     cfg = race["config"]
@@ -54,7 +55,8 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         "workers.",
         "",
         md_table(
-            ["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations"],
+            ["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations",
+             "compute per micro-batch s", "vs reference", "runs"],
             [
                 [
                     n,
@@ -62,13 +64,26 @@ def race_markdown(race: dict, plots: list[str]) -> str:
                     fmt(r["eval_interval"]["median_samples"], 0),
                     fmt(r["eval_interval"]["eval_s_median"], 2),
                     r["eval_interval"]["evaluations"],
+                    fmt(r.get("compute_s_per_micro_batch"), 3),
+                    fmt(r.get("compute_vs_reference"), 2, "x") + (" **drifted**" if r.get("drifted") else ""),
+                    1 + (r.get("disturbed_attempts") or 0),
                 ]
                 for n, r in race["methods"].items()
                 if "error" not in r
             ],
         ),
         "",
+        "*Compute per micro-batch*: rank 0's median; *vs reference*: over the median of every method's and "
+        "of the calibration's probes (torch-ddp left out: its compute holds its all-reduce). Beyond "
+        f"{DRIFT:g}x either way the machine's speed moved during that run (acco_bench/drift.py); *runs*: "
+        "the run kept is the last, after re-runs of disturbed ones (--retry-disturbed).",
+        "",
     ]
+    drifted = drifted_methods(race)
+    if drifted:
+        lines += [f"**WARNING: {', '.join(drifted)} computed more than {DRIFT:g}x away from the reference "
+                  "per micro-batch: the machine's speed moved, and their times to target do not compare with "
+                  "the others'. Run the race again on a quiet machine.**", ""]
     lines += [
         f"{n}: a worker failed after training finished (figures kept): "
         f"{r['worker_exit_error'].splitlines()[0]}\n"

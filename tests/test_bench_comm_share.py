@@ -79,6 +79,7 @@ def test_calibration_on_a_simulated_link(monkeypatch, tmp_path):
     assert net.rates[:2] == [None, comm_share.tc_rate(first)]
     want = bits / (0.4 / 0.6 * 0.525 - m0)  # b fitted from the shaped probe, C the probes' mean
     assert net.rates[-1] == cal["rate"] == comm_share.tc_rate(want)
+    assert len(cal["probes"]) == 1  # 0.50 and 0.55 s agree within 15%: no third probe
     assert cal["bits_per_update_fitted"] == pytest.approx(bits, rel=1e-4)
     rate = parse_rate(cal["rate"])
     assert comm_share.share_of(0.525, m0 + bits / rate) == pytest.approx(share, abs=1e-4)

@@ -1,0 +1,100 @@
+"""A machine whose speed moved during a race: each method's compute per micro-batch against the others'.
+
+A race compares methods that ran one after the other, minutes apart. On a shared VM the cores'
+speed can move by 1.4-1.8x between two runs with no load visible inside the VM (BENCHMARKS.md 5.0:
+no other process, no steal time), and a ratio of two times to target then measures the machine,
+not the methods. Every method but torch-ddp computes the same forward and backward per micro-batch
+(measured on a steady machine: within 12% of ddp's, acco's comm thread taking a little of the
+cores), so rank 0's median compute per micro-batch should agree across them. The **reference** is
+the median of those medians and of ddp's in the calibration's probes; a method off it by more than
+:data:`DRIFT` either way is **drifted**: the race runs it again (``--retry-disturbed``), and
+bench.json and race.md flag it if it still is.
+
+torch-ddp is left out: its bucketed all-reduce runs inside backward, so its compute holds its comm
+(1.1-1.9x ddp's measured). Rank 0 is used throughout, so ``--slow-worker 1:F`` changes nothing here
+and ``--slow-worker 0:F`` slows every method alike."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from acco_bench.analysis import BUSY_CORES, _own, read_jsonl
+
+DRIFT = 1.25  # compute per micro-batch this far from the reference (either way): drifted
+COMPUTE_HOLDS_COMM = frozenset({"torch-ddp"})  # methods whose compute_s includes comm
+
+
+def compute_per_micro_batch(run_dir: Path, rank: int = 0, skip: int = 1) -> float | None:
+    """Median over updates of a worker's compute seconds over its own micro-batches (the first
+    ``skip`` updates left out: set-up, warm start)."""
+    rows = read_jsonl(Path(run_dir) / "workers" / f"rank{rank}.jsonl")
+    xs = []
+    for r in rows[skip:] if len(rows) > skip + 1 else rows:
+        n = _own(r.get("micro_batches"), rank)
+        if r.get("compute_s") is not None and n:
+            xs.append(r["compute_s"] / n)
+    return statistics.median(xs) if xs else None
+
+
+def checked(method: str) -> bool:
+    return method not in COMPUTE_HOLDS_COMM
+
+
+def reference(values: list[float | None]) -> float | None:
+    xs = [x for x in values if x]
+    return statistics.median(xs) if xs else None
+
+
+def ratio(value: float | None, ref: float | None) -> float | None:
+    return value / ref if value and ref else None
+
+
+def drifted(value: float | None, ref: float | None) -> bool:
+    r = ratio(value, ref)
+    return r is not None and max(r, 1 / r) > DRIFT
+
+
+def disturbance(method: str, result: dict, earlier: list[float | None]) -> str | None:
+    """Why a race's run of ``method`` should run again, or None: other processes' load during it, or
+    its compute per micro-batch off the reference of the ``earlier`` runs (the calibration's probes
+    and the methods already run)."""
+    other = (result.get("load") or {}).get("other_cpu_cores") or 0.0
+    if other > BUSY_CORES:
+        return f"other processes used {other:.2f} CPU cores during its run"
+    ref, value = reference(earlier), result.get("compute_s_per_micro_batch")
+    if checked(method) and drifted(value, ref):
+        return (f"it computed {value * 1e3:.0f} ms per micro-batch against {ref * 1e3:.0f} ms in the runs "
+                f"before it ({value / ref:.2f}x: the machine's speed moved)")
+    return None
+
+
+def mark(methods: dict, probe_values: list[float | None]) -> float | None:
+    """Set ``compute_vs_reference`` and ``drifted`` on every checked method's result (from its
+    ``compute_s_per_micro_batch``) against the reference of the whole race; return the reference."""
+    ok = {n: r for n, r in methods.items() if "error" not in r}
+    runs = [r.get("compute_s_per_micro_batch") for n, r in ok.items() if checked(n)]
+    ref = reference([*probe_values, *runs])
+    for name, r in ok.items():
+        if checked(name):
+            r["compute_vs_reference"] = ratio(r.get("compute_s_per_micro_batch"), ref)
+            r["drifted"] = drifted(r.get("compute_s_per_micro_batch"), ref)
+        else:
+            r["compute_vs_reference"], r["drifted"] = None, None
+    return ref
+
+
+def drifted_methods(race: dict) -> list[str]:
+    return [n for n, r in race["methods"].items() if r.get("drifted")]
+
+
+def recheck(race: dict) -> None:
+    """Fill in the compute per micro-batch from the run folders where a race's bench.json lacks it
+    (races run before this check existed), then mark the race (``acco-bench report``)."""
+    cal = race.get("calibration") or {}
+    probes = [p for p in (cal.get("unshaped"), *(cal.get("probes") or [])) if p]
+    for r in [*probes, *race["methods"].values()]:
+        if r.get("compute_s_per_micro_batch") is None and r.get("run_dir"):
+            r["compute_s_per_micro_batch"] = compute_per_micro_batch(Path(r["run_dir"]))
+    probe_values = [p.get("compute_s_per_micro_batch") for p in probes]
+    race["compute_reference_s_per_micro_batch"] = mark(race["methods"], probe_values)
