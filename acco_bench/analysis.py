@@ -57,7 +57,7 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _own(value, rank: int):
+def own_micro_batches(value, rank: int):
     """A worker file's micro_batches: its own count, or the per-worker list."""
     if isinstance(value, list):
         return value[rank] if rank < len(value) else None
@@ -138,13 +138,12 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
     per_worker_timers = {}
     for rank, w in sorted(workers.items()):
         rows = [w[s] for s in steps if s in w]
+        counts = [own_micro_batches(r.get("micro_batches"), rank) for r in rows]
         per_worker_timers[str(rank)] = {
             "compute_s_per_update": _median(r.get("compute_s") for r in rows),
             "wait_s_per_update": _median(r.get("wait_s") for r in rows),
             "comm_s_per_update": _median(r.get("comm_s") for r in rows),
-            "micro_batches_per_update": (statistics.mean(_own(r.get("micro_batches"), rank) for r in rows)
-                                         if rows and all(_own(r.get("micro_batches"), rank) is not None
-                                                         for r in rows) else None),
+            "micro_batches_per_update": (statistics.mean(counts) if counts and None not in counts else None),
         }
     final_eval = summary.get("final_eval_loss")
     if final_eval is None and evals:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from acco_bench.analysis import BUSY_CORES, _own, read_jsonl
+from acco_bench.analysis import BUSY_CORES, own_micro_batches, read_jsonl
 
 DRIFT = 1.25  # compute per micro-batch this far from the reference (either way): drifted
 COMPUTE_HOLDS_COMM = frozenset({"torch-ddp"})  # methods whose compute_s includes comm
@@ -31,7 +31,7 @@ def compute_per_micro_batch(run_dir: Path, rank: int = 0, skip: int = 1) -> floa
     rows = read_jsonl(Path(run_dir) / "workers" / f"rank{rank}.jsonl")
     xs = []
     for r in rows[skip:] if len(rows) > skip + 1 else rows:
-        n = _own(r.get("micro_batches"), rank)
+        n = own_micro_batches(r.get("micro_batches"), rank)
         if r.get("compute_s") is not None and n:
             xs.append(r["compute_s"] / n)
     return statistics.median(xs) if xs else None

@@ -26,6 +26,11 @@ A decaying schedule would therefore differ between ddp and the others (ending it
 instead would stop every method from moving past it, and the cap would mean nothing).
 ``--scheduler cosine`` or ``linear`` runs it anyway, with that caveat.
 
+**A machine whose speed moves** between two methods' runs would make the ratios measure it: each
+run's compute per micro-batch is checked against the runs before it and the calibration's probes,
+a method off by more than 1.25x runs once more (``--retry-disturbed``), and one that stays off is
+flagged ``drifted`` in bench.json and race.md (:mod:`acco_bench.drift`).
+
 **Bytes sent per worker** are measured: the tx byte counter of each emulated host's link, read
 before and after the run (every packet: the gradients and parameters, the rendezvous, the
 evaluations' all-reduce, TCP/IP headers). On loopback there is no per-worker link: not measured.
@@ -203,8 +208,8 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         "compute_s_per_update": median("compute_s"),
         "comm_s_per_update": median("comm_s"),
         "wait_s_per_update": median("wait_s"),
+        "compute_s_per_micro_batch": drift.compute_per_micro_batch(run_dir),  # rank 0's (drift.py)
         # acco: e per worker while the estimate round runs, per update (auto moves it)
-        "compute_s_per_micro_batch": drift.compute_per_micro_batch(run_dir),
         "estimate_micro_batches": dict(
             sorted(
                 collections.Counter(
