@@ -136,7 +136,7 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
                    help="run every method that many times (interleaved) and report the median run")
     p.add_argument("--retry-disturbed", type=int, default=d.retry_disturbed,
                    help="run a method again, at most that many times, when other processes used more than "
-                        "0.15 CPU cores during its run (a shared machine); race: also when its compute per "
+                        "0.15 CPU cores during its run (a shared machine) or when its compute per "
                         "micro-batch is 1.25x off the runs before it (the machine's speed moved)")
     p.add_argument("--sched", choices=("normal", "batch"), default=d.sched,
                    help="scheduling policy of the workers: batch (SCHED_BATCH) stops gloo's I/O thread from "

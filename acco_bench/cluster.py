@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from acco_bench import BenchError
+from acco_bench import BenchError, drift
 from acco_bench.analysis import BUSY_CORES, add_comparisons, combine_repeats, method_metrics
 from acco_bench.network import Network, parse_rate
 from acco_bench.settings import BenchSettings
@@ -65,6 +65,10 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
             calibration = comm_share.calibrate(settings, net, settings.comm_share, out / "calibration", log)
             settings = replace(settings, bandwidth=calibration["rate"])
         log(f"[acco-bench] {net.note}")
+        # ddp's compute per micro-batch in the calibration's probes, then every checked run's (drift.py)
+        probe_values = [p.get("compute_s_per_micro_batch")
+                        for p in ((calibration["unshaped"], *calibration["probes"]) if calibration else ())]
+        accepted: list[float | None] = []
         runs: dict[str, list[dict]] = {m: [] for m in settings.methods}
         for rep in range(settings.repeats):
             for method in settings.methods:
@@ -88,22 +92,21 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
                         res["harness_wall_s"] = wall
                         res["load"] = load.result()
                         res["run_dir"] = str(run_dir)
+                        res["compute_s_per_micro_batch"] = drift.compute_per_micro_batch(run_dir)
                     except BenchError as e:
                         log(f"[acco-bench] {method} FAILED: {e}")
                         res = {"error": str(e)}
                         break
-                    other = res["load"].get("other_cpu_cores") or 0.0
-                    if other <= BUSY_CORES or attempts >= settings.retry_disturbed:
+                    why = drift.disturbance(method, res, probe_values + accepted)
+                    if why is None or attempts >= settings.retry_disturbed:
                         res["disturbed_attempts"] = attempts
                         break
                     attempts += 1
-                    log(
-                        f"[acco-bench] {method}: other processes used {other:.2f} CPU cores during the run; "
-                        f"running it again ({attempts}/{settings.retry_disturbed}) after {RETRY_PAUSE_S:.0f} "
-                        "s"
-                    )
+                    log(drift.retry_line(method, why, attempts, settings.retry_disturbed, RETRY_PAUSE_S))
                     time.sleep(RETRY_PAUSE_S)
                 runs[method].append(res)
+                if "error" not in res and drift.checked(method):
+                    accepted.append(res["compute_s_per_micro_batch"])
                 if "error" not in res:
                     other = res["load"].get("other_cpu_cores")
                     busy = (
@@ -119,6 +122,9 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
                         f"samples/s{busy}"
                     )
         methods = {m: combine_repeats(rs) for m, rs in runs.items()}
+        compute_ref = drift.mark(methods, probe_values)
+        if drift.warning(methods):
+            log(f"[acco-bench] {drift.warning(methods)} (bench.md)")
         comparisons = add_comparisons(methods, settings)
         shares = comm_share.share_fields(settings.comm_share, comm_share.ddp_share(methods), net.bandwidth,
                                          calibration)
@@ -126,6 +132,7 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
             "config": {**settings.describe(), "network": net.describe(),
                        "machine": machine_description(), "worker_command": worker_command()},
             **shares,
+            "compute_reference_s_per_micro_batch": compute_ref,
             "methods": methods,
             **comparisons,
         }

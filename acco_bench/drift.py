@@ -1,14 +1,15 @@
-"""A machine whose speed moved during a race: each method's compute per micro-batch against the others'.
+"""A machine whose speed moved during a benchmark: each method's compute per micro-batch against the others'.
 
-A race compares methods that ran one after the other, minutes apart. On a shared VM the cores'
-speed can move by 1.4-1.8x between two runs with no load visible inside the VM (BENCHMARKS.md 5.0:
-no other process, no steal time), and a ratio of two times to target then measures the machine,
-not the methods. Every method but torch-ddp computes the same forward and backward per micro-batch
-(measured on a steady machine: within 12% of ddp's, acco's comm thread taking a little of the
-cores), so rank 0's median compute per micro-batch should agree across them. The **reference** is
-the median of those medians and of ddp's in the calibration's probes; a method off it by more than
-:data:`DRIFT` either way is **drifted**: the race runs it again (``--retry-disturbed``), and
-bench.json and race.md flag it if it still is.
+``race`` and ``cluster`` compare methods that ran one after the other, minutes apart. On a shared
+VM the cores' speed can move by 1.4-1.8x between two runs with no load visible inside the VM
+(BENCHMARKS.md 5.2: no other process, no steal time), and a ratio of two runs then measures the
+machine, not the methods. Every method but torch-ddp computes the same forward and backward per
+micro-batch (on a steady machine within 0.94-1.16x of their race's median, acco's comm thread
+taking a little of the cores), so rank 0's median compute per micro-batch should agree across
+them. The **reference** is the median of those medians and of ddp's in the calibration's probes;
+a run off the reference of the runs before it by more than :data:`DRIFT` either way runs again
+(``--retry-disturbed``, as a run under other processes' load does), and a method still off the
+whole run's reference is flagged **drifted** in bench.json and in race.md or bench.md.
 
 torch-ddp is left out: its bucketed all-reduce runs inside backward, so its compute holds its comm
 (1.1-1.9x ddp's measured). Rank 0 is used throughout, so ``--slow-worker 1:F`` changes nothing here
@@ -84,10 +85,6 @@ def mark(methods: dict, probe_values: list[float | None]) -> float | None:
     return ref
 
 
-def drifted_methods(race: dict) -> list[str]:
-    return [n for n, r in race["methods"].items() if r.get("drifted")]
-
-
 def recheck(race: dict) -> None:
     """Fill in the compute per micro-batch from the run folders where a race's bench.json lacks it
     (races run before this check existed), then mark the race (``acco-bench report``)."""
@@ -98,3 +95,16 @@ def recheck(race: dict) -> None:
             r["compute_s_per_micro_batch"] = compute_per_micro_batch(Path(r["run_dir"]))
     probe_values = [p.get("compute_s_per_micro_batch") for p in probes]
     race["compute_reference_s_per_micro_batch"] = mark(race["methods"], probe_values)
+
+
+def retry_line(method: str, why: str, attempt: int, limit: int, pause_s: float) -> str:
+    return f"[acco-bench] {method}: {why}; running it again ({attempt}/{limit}) after {pause_s:.0f} s"
+
+
+def warning(methods: dict) -> str | None:
+    """One sentence naming the drifted methods (None when there is none)."""
+    names = [n for n, r in methods.items() if r.get("drifted")]
+    if not names:
+        return None
+    return (f"WARNING: {', '.join(names)} computed more than {DRIFT:g}x away from the reference per "
+            "micro-batch: the machine's speed moved, and their figures do not compare with the others'")

@@ -300,8 +300,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                     if why is None or attempts >= settings.retry_disturbed:
                         break
                     attempts += 1
-                    log(f"[acco-bench] {method}: {why}; running it again ({attempts}/"
-                        f"{settings.retry_disturbed}) after {RETRY_PAUSE_S:.0f} s")
+                    log(drift.retry_line(method, why, attempts, settings.retry_disturbed, RETRY_PAUSE_S))
                     time.sleep(RETRY_PAUSE_S)
                 if why:
                     log(f"[acco-bench] {method}: WARNING: {why} (kept: no retry left)")
@@ -337,10 +336,8 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     if target is not None:
         add_targets(methods, target)
     compute_ref = drift.mark(methods, probe_values)
-    if drift.drifted_methods({"methods": methods}):
-        log(f"[acco-bench] WARNING: the machine's speed moved during the race: "
-            f"{', '.join(drift.drifted_methods({'methods': methods}))} computed more than {drift.DRIFT:g}x "
-            "away from the others per micro-batch; their ratios to ddp are not comparable (race.md)")
+    if drift.warning(methods):
+        log(f"[acco-bench] {drift.warning(methods)} (race.md)")
     race = {
         "config": {
             **settings.describe(),

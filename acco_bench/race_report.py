@@ -8,7 +8,7 @@ from pathlib import Path
 
 def race_markdown(race: dict, plots: list[str]) -> str:
     from acco_bench.comm_share import share_line
-    from acco_bench.drift import DRIFT, drifted_methods
+    from acco_bench.drift import DRIFT, warning
     from acco_bench.report import fmt, md_table
 
     cfg = race["config"]
@@ -79,11 +79,8 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         "the run kept is the last, after re-runs of disturbed ones (--retry-disturbed).",
         "",
     ]
-    drifted = drifted_methods(race)
-    if drifted:
-        lines += [f"**WARNING: {', '.join(drifted)} computed more than {DRIFT:g}x away from the reference "
-                  "per micro-batch: the machine's speed moved, and their times to target do not compare with "
-                  "the others'. Run the race again on a quiet machine.**", ""]
+    if warning(race["methods"]):
+        lines += [f"**{warning(race['methods'])}: run the race again on a quiet machine.**", ""]
     lines += [
         f"{n}: a worker failed after training finished (figures kept): "
         f"{r['worker_exit_error'].splitlines()[0]}\n"

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from acco_bench import drift
+
 COLORS = {"ddp": "#1f77b4", "torch-ddp": "#9467bd", "dpu": "#ff7f0e", "wp": "#8c564b", "acco": "#d62728",
           "acco-paper": "#e377c2", "acco-lean": "#2ca02c", "diloco": "#17becf", "streaming-diloco": "#bcbd22",
           "adam": "#7f7f7f"}
@@ -136,6 +138,8 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     lines.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), torch {m.get('torch')}, gloo.")
     lines.append("")
     lines.append(bench_table(bench))
+    if drift.warning(bench["methods"]):
+        lines += ["", f"**{drift.warning(bench['methods'])} (rank 0's median, acco_bench/drift.py).**"]
     b = bench.get("bounds") or {}
     if b:
         lines += [

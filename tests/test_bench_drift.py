@@ -57,8 +57,35 @@ def test_a_run_is_disturbed_by_load_or_by_drift():
 
 
 class _QuietLoad:
+    def sample(self, *a):
+        pass
+
     def result(self):
         return {"other_cpu_cores": 0.0}
+
+
+def _fake_workers(monkeypatch, module, computes: dict[str, list[float]]) -> list[str]:
+    """Replace ``module``'s workers by files as real ones write them: rank 0 computes
+    ``computes[method][i]`` seconds per micro-batch in the method's i-th run (2 per update)."""
+    calls = []
+
+    def fake_workers(s, method, run_dir, net, load=None):
+        calls.append(method)
+        c = computes[method][sum(m == method for m in calls) - 1]
+        _write_timers(run_dir, [5.0] + [c * 2] * 4, [2, 2])
+        rows = [{"type": "train", "step": i, "samples": 4 * i, "loss": 5.0, "wall_time": float(i),
+                 "compute_s": c * 2, "comm_s": 0.1, "wait_s": 0.0, "micro_batches": [2, 2]}
+                for i in range(1, 6)]
+        rows.append({"type": "eval", "step": 5, "samples": 20, "eval_loss": 4.0, "eval_s": 0.1})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "summary.json").write_text(json.dumps({"state_bytes": 1}))
+        return 5.0
+
+    monkeypatch.setattr(module, "run_workers", fake_workers)
+    monkeypatch.setattr(module, "LoadMeter", _QuietLoad)
+    monkeypatch.setattr(module, "check_worker_available", lambda: None)
+    monkeypatch.setattr(module, "RETRY_PAUSE_S", 0.0)
+    return calls
 
 
 def test_a_drifted_method_runs_again_and_one_that_stays_drifted_is_flagged(tmp_path, monkeypatch):
@@ -66,23 +93,7 @@ def test_a_drifted_method_runs_again_and_one_that_stays_drifted_is_flagged(tmp_p
     the second kept), diloco's both runs (kept, flagged in bench.json and race.md), torch-ddp 2x
     (its compute holds its comm: never re-run)."""
     computes = {"ddp": [0.2], "acco": [0.4, 0.21], "diloco": [0.5, 0.5], "torch-ddp": [0.4]}
-    calls = []
-
-    def fake_workers(s, method, run_dir, net, load=None):
-        calls.append(method)
-        c = computes[method][sum(m == method for m in calls) - 1]
-        _write_timers(run_dir, [5.0] + [c * 2] * 4, [2, 2])  # 2 micro-batches per update
-        rows = [{"type": "train", "step": i, "samples": 4 * i, "loss": 5.0, "wall_time": float(i)}
-                for i in range(1, 6)]
-        rows.append({"type": "eval", "step": 5, "samples": 20, "eval_loss": 4.0, "eval_s": 0.1})
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (run_dir / "summary.json").write_text(json.dumps({"state_bytes": 1}))
-        return 5.0
-
-    monkeypatch.setattr(race, "run_workers", fake_workers)
-    monkeypatch.setattr(race, "LoadMeter", _QuietLoad)
-    monkeypatch.setattr(race, "check_worker_available", lambda: None)
-    monkeypatch.setattr(race, "RETRY_PAUSE_S", 0.0)
+    calls = _fake_workers(monkeypatch, race, computes)
     s = BenchSettings(methods=("ddp", "acco", "diloco", "torch-ddp"), loopback=True, eval_step=1,
                       nb_steps_tot=20, retry_disturbed=1)
     logs = []
@@ -138,3 +149,21 @@ def test_the_calibration_runs_a_third_probe_when_the_first_two_disagree(monkeypa
     assert cal["rate"] == comm_share.tc_rate(bits / (0.4 / 0.6 * 0.52 - m0)) == net.rates[-1]
     assert net.rates[2] == comm_share.tc_rate(bits / (0.4 / 0.6 * 0.65 - m0))  # the third probe's rate
     assert comm_share.probes_disagree(0.50, 0.57) is False and comm_share.probes_disagree(0.50, 0.58) is True
+
+
+def test_the_cluster_reruns_a_drifted_method_and_flags_one_that_stays(tmp_path, monkeypatch):
+    """``acco-bench cluster`` through the same check: acco slow once (run again), dpu slow twice
+    (flagged in bench.json and bench.md)."""
+    from acco_bench import cluster
+
+    calls = _fake_workers(monkeypatch, cluster, {"ddp": [0.2], "acco": [0.4, 0.2], "dpu": [0.45, 0.45],
+                                                 "wp": [0.21]})
+    s = BenchSettings(methods=("ddp", "acco", "dpu", "wp"), loopback=True, nb_steps_tot=20, retry_disturbed=1)
+    bench = cluster.run_bench(s, tmp_path, log=lambda *a: None)
+    assert calls == ["ddp", "acco", "acco", "dpu", "dpu", "wp"]
+    m = bench["methods"]
+    assert m["acco"]["disturbed_attempts"] == 1 and m["acco"]["drifted"] is False
+    assert m["dpu"]["drifted"] is True and m["wp"]["drifted"] is False
+    assert bench["compute_reference_s_per_micro_batch"] == pytest.approx(0.205)
+    warning = [x for x in (tmp_path / "bench.md").read_text().splitlines() if "WARNING" in x]
+    assert len(warning) == 1 and "dpu" in warning[0] and "acco" not in warning[0].split("micro-batch")[0]
