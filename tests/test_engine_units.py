@@ -191,24 +191,32 @@ def test_bf16_buffers_and_loss_falls(method):
     assert sum(losses[:5]) / 5 > 2 * sum(losses[-5:]) / 5, losses
 
 
-def test_overlap_is_real():
-    """A comm round as slow as the computation: overlapped methods take max(C, M), ddp C + M."""
-    results = run_distributed(_timed_methods, 2)
-    timings = results[0]
-    for method in ("acco", "dpu"):
-        t = timings[method]
-        assert t["step"] / max(t["compute"], t["comm"]) < 1.25, (method, t)
+def _overlap_failures(timings: dict) -> list:
+    """What breaks the overlap claims in one timed run; empty when they hold."""
+    bad = [(m, t) for m, t in timings.items()
+           if m != "ddp" and t["step"] / max(t["compute"], t["comm"]) >= 1.25]  # overlapped: max(C, M)
     t = timings["ddp"]
-    assert t["step"] / (t["compute"] + t["comm"]) > 0.9, t
+    bad += [("ddp", t)] if t["step"] / (t["compute"] + t["comm"]) <= 0.9 else []  # ddp: C + M
     # Same micro-batches per update and a comm round about as long as the compute: dpu takes
-    # max(C, M) where ddp takes C + M (checked above), about 0.5 of it (0.8 leaves room for the
-    # compute that a concurrent round slows on 2 shared cores). Against dpu's own C + M, timed in
-    # the same updates: ddp's step, timed in another run, is another machine's when a second job
-    # comes or goes between the two (dpu / ddp ranged 0.43-0.71 beside a second test run; dpu's
-    # step / its own C + M 0.57-0.67). (acco runs two rounds per update, so its gain over ddp
-    # depends on the ratio of a round's compute to its comm; its bound is checked above.)
+    # max(C, M) where ddp takes C + M, about 0.5 of it (0.8 leaves room for the compute that a
+    # concurrent round slows on 2 shared cores). Against dpu's own C + M, timed in the same
+    # updates: ddp's step, timed in another run, is another machine's when a second job comes or
+    # goes between the two (dpu / ddp ranged 0.43-0.71 beside a second test run; dpu's step / its
+    # own C + M 0.57-0.67). (acco runs two rounds per update, so its gain over ddp depends on the
+    # ratio of a round's compute to its comm; its bound is checked above.)
     t = timings["dpu"]
-    assert t["step"] < 0.8 * (t["compute"] + t["comm"]), t
+    return bad + ([("dpu vs its C + M", t)] if t["step"] >= 0.8 * (t["compute"] + t["comm"]) else [])
+
+
+def test_overlap_is_real():
+    """A comm round as slow as the computation: overlapped methods take max(C, M), ddp C + M.
+    Timed twice when the first run misses: on 2 cores shared with another test suite a late wake-up
+    of the comm thread once stretched dpu's step to 1.6x max(C, M) (0.98 s for 0.61 and 0.58 s);
+    with no overlap the step is C + M, about 2x, in both runs."""
+    failures = _overlap_failures(run_distributed(_timed_methods, 2)[0])
+    if failures:
+        failures = _overlap_failures(run_distributed(_timed_methods, 2)[0])
+    assert failures == []
 
 
 def _timed_methods(rank, world):

@@ -204,7 +204,9 @@ def test_a_slow_worker_is_not_stretched_by_the_trainers_evaluations(tmp_path, mo
     )  # fmt: skip
     assert trainer.train()["updates"] == 6
     # (2 - 1) x one micro-batch of a 1-layer model: milliseconds; with the evaluation, over 0.4 s.
-    assert len(slept) >= 3 and max(slept) < 0.2, slept
+    # The first micro-batch, before any evaluation, holds one-time set-up (0.21 s once on a loaded
+    # machine): the sleeps after an evaluation are the ones that count.
+    assert len(slept) >= 3 and max(slept[1:]) < 0.2, slept
 
 
 def test_unknown_train_key_is_rejected():
