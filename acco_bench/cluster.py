@@ -28,21 +28,33 @@ run's settings are in :mod:`acco_bench.settings`, the network its workers start 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from acco_bench import BenchError, drift
-from acco_bench.analysis import BUSY_CORES, add_comparisons, combine_repeats, method_metrics
+from acco_bench.analysis import add_comparisons, combine_repeats, method_metrics
 from acco_bench.network import Network, parse_rate
 from acco_bench.settings import BenchSettings
 from acco_bench.workers import LoadMeter, check_worker_available, run_workers, worker_command
 
 RETRY_PAUSE_S = 20.0
+
+def _run_once(settings: BenchSettings, method: str, run_dir: Path, net: Network) -> dict:
+    """One run of ``method`` in a clean ``run_dir``: its figures, load and compute per micro-batch."""
+    if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
+        shutil.rmtree(run_dir)
+    load = LoadMeter()
+    wall = run_workers(settings, method, run_dir, net, load)
+    res = method_metrics(run_dir, settings)
+    res.update(harness_wall_s=wall, load=load.result(), run_dir=str(run_dir),
+               compute_s_per_micro_batch=drift.compute_per_micro_batch(run_dir))
+    return res
+
 
 def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, log=print,
               calibration: dict | None = None) -> dict:
@@ -81,50 +93,26 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
                     f"{settings.batch_size}x{settings.max_length} tokens, "
                     f"nb_steps_tot={settings.nb_steps_tot}"
                 )
-                attempts = 0
-                while True:
-                    if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
-                        shutil.rmtree(run_dir)
-                    load = LoadMeter()
-                    try:
-                        wall = run_workers(settings, method, run_dir, net, load)
-                        res = method_metrics(run_dir, settings)
-                        res["harness_wall_s"] = wall
-                        res["load"] = load.result()
-                        res["run_dir"] = str(run_dir)
-                        res["compute_s_per_micro_batch"] = drift.compute_per_micro_batch(run_dir)
-                    except BenchError as e:
-                        log(f"[acco-bench] {method} FAILED: {e}")
-                        res = {"error": str(e)}
-                        break
-                    why = drift.disturbance(method, res, probe_values + accepted)
-                    if why is None or attempts >= settings.retry_disturbed:
-                        res["disturbed_attempts"] = attempts
-                        break
-                    attempts += 1
-                    log(drift.retry_line(method, why, attempts, settings.retry_disturbed, RETRY_PAUSE_S))
-                    time.sleep(RETRY_PAUSE_S)
+                try:
+                    once = functools.partial(_run_once, settings, method, run_dir, net)
+                    res = drift.run_until_undisturbed(once, method, probe_values + accepted,
+                                                      settings.retry_disturbed, RETRY_PAUSE_S, log)
+                except BenchError as e:
+                    log(f"[acco-bench] {method} FAILED: {e}")
+                    res = {"error": str(e)}
                 runs[method].append(res)
-                if "error" not in res and drift.checked(method):
-                    accepted.append(res["compute_s_per_micro_batch"])
-                if "error" not in res:
-                    other = res["load"].get("other_cpu_cores")
-                    busy = (
-                        f"; WARNING: other processes used {other:.2f} CPU cores meanwhile, timings are "
-                        "disturbed"
-                        if other is not None and other > BUSY_CORES
-                        else ""
-                    )
+                if "error" not in res:  # a disturbed run kept was named by run_until_undisturbed
+                    if drift.checked(method):
+                        accepted.append(res["compute_s_per_micro_batch"])
                     log(
                         f"[acco-bench] {method}: step {res['step_time_s']:.3f} s, compute "
                         f"{res['compute_s_per_update']:.3f} s, comm {res['comm_s_per_update']:.3f} s, "
-                        f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} "
-                        f"samples/s{busy}"
+                        f"overlap eff. {res['overlap_efficiency']:.2f}, {res['samples_per_s']:.1f} samples/s"
                     )
         methods = {m: combine_repeats(rs) for m, rs in runs.items()}
         compute_ref = drift.mark(methods, probe_values)
-        if drift.warning(methods):
-            log(f"[acco-bench] {drift.warning(methods)} (bench.md)")
+        if warned := drift.warning(methods):
+            log(f"[acco-bench] {warned} (bench.md)")
         comparisons = add_comparisons(methods, settings)
         shares = comm_share.share_fields(settings.comm_share, comm_share.ddp_share(methods), net.bandwidth,
                                          calibration)

@@ -18,6 +18,8 @@ and ``--slow-worker 0:F`` slows every method alike."""
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from acco_bench.analysis import BUSY_CORES, own_micro_batches, read_jsonl
@@ -57,7 +59,7 @@ def drifted(value: float | None, ref: float | None) -> bool:
 
 
 def disturbance(method: str, result: dict, earlier: list[float | None]) -> str | None:
-    """Why a race's run of ``method`` should run again, or None: other processes' load during it, or
+    """Why a run of ``method`` should run again, or None: other processes' load during it, or
     its compute per micro-batch off the reference of the ``earlier`` runs (the calibration's probes
     and the methods already run)."""
     other = (result.get("load") or {}).get("other_cpu_cores") or 0.0
@@ -97,8 +99,24 @@ def recheck(race: dict) -> None:
     race["compute_reference_s_per_micro_batch"] = mark(race["methods"], probe_values)
 
 
-def retry_line(method: str, why: str, attempt: int, limit: int, pause_s: float) -> str:
-    return f"[acco-bench] {method}: {why}; running it again ({attempt}/{limit}) after {pause_s:.0f} s"
+def run_until_undisturbed(run: Callable[[], dict], method: str, earlier: list[float | None], retries: int,
+                          pause_s: float, log) -> dict:
+    """``run()`` (one run of ``method``: its result with ``load`` and ``compute_s_per_micro_batch``)
+    again, ``pause_s`` apart, while :func:`disturbance` finds a reason, at most ``retries`` more
+    times (``--retry-disturbed``); the last result, with ``disturbed_attempts``. A failed run
+    (BenchError) propagates."""
+    attempts = 0
+    while True:
+        res = run()
+        why = disturbance(method, res, earlier)
+        if why is None or attempts >= retries:
+            break
+        attempts += 1
+        log(f"[acco-bench] {method}: {why}; running it again ({attempts}/{retries}) after {pause_s:.0f} s")
+        time.sleep(pause_s)
+    if why:
+        log(f"[acco-bench] {method}: WARNING: {why} (kept: no retry left)")
+    return {**res, "disturbed_attempts": attempts}
 
 
 def warning(methods: dict) -> str | None:

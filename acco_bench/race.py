@@ -41,10 +41,10 @@ in summary.json.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import shutil
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -293,18 +293,10 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
             log(f"[acco-bench] {method}: " + (f"to its budget, {budget} micro-batches" if ref else
                 f"to eval loss {target:.4f} or {s.nb_steps_tot} micro-batches"))
             try:
-                attempts = 0
-                while True:
-                    res = _run_once(s, method, run_dir, net, log)
-                    why = drift.disturbance(method, res, probe_values + accepted)
-                    if why is None or attempts >= settings.retry_disturbed:
-                        break
-                    attempts += 1
-                    log(drift.retry_line(method, why, attempts, settings.retry_disturbed, RETRY_PAUSE_S))
-                    time.sleep(RETRY_PAUSE_S)
-                if why:
-                    log(f"[acco-bench] {method}: WARNING: {why} (kept: no retry left)")
-                methods[method] = {**res, "disturbed_attempts": attempts}
+                once = functools.partial(_run_once, s, method, run_dir, net, log)
+                res = drift.run_until_undisturbed(once, method, probe_values + accepted,
+                                                  settings.retry_disturbed, RETRY_PAUSE_S, log)
+                methods[method] = res
             except BenchError as e:
                 log(f"[acco-bench] {method} FAILED: {e}")
                 methods[method] = {"error": str(e)}
@@ -336,8 +328,8 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     if target is not None:
         add_targets(methods, target)
     compute_ref = drift.mark(methods, probe_values)
-    if drift.warning(methods):
-        log(f"[acco-bench] {drift.warning(methods)} (race.md)")
+    if warned := drift.warning(methods):
+        log(f"[acco-bench] {warned} (race.md)")
     race = {
         "config": {
             **settings.describe(),

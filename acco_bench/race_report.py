@@ -79,8 +79,8 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         "the run kept is the last, after re-runs of disturbed ones (--retry-disturbed).",
         "",
     ]
-    if warning(race["methods"]):
-        lines += [f"**{warning(race['methods'])}: run the race again on a quiet machine.**", ""]
+    if warned := warning(race["methods"]):
+        lines += [f"**{warned}: run the race again on a quiet machine.**", ""]
     lines += [
         f"{n}: a worker failed after training finished (figures kept): "
         f"{r['worker_exit_error'].splitlines()[0]}\n"

@@ -138,8 +138,8 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     lines.append(f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model')}), torch {m.get('torch')}, gloo.")
     lines.append("")
     lines.append(bench_table(bench))
-    if drift.warning(bench["methods"]):
-        lines += ["", f"**{drift.warning(bench['methods'])} (rank 0's median, acco_bench/drift.py).**"]
+    if warned := drift.warning(bench["methods"]):
+        lines += ["", f"**{warned} (rank 0's median, acco_bench/drift.py).**"]
     b = bench.get("bounds") or {}
     if b:
         lines += [
