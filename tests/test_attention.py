@@ -106,11 +106,15 @@ def test_flex_local_layers_equal_eager_forward(monkeypatch, window, compiled):
     eager attention in the forward pass (torch 2.13 has no flex backward on the CPU), also traced
     inside the compiled blocks (dynamo's graph, the block mask built in it); a local layer whose
     window holds every key keeps SDPA's causal path."""
+    from torch._dynamo.utils import counters
+
     import acco.attention
     from acco.engine.compiling import compile_module
 
     eager, sdpa = _models(window)
     graphs = []
+    torch._dynamo.reset()  # traced anew, graph breaks counted from zero
+    counters.clear()
     if compiled:  # dynamo's graphs, run as traced
         compile_module(sdpa, {"backend": lambda gm, inputs: graphs.append(gm) or gm.forward})
     assert not acco.attention._use_flex(torch.zeros(1), 0.0)  # the CPU, not compiling: never
@@ -125,4 +129,5 @@ def test_flex_local_layers_equal_eager_forward(monkeypatch, window, compiled):
     assert calls == ([window, window] if window < LENGTH and not compiled else [])  # the two local layers
     if compiled:  # the local layer's graph holds flex_attention
         assert graphs and any("flex_attention" in str(n.target) for gm in graphs for n in gm.graph.nodes)
+        assert not counters["graph_break"], list(counters["graph_break"])  # the mask built in-graph
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

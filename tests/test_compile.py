@@ -13,6 +13,7 @@ import torch
 import torch._dynamo
 from distributed import run_distributed
 from engine_helpers import assert_close, config, loss_fn, make_model, stream
+from torch._dynamo.utils import counters
 from torch.nn.utils import parameters_to_vector
 
 import acco.loss
@@ -124,7 +125,8 @@ def _run(compile_setting, tmp_path=None, arch=NEO):
 )
 def test_the_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend, arch):
     """GPT-Neo's and Llama's repeated blocks; aot_eager in make test, inductor (C++ code generated
-    for the CPU) in the slow tier."""
+    for the CPU) in the slow tier. Each compiled function is one graph: a graph break would split a
+    block in two and cost the fusions across it, silently."""
     monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 20)
     eager, eager_rec, eager_eval = _run(False, arch=arch)
     assert eager.acco_compile is None
@@ -141,7 +143,10 @@ def test_the_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend
         return counted
 
     monkeypatch.setattr(acco.loss, "_compiled_pass", spy)
+    torch._dynamo.reset()  # traced anew (an earlier test's cached frames are not), counted from zero
+    counters.clear()
     model, records, evaluation = _run(backend, arch=arch)
+    assert not counters["graph_break"], list(counters["graph_break"])
     assert model.acco_compile == {"backend": backend}
     compiled = blocks(model)
     assert compiled == REPEATED_BLOCKS[arch["arch"]](model)
