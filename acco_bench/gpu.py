@@ -49,6 +49,16 @@ PEAK_BF16_TFLOPS = [
     ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("A6000", 154.8),
 ]
 
+BASE_VARIANTS = ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast")
+RATIOS = (  # (a, b): a's tokens/s over b's, where both ran
+    ("engine-acco", "plain-bf16"),
+    ("engine-acco", "plain-autocast"),
+    ("engine-ddp", "plain-bf16"),
+    ("engine-acco-gc", "plain-bf16-gc"),
+    ("engine-acco-compiled", "plain-bf16-compiled"),
+    ("engine-acco-compiled", "engine-acco"),
+)
+
 SKIP_EXIT = 0
 NO_CUDA_EXIT = 3
 
@@ -216,9 +226,28 @@ def _worker(rank: int, args, port: int) -> None:
         dist.destroy_process_group()
 
 
+def parse_variants(text: str) -> list[tuple[str, str, bool, bool]]:
+    """--variants as (name, base, gradient checkpointing, compiled); a ValueError names an unknown one."""
+    parsed = []
+    for variant in [v.strip() for v in text.split(",") if v.strip()]:
+        base = variant.removesuffix("-gc")
+        gc = base != variant
+        compiled, base = base.endswith("-compiled"), base.removesuffix("-compiled")
+        if base not in BASE_VARIANTS:
+            raise ValueError(f"unknown variant {variant!r} (known: {', '.join(BASE_VARIANTS)}, "
+                             "each with -compiled and/or -gc)")
+        parsed.append((variant, base, gc, compiled))
+    return parsed
+
+
 def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     import torch
 
+    try:  # before anything runs: a typo found after minutes of compiling wastes a GPU's time
+        variants = parse_variants(args.variants)
+    except ValueError as e:
+        print(f"acco-bench gpu: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from acco.models import flops_per_token, model_config
@@ -248,17 +277,11 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     }
     say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
         f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
-    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        base = variant.removesuffix("-gc")
-        gc = base != variant  # with gradient checkpointing
-        compiled, base = base.endswith("-compiled"), base.removesuffix("-compiled")
+    for variant, base, gc, compiled in variants:
         if world > 1 and base.startswith("plain-"):
             continue  # single-process loops
         if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
             torch.cuda.reset_peak_memory_stats(device)
-        if base not in ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast"):
-            print(f"acco-bench gpu: unknown variant {variant!r}", file=sys.stderr)
-            return 2
         kw = dict(checkpointing=gc, compiled=compiled)
         try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
             if base.startswith("engine-"):
@@ -276,15 +299,33 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         result["variants"][variant] = r
         mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
         say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
+        if rank == 0:  # so far: what a run cut short by a time limit still leaves
+            _write(out, result)
     v = result["variants"]
-    for a, b in (
-        ("engine-acco", "plain-bf16"),
-        ("engine-acco", "plain-autocast"),
-        ("engine-ddp", "plain-bf16"),
-        ("engine-acco-gc", "plain-bf16-gc"),
-        ("engine-acco-compiled", "plain-bf16-compiled"),
-        ("engine-acco-compiled", "engine-acco"),
-    ):
+    if device.type == "cuda" and not args.no_stream_check:
+        ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
+        result["stream_check"] = stream_check(args, device, vocab, pool, ms)
+        sc = result["stream_check"]
+        say(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
+              f"{sc['delay_ms_per_round']:.0f} ms sleep per round on the comm stream (control on the compute "
+              f"stream: x{sc['compute_slowdown_control']:.2f}); {'PASSED' if sc['passed'] else 'FAILED'}")
+        if rank == 0:
+            _write(out, result)
+    if rank == 0 and (args.micro == "on" or (args.micro == "auto" and device.type == "cuda")):
+        from acco_bench.gpu_micro import from_args
+
+        result["micro"] = from_args(args, device)
+    if rank == 0:
+        _write(out, result)
+        print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
+    sc = result.get("stream_check")
+    return 1 if (sc is not None and not sc["passed"]) or result.get("failed") else 0
+
+
+def summarise(result: dict) -> None:
+    """The ratios between the variants measured so far, and the memory accounting, into `result`."""
+    v = result["variants"]
+    for a, b in RATIOS:
         if a in v and b in v:
             result[f"ratio_{a}_over_{b}"] = v[a]["tokens_per_s"] / v[b]["tokens_per_s"]
     result["memory_accounting"] = memory_accounting(v)
@@ -293,23 +334,12 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
             result[f"ratio_{a}-gc_over_{a}_peak_gpu_mem"] = (
                 v[a + "-gc"]["peak_gpu_mem_mb"] / v[a]["peak_gpu_mem_mb"]
             )
-    if device.type == "cuda" and not args.no_stream_check:
-        ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
-        result["stream_check"] = stream_check(args, device, vocab, pool, ms)
-        sc = result["stream_check"]
-        say(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
-              f"{sc['delay_ms_per_round']:.0f} ms sleep per round on the comm stream (control on the compute "
-              f"stream: x{sc['compute_slowdown_control']:.2f}); {'PASSED' if sc['passed'] else 'FAILED'}")
-    if rank == 0 and (args.micro == "on" or (args.micro == "auto" and device.type == "cuda")):
-        from acco_bench.gpu_micro import from_args
 
-        result["micro"] = from_args(args, device)
-    if rank == 0:
-        (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "gpu.md").write_text(gpu_markdown(result))
-        print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
-    sc = result.get("stream_check")
-    return 1 if (sc is not None and not sc["passed"]) or result.get("failed") else 0
+
+def _write(out: Path, result: dict) -> None:
+    summarise(result)
+    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "gpu.md").write_text(gpu_markdown(result))
 
 
 def memory_accounting(variants: dict) -> dict:

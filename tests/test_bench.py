@@ -351,3 +351,29 @@ def test_convergence_at_small_batch_sizes(tmp_path):
     md = (out / "batch_sizes.md").read_text()
     assert "| 2 | 32 |" in md and "| 4 | 16 |" in md
     assert main(["convergence", "--batch-sizes", "3", "--data", "synthetic", "--out", str(out), *TINY]) == 2
+
+
+def test_gpu_refuses_an_unknown_variant_before_running_any_and_reports_as_it_goes(tmp_path, monkeypatch):
+    """A typo in --variants is one line and exit 2 before anything runs (not after minutes of
+    compiling on a lent GPU); each variant's figures are written as soon as it is measured, so a run
+    cut short by a time limit keeps what it measured."""
+    import acco_bench.gpu
+
+    out = tmp_path / "gpu"
+    tiny = ["gpu", "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--max-length", "16",
+            "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+    ran = []
+    monkeypatch.setattr(acco_bench.gpu, "run_engine", lambda *a, **k: ran.append(a) or {})
+    assert main([*tiny, "--variants", "engine-acco,plain-bf17-compiled"]) == 2
+    assert ran == [] and not out.exists()
+
+    monkeypatch.undo()
+
+    def cut_short(*a, **k):  # what `timeout`'s signal does to the process mid-variant
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(acco_bench.gpu, "run_plain", cut_short)
+    assert main([*tiny, "--variants", "engine-acco,plain-bf16"]) == 130
+    result = json.loads((out / "gpu.json").read_text())
+    assert list(result["variants"]) == ["engine-acco"] and result["variants"]["engine-acco"]["tokens_per_s"] > 0
+    assert "| engine-acco |" in (out / "gpu.md").read_text()
