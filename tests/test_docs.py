@@ -10,8 +10,9 @@ lines) and each command is checked without running anything:
 - `acco-bench ...`: its argparse parser (found through pyproject's entry point) parses the
   arguments: an unknown subcommand, flag or method fails;
 - `make X`: X is a target of the Makefile;
-- `python -m pytest PATH[::TEST]`, `python -m MODULE`, `sbatch FILE`: the file, test or module exists;
-- any argument that points into the repository (acco/, acco_bench/, tests/, examples/, docs/)
+- `python -m pytest PATH[::TEST]`, `python -m MODULE`, `sbatch FILE`, `bash FILE`: the file, test or
+  module exists;
+- any argument that points into the repository (acco/, acco_bench/, tests/, examples/, docs/, tools/)
   exists.
 
 A program the checker does not know fails too: teach it here rather than let a command go
@@ -38,7 +39,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-REPO_DIRS = ("acco/", "acco_bench/", "tests/", "examples/", "docs/")
+REPO_DIRS = ("acco/", "acco_bench/", "tests/", "examples/", "docs/", "tools/")
 PYTHONS = {"python", "python3", ".venv/bin/python", ".venv/bin/python3"}
 
 
@@ -239,9 +240,9 @@ def check_command(argv: list[str]) -> str | None:
         return check_prepare(args)
     if prog == "acco-bench":
         return check_argparse_main("acco-bench", args)
-    if prog == "sbatch":
+    if prog in ("sbatch", "bash"):
         files = [a for a in args if not a.startswith("-")]
-        return None if files and (ROOT / files[0]).is_file() else f"no batch script {files[:1]}"
+        return None if files and (ROOT / files[0]).is_file() else f"no script {files[:1]}"
     return f"the docs test does not know the program {prog!r}: teach tests/test_docs.py to check it"
 
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU checks in one run, most telling first, within one time budget: a lent GPU gives one run
+# of a few minutes. Each step has its own time limit and is skipped (with a line) when less budget
+# is left; acco-bench gpu writes its figures after each variant, so a step cut short keeps them.
+#
+#   on a lent machine (no network; docs/gpu.md, "The GPU checks"):
+#     bash ../shared/gpu/prepare.sh && cp tools/gpu_check.sh .gpu/check.sh
+#     then run `bash .gpu/check.sh` there with .gpu/ carried (logs and figures in $OUT)
+#   on a GPU box where acco is installed: bash tools/gpu_check.sh
+#
+# BUDGET (seconds, default 450), OUT (default gpu-logs/), PY (default python3), METHODS (the e2e runs).
+cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)" || exit 9
+OUT=${OUT:-$PWD/gpu-logs}
+BUDGET=${BUDGET:-450}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+if compgen -G ".gpu/whl/*.whl" > /dev/null; then  # hydra-core and omegaconf, fetched by prepare.sh
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu/whl/*.whl || exit 9
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+step() {  # step NAME LIMIT_S COMMAND...: run under its limit if the budget still holds it
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  if ((SECONDS + limit > BUDGET)); then
+    echo "== $name skipped: ${limit}s asked, $((BUDGET - SECONDS))s of the budget left"
+    return
+  fi
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? $((SECONDS - start))s"
+  tail -n "${TAILN:-30}" "$OUT/$name.log"
+}
+
+# 1. GPT-Neo 125M, bf16, 8 x 1024: compiled and eager engine against the compiled and eager plain
+#    loop (MFU, the 0.97 ratio, eager against the 140k tokens/s of the first H200 run), the
+#    side-stream check (compiled, since engine-acco-compiled runs), the one-minute micro-benchmark.
+step gpu8 210 "$PY" -m acco_bench gpu --variants engine-acco-compiled,plain-bf16-compiled,engine-acco,plain-bf16 \
+  --micro on --out "$OUT/gpu8"
+# 2. One NCCL rank: every method equals its reference (compiled: train.compile=auto), bf16 training,
+#    the overlap, peak memory against the state held at 4 x 1024.
+TAILN=40 step onegpu 170 "$PY" -m pytest -q -rs -s -p no:cacheprovider --timeout 160 tests/test_cuda_one_gpu.py
+# 3. The paper's micro-batch, 24 x 1024.
+step gpu24 100 "$PY" -m acco_bench gpu --batch-size 24 --variants engine-acco-compiled,plain-bf16-compiled \
+  --no-stream-check --micro off --out "$OUT/gpu24"
+# 4. Training through main.py with a save (the tiny model): the methods that crashed on the first
+#    GPU run (fixed, checked under a fake GPU only).
+here=$PWD
+mkdir -p /tmp/e2e && cd /tmp/e2e || exit 9
+for m in ${METHODS:-diloco streaming-diloco}; do
+  TAILN=3 step "e2e-$m" 60 "$PY" "$here/main.py" train="$m" train.nb_steps_tot=30 train.save_step=15
+done
+cd "$here" || exit 9
+# 5. Llama's path: Llama 3.2 1B's geometry, 4 x 1024, compiled, the fused loss over 128256 tokens.
+step llama3 120 "$PY" -m acco_bench gpu --model llama3 --batch-size 4 \
+  --variants engine-acco-compiled,plain-bf16-compiled --no-stream-check --micro off --out "$OUT/gpu-llama"
+echo "== done in ${SECONDS}s of ${BUDGET}s; figures in $OUT/*/gpu.md"
