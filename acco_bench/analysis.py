@@ -181,13 +181,15 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
 def combine_repeats(results: list[dict]) -> dict:
     """One method's repetitions: the figures of the repetition with the median step time (so they
     stay consistent with each other), chosen among the undisturbed repetitions when there are any
-    (other processes below BUSY_CORES), every repetition's step time and samples/s alongside."""
+    (other processes below BUSY_CORES, and not kept disturbed by drift.run_until_undisturbed: a
+    machine whose speed moved), every repetition's step time and samples/s alongside."""
     ok = [r for r in results if "error" not in r]
     if not ok:
         return results[-1]
     if len(results) == 1:
         return ok[0]
-    quiet = [r for r in ok if ((r.get("load") or {}).get("other_cpu_cores") or 0.0) <= BUSY_CORES]
+    quiet = [r for r in ok if not r.get("disturbed")
+             and ((r.get("load") or {}).get("other_cpu_cores") or 0.0) <= BUSY_CORES]
     pool = sorted(quiet or ok, key=lambda r: r["step_time_s"] or float("inf"))
     chosen = dict(pool[(len(pool) - 1) // 2])
     chosen["repeats"] = [
@@ -200,6 +202,7 @@ def combine_repeats(results: list[dict]) -> dict:
                 "comm_s_per_update",
                 "load",
                 "error",
+                "disturbed",
                 "run_dir",
             )
         }

@@ -103,8 +103,8 @@ def run_until_undisturbed(run: Callable[[], dict], method: str, earlier: list[fl
                           pause_s: float, log) -> dict:
     """``run()`` (one run of ``method``: its result with ``load`` and ``compute_s_per_micro_batch``)
     again, ``pause_s`` apart, while :func:`disturbance` finds a reason, at most ``retries`` more
-    times (``--retry-disturbed``); the last result, with ``disturbed_attempts``. A failed run
-    (BenchError) propagates."""
+    times (``--retry-disturbed``); the last result, with ``disturbed_attempts`` and ``disturbed``
+    (why it is still disturbed, or None). A failed run (BenchError) propagates."""
     attempts = 0
     while True:
         res = run()
@@ -116,7 +116,7 @@ def run_until_undisturbed(run: Callable[[], dict], method: str, earlier: list[fl
         time.sleep(pause_s)
     if why:
         log(f"[acco-bench] {method}: WARNING: {why} (kept: no retry left)")
-    return {**res, "disturbed_attempts": attempts}
+    return {**res, "disturbed_attempts": attempts, "disturbed": why}
 
 
 def warning(methods: dict) -> str | None:

@@ -177,3 +177,17 @@ def test_the_cluster_reruns_a_drifted_method_and_flags_one_that_stays(tmp_path, 
     assert bench["compute_reference_s_per_micro_batch"] == pytest.approx(0.205)
     warning = [x for x in (tmp_path / "bench.md").read_text().splitlines() if "WARNING" in x]
     assert len(warning) == 1 and "dpu" in warning[0] and "acco" not in warning[0].split("micro-batch")[0]
+
+
+def test_the_clusters_median_repetition_is_chosen_among_the_undrifted(tmp_path, monkeypatch):
+    """``--repeats 3`` with acco's second repetition computing 2x slower and no retry left: the
+    figures come from a steady repetition, the drifted one listed beside them."""
+    from acco_bench import cluster
+
+    _fake_workers(monkeypatch, cluster, {"ddp": [0.2, 0.2, 0.2], "acco": [0.2, 0.45, 0.21]})
+    s = BenchSettings(methods=("ddp", "acco"), loopback=True, nb_steps_tot=20, repeats=3, retry_disturbed=0)
+    bench = cluster.run_bench(s, tmp_path, log=lambda *a: None)
+    acco = bench["methods"]["acco"]
+    assert acco["repeats_used"] == 2 and acco["compute_s_per_micro_batch"] < 0.3
+    assert [bool(r["disturbed"]) for r in acco["repeats"]] == [False, True, False]
+    assert acco["drifted"] is False
