@@ -83,6 +83,6 @@ def test_every_command_parses_headline_first(tmp_path):
 def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path):
     out, calls = _run(tmp_path, budget=105)
     assert "== gpu8 skipped: 210s asked" in out and "== onegpu skipped: 170s asked" in out
-    assert "== gpu24 rc=0" in out and "== e2e-diloco rc=0" in out  # 100 s and 60 s still fit
+    assert "== gpu24 rc=0" in out and "== e2e-diloco rc=0" in out  # 100 s and 90 s still fit
     assert "== llama3 skipped: 120s asked" in out
     assert [a[2:4] for a in calls if a[:2] == ["-m", "acco_bench"]] == [["gpu", "--batch-size"]]

@@ -38,20 +38,21 @@ step() {  # step NAME LIMIT_S COMMAND...: run under its limit if the budget stil
 # 1. GPT-Neo 125M, bf16, 8 x 1024: compiled and eager engine against the compiled and eager plain
 #    loop (MFU, the 0.97 ratio, eager against the 140k tokens/s of the first H200 run), the
 #    side-stream check (compiled, since engine-acco-compiled runs), the one-minute micro-benchmark.
-step gpu8 210 "$PY" -m acco_bench gpu --variants engine-acco-compiled,plain-bf16-compiled,engine-acco,plain-bf16 \
-  --micro on --out "$OUT/gpu8"
+step gpu8 210 "$PY" -m acco_bench gpu \
+  --variants engine-acco-compiled,plain-bf16-compiled,engine-acco,plain-bf16 --micro on --out "$OUT/gpu8"
 # 2. One NCCL rank: every method equals its reference (compiled: train.compile=auto), bf16 training,
 #    the overlap, peak memory against the state held at 4 x 1024.
-TAILN=40 step onegpu 170 "$PY" -m pytest -q -rs -s -p no:cacheprovider --timeout 160 tests/test_cuda_one_gpu.py
+TAILN=40 step onegpu 170 "$PY" -m pytest -q -rs -s -p no:cacheprovider --timeout 160 \
+  tests/test_cuda_one_gpu.py
 # 3. The paper's micro-batch, 24 x 1024.
-step gpu24 100 "$PY" -m acco_bench gpu --batch-size 24 --variants engine-acco-compiled,plain-bf16-compiled \
-  --no-stream-check --micro off --out "$OUT/gpu24"
-# 4. Training through main.py with a save (the tiny model): the methods that crashed on the first
-#    GPU run (fixed, checked under a fake GPU only).
+step gpu24 100 "$PY" -m acco_bench gpu --batch-size 24 \
+  --variants engine-acco-compiled,plain-bf16-compiled --no-stream-check --micro off --out "$OUT/gpu24"
+# 4. Training through main.py with a save (the tiny model, compiled: train.compile=auto): the
+#    methods that crashed on the first GPU run (fixed, checked under a fake GPU only).
 here=$PWD
 mkdir -p /tmp/e2e && cd /tmp/e2e || exit 9
 for m in ${METHODS:-diloco streaming-diloco}; do
-  TAILN=3 step "e2e-$m" 60 "$PY" "$here/main.py" train="$m" train.nb_steps_tot=30 train.save_step=15
+  TAILN=3 step "e2e-$m" 90 "$PY" "$here/main.py" train="$m" train.nb_steps_tot=30 train.save_step=15
 done
 cd "$here" || exit 9
 # 5. Llama's path: Llama 3.2 1B's geometry, 4 x 1024, compiled, the fused loss over 128256 tokens.
