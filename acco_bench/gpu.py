@@ -172,6 +172,11 @@ def _skip(args, reason: str) -> int:
 
 
 def main(args) -> int:
+    try:  # before anything runs: a typo found after minutes of compiling wastes a GPU's time
+        parse_variants(args.variants)
+    except ValueError as e:
+        print(f"acco-bench gpu: {e}", file=sys.stderr)
+        return 2
     try:
         import torch
     except ImportError:  # pragma: no cover
@@ -243,11 +248,7 @@ def parse_variants(text: str) -> list[tuple[str, str, bool, bool]]:
 def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     import torch
 
-    try:  # before anything runs: a typo found after minutes of compiling wastes a GPU's time
-        variants = parse_variants(args.variants)
-    except ValueError as e:
-        print(f"acco-bench gpu: {e}", file=sys.stderr)
-        return 2
+    variants = parse_variants(args.variants)  # checked by main
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from acco.models import flops_per_token, model_config

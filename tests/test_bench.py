@@ -365,6 +365,8 @@ def test_gpu_refuses_an_unknown_variant_before_running_any_and_reports_as_it_goe
     ran = []
     monkeypatch.setattr(acco_bench.gpu, "run_engine", lambda *a, **k: ran.append(a) or {})
     assert main([*tiny, "--variants", "engine-acco,plain-bf17-compiled"]) == 2
+    # and before the no-CUDA skip and the processes of --nproc
+    assert main(["gpu", "--variants", "engine-acco-compild", "--nproc", "2", "--out", str(out)]) == 2
     assert ran == [] and not out.exists()
 
     monkeypatch.undo()
