@@ -44,6 +44,7 @@ from acco_bench.workers import LoadMeter, check_worker_available, run_workers, w
 
 RETRY_PAUSE_S = 20.0
 
+
 def _run_once(settings: BenchSettings, method: str, run_dir: Path, net: Network) -> dict:
     """One run of ``method`` in a clean ``run_dir``: its figures, load and compute per micro-batch."""
     if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean

@@ -294,9 +294,8 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                 f"to eval loss {target:.4f} or {s.nb_steps_tot} micro-batches"))
             try:
                 once = functools.partial(_run_once, s, method, run_dir, net, log)
-                res = drift.run_until_undisturbed(once, method, probe_values + accepted,
-                                                  settings.retry_disturbed, RETRY_PAUSE_S, log)
-                methods[method] = res
+                methods[method] = drift.run_until_undisturbed(once, method, probe_values + accepted,
+                                                              settings.retry_disturbed, RETRY_PAUSE_S, log)
             except BenchError as e:
                 log(f"[acco-bench] {method} FAILED: {e}")
                 methods[method] = {"error": str(e)}
@@ -304,7 +303,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                     break
                 continue
             if drift.checked(method):
-                accepted.append(res["compute_s_per_micro_batch"])
+                accepted.append(methods[method]["compute_s_per_micro_batch"])
             if ref:
                 target = methods[method]["final_eval_loss"]
                 m = method_metrics(run_dir, s)  # the share as the calibration measures it

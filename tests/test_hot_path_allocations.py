@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import traceback
+from dataclasses import replace
 
 import fake_cuda
 import pytest
@@ -108,8 +109,8 @@ def _audit_one(cfg, world):
 
     acco.engine.comm.BackgroundComm.submit = audited_submit
     try:
-        cfg.nb_steps_tot = world * 2 * 8 if cfg.method not in ("diloco", "streaming-diloco") else world * 16
-        engine = build_engine(model, cfg)
+        updates = world * 2 * 8 if cfg.method not in ("diloco", "streaming-diloco") else world * 16
+        engine = build_engine(model, replace(cfg, nb_steps_tot=updates))
         with NewStorages(record, limit):
             for update, _ in enumerate(engine.run(_batches(torch.distributed.get_rank()), _loss), start=1):
                 record["on"] = update + 1 >= STEADY_FROM  # from the next update on
