@@ -39,16 +39,25 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoModel, GPTNeoSelf
 FLEX_LOCAL = True  # local layers through flex_attention on CUDA under compile (the module docstring)
 
 
-def flex_local(query, key, value, window: int):
-    """GPT-Neo's local attention (key j visible from query i when 0 <= i - j < window, no scaling)
-    through flex_attention; the block mask is built in the caller's graph, once per length."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def sliding_window_block_mask(length: int, window: int, device):
+    """flex_attention's block mask for GPT-Neo's local layers: key j is visible from query i when
+    0 <= i - j < window."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_window_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
-    length = query.size(-2)
-    block_mask = create_block_mask(sliding_window_causal, None, None, length, length, device=query.device)
+    return create_block_mask(sliding_window_causal, None, None, length, length, device=device)
+
+
+def flex_local(query, key, value, window: int, block_mask=None):
+    """GPT-Neo's local attention (no scaling) through flex_attention; without `block_mask` the mask
+    is built in the caller's graph on every call (a few small kernels under compile: what acco-bench
+    gpu's micro-benchmark weighs against a mask built once, flex_prebuilt_mask)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if block_mask is None:
+        block_mask = sliding_window_block_mask(query.size(-2), window, query.device)
     return flex_attention(query, key, value, block_mask=block_mask, scale=1.0)
 
 

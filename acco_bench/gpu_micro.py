@@ -10,8 +10,9 @@ after a warm-up that also compiles), milliseconds, or the error a piece raised:
   activations;
 - ``local_attention``: a local layer (sliding window) through SDPA with an explicit mask (what runs
   today), SDPA ``is_causal`` (the flash kernel; a bound, it ignores the window), and
-  ``flex_attention`` with a sliding-window causal block mask, compiled (on CUDA; the CPU runs its
-  forward only, eagerly: torch 2.13 has no flex backward there);
+  ``flex_attention`` with a sliding-window causal block mask built in the graph (as acco runs it)
+  and built once beforehand, compiled (on CUDA; the CPU runs its forward only, eagerly: torch 2.13
+  has no flex backward there);
 - ``loss``: the loss acco computed before (checkpointed head, fp32 cross-entropy per chunk) against
   the fused one, eager and compiled.
 
@@ -120,8 +121,7 @@ def run(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0).backward(do)
         ),
     }
-    attention["flex_sliding_window"] = _flex(measure, q, k, v, do, window, backend, device)
-    out["local_attention"] = attention
+    out["local_attention"] = attention | _flex(measure, q, k, v, do, window, backend, device)
     targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
     hg, wg = randn(rows, hidden, grad=True), randn(vocab, hidden, grad=True)
     loss = {
@@ -137,19 +137,28 @@ def run(
     return out
 
 
-def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> float:
+def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> dict:
     """acco's flex path for GPT-Neo's local layers (acco/attention.py's flex_local, its block mask
-    built in the graph): compiled forward and backward on CUDA, the eager forward on the CPU (a
-    check that the mask and call are right, no timing to read)."""
+    built in the graph on every call: ``flex_sliding_window``) and the same with the mask built
+    once beforehand (``flex_prebuilt_mask``; the difference is what caching the mask per length
+    would buy): compiled forward and backward on CUDA, the eager forward on the CPU (a check that
+    the mask and call are right, no timing to read)."""
     import torch
 
-    from acco.attention import flex_local
+    from acco.attention import flex_local, sliding_window_block_mask
 
+    mask = sliding_window_block_mask(q.size(-2), window, device)
     if device.type != "cuda":
         q, k, v = (t.detach() for t in (q, k, v))
-        return measure(lambda: flex_local(q, k, v, window))
+        return {
+            "flex_sliding_window": measure(lambda: flex_local(q, k, v, window)),
+            "flex_prebuilt_mask": measure(lambda: flex_local(q, k, v, window, mask)),
+        }
     flex = torch.compile(flex_local, backend=backend) if backend else flex_local
-    return measure(lambda: flex(q, k, v, window).backward(do))
+    return {
+        "flex_sliding_window": measure(lambda: flex(q, k, v, window).backward(do)),
+        "flex_prebuilt_mask": measure(lambda: flex(q, k, v, window, mask).backward(do)),
+    }
 
 
 def from_args(args, device) -> dict:

@@ -36,7 +36,9 @@ def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
     micro = result["micro"]
     assert set(micro["head_gemm"]) == {"vocab_2048"}  # already a multiple of 128
     assert set(micro["gelu"]) == {"gelu_new", "gelu_pytorch_tanh"}
-    assert set(micro["local_attention"]) == {"sdpa_masked", "sdpa_is_causal", "flex_sliding_window"}
+    assert set(micro["local_attention"]) == {
+        "sdpa_masked", "sdpa_is_causal", "flex_sliding_window", "flex_prebuilt_mask"
+    }
     assert set(micro["loss"]) == {"todays", "fused"}  # compiled on CUDA only
     assert all(
         isinstance(ms, float) and ms > 0  # not an error's text
@@ -66,8 +68,9 @@ def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
 @pytest.mark.parametrize("window", [4, 16])
 def test_the_micro_benchmarks_masks_are_gpt_neos_local_attention(window):
     """The explicit mask the micro-benchmark gives SDPA is GPT-Neo's local bias, and acco's flex path
-    (acco/attention.py's flex_local, which it times) computes the same attention, forward only."""
-    from acco.attention import flex_local
+    (acco/attention.py's flex_local, which it times, with its mask built in the call or beforehand)
+    computes the same attention, forward only."""
+    from acco.attention import flex_local, sliding_window_block_mask
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8, generator=gen) for _ in range(3))
@@ -76,6 +79,8 @@ def test_the_micro_benchmarks_masks_are_gpt_neos_local_attention(window):
     assert torch.equal(mask, causal ^ torch.tril(causal, -window))  # GPT-Neo's local bias in transformers
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     torch.testing.assert_close(flex_local(q, k, v, window), expected, rtol=1e-5, atol=1e-5)
+    prebuilt = sliding_window_block_mask(16, window, q.device)
+    torch.testing.assert_close(flex_local(q, k, v, window, prebuilt), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path):
