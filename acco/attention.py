@@ -52,8 +52,12 @@ def sliding_window_block_mask(length: int, window: int, device):
 
 def flex_local(query, key, value, window: int, block_mask=None):
     """GPT-Neo's local attention (no scaling) through flex_attention; without `block_mask` the mask
-    is built in the caller's graph on every call (a few small kernels under compile: what acco-bench
-    gpu's micro-benchmark weighs against a mask built once, flex_prebuilt_mask)."""
+    is built in the caller's graph on every call: a few small kernels under compile, and one graph
+    with dynamic shapes serves every length. A mask built once per length outside the graph and
+    handed in (a module attribute) made each new length recompile the local layers (dynamo guards
+    on the mask's lengths; tried on the CPU with the flex path forced), so acco builds it in the
+    graph; acco-bench gpu's micro-benchmark weighs that cost (flex_prebuilt_mask against
+    flex_sliding_window)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if block_mask is None:
