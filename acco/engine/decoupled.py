@@ -210,7 +210,9 @@ class DecoupledEngine:
         # updates of an overlapped method run as ddp; ddp runs nothing else.
         sequential_updates = cfg.n_warmup_steps if self.overlapped else float("inf")
         while self.comm.step < sequential_updates:
-            yield self._sequential_update(batches, loss_fn, micro_batches_per_update)
+            record = self._sequential_update(batches, loss_fn, micro_batches_per_update)
+            if record.weight > 0:  # else nothing was committed (every worker's data had run out)
+                yield record
             if finished():
                 self.finish()
                 return
@@ -239,7 +241,8 @@ class DecoupledEngine:
                 continue
             record = self._record(result, compute_s, wait_s, comm_s)
             compute_s = wait_s = comm_s = 0.0
-            yield record
+            if record.weight > 0:  # as above: an update that committed nothing yields no record
+                yield record
             if finished():
                 break
         self.finish()

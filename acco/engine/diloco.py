@@ -173,6 +173,9 @@ class DiLoCoEngine:
         self.stats_ready.record(self.ops.current_stream())
         self.flat.grads.zero_()
         self.stats.zero_()
+        # Counted alike on every worker (the budget and the fragment schedule must agree), also for
+        # the inner steps without data that keep the schedule until the all-reduce that tells every
+        # worker some worker's data ran out (no record is yielded for those, `run`).
         self.step += 1
         self.samples += self.world_size * self.cfg.n_grad_accumulation
         return lr
@@ -292,8 +295,9 @@ class DiLoCoEngine:
 
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
         """Train until `nb_steps_tot` micro-batches over all workers have gone into inner steps (or
-        a worker's data ran out); one record per inner step. Between two records the model holds
-        this worker's local parameters; `committed_params` gives the global ones."""
+        a worker's data ran out); one record per inner step that had micro-batches. Between two
+        records the model holds this worker's local parameters; `committed_params` gives the
+        global ones."""
         batches = iter(batches)
         t0 = time.perf_counter() - self.wall_time_offset
         self.flat.check_grad_views()
@@ -315,20 +319,21 @@ class DiLoCoEngine:
                 next_compute = time.perf_counter() - start
             norm, weight = self._read_stats(n)
             self.last_wall_time = time.perf_counter() - t0
-            yield UpdateRecord(
-                step=self.step,
-                samples=self.samples,
-                loss=self._last_loss,
-                lr=lr,
-                micro_batches=[n] * self.world_size,
-                compute_s=compute,
-                wait_s=wait,
-                comm_s=busy,
-                wall_time=self.last_wall_time,
-                weight=weight * self.world_size,
-                grad_norm=norm,
-                stop=self._stop_agreed,
-            )
+            if n:  # an inner step with no data (after this worker's ran out) is no update: no record
+                yield UpdateRecord(
+                    step=self.step,
+                    samples=self.samples,
+                    loss=self._last_loss,
+                    lr=lr,
+                    micro_batches=[n] * self.world_size,
+                    compute_s=compute,
+                    wait_s=wait,
+                    comm_s=busy,
+                    wall_time=self.last_wall_time,
+                    weight=weight * self.world_size,
+                    grad_norm=norm,
+                    stop=self._stop_agreed,
+                )
             if finished:
                 return
             n, compute, self.computed_ahead = self.computed_ahead, next_compute, 0
