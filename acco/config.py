@@ -80,8 +80,13 @@ def one_line_error(e: BaseException, limit: int = 1000) -> str:
 SEED_ONLY_KEYS = {
     "group_by_length": False, "dataloader_num_workers": None, "dataloader_pin_memory": None,
     "dataloader_persistent_workers": None, "label_smoothing_factor": 0, "run_baseline_ddp": None,
-    "run_expe_slow": False, "const_len_batch": False, "finetune": None, "gradient_accumulation_steps": None,
+    "run_expe_slow": False, "const_len_batch": False, "finetune": None, "gradient_accumulation_steps": 1,
 }  # fmt: skip
+# What to set instead, where a seed key's other values have an acco counterpart.
+SEED_KEY_INSTEAD = {
+    "gradient_accumulation_steps": "set train.n_grad_accumulation, the micro-batches per worker per "
+    "update (acco: per round, two rounds per update)",
+}
 
 
 @dataclass
@@ -109,6 +114,9 @@ class TrainArgs(EngineSettings, _Method):
     eval_batch_size: int | None = None  # sequences per eval micro-batch (None: batch_size)
     eval_fraction: float = 0.05  # carved out of the training data when no eval set is given
     max_eval_batches: int | None = None  # per worker, None: the whole eval set
+    # With a data collator: give it only the fields the model's forward takes (transformers.Trainer's
+    # default); false when the collator needs others (a text field it tokenizes itself)
+    remove_unused_columns: bool = True
     stop_at_eval_loss: float | None = None  # stop after the first evaluation at or below it (acco-bench race)
     save: bool = True  # the final model (save_pretrained) and a final checkpoint
     save_step: int = 0  # also checkpoint every that many updates (0: only at the end)
@@ -180,7 +188,10 @@ class TrainArgs(EngineSettings, _Method):
         for key in seen:
             value, neutral = getattr(self, key), SEED_ONLY_KEYS[key]
             if neutral is not None and value != neutral:
-                raise ConfigError(f"train.{key}={value!r} is not supported by acco (only {neutral!r})")
+                instead = f": {SEED_KEY_INSTEAD[key]}" if key in SEED_KEY_INSTEAD else ""
+                raise ConfigError(
+                    f"train.{key}={value!r} is not supported by acco (only {neutral!r}){instead}"
+                )
             if key == "run_baseline_ddp" and value and self.method_name != "ddp":
                 raise ConfigError(
                     f"train.run_baseline_ddp=true conflicts with method_name={self.method_name!r}: "
@@ -206,6 +217,10 @@ class TrainArgs(EngineSettings, _Method):
         if dataclasses.is_dataclass(args):
             args = dataclasses.asdict(args)
         elif not isinstance(args, Mapping | DictConfig):
+            if not hasattr(args, "__dict__"):
+                raise ConfigError(
+                    f"args must be a dict, an OmegaConf config or a dataclass of train keys, got {args!r}"
+                )
             args = {k: v for k, v in vars(args).items() if not k.startswith("_")}
         return as_object(args, cls, "train")
 

@@ -29,7 +29,7 @@ from acco.config import TrainArgs
 from acco.data.errors import DataError
 from acco.data.loader import Rows, eval_batches, split_train_eval
 from acco.data.on_device import OnDevice, Rewound, without_full_mask
-from acco.data.prepare import collate, micro_batches, prepare_dataset, select
+from acco.data.prepare import collate, forward_fields, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
 from acco.launch import preemption
@@ -76,6 +76,7 @@ class DecoupledTrainer:
             # Non-reentrant: the parameters' gradients land in the engine's flat buffer as usual.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = None
+        self._collator_fields = forward_fields(model) if self.args.remove_unused_columns else None
         self.train_data = self._prepare(train_dataset) if train_dataset is not None else None
         if eval_dataset is not None:
             try:
@@ -150,7 +151,8 @@ class DecoupledTrainer:
         if folder is None:
             self._clear_old_checkpoints(out)
         position, batches = micro_batches(
-            self.train_data, args.batch_size, self.rank, self.world_size, args.seed, self.data_collator
+            self.train_data, args.batch_size, self.rank, self.world_size, args.seed, self.data_collator,
+            self._collator_fields,
         )
         self.model.train()
         # The log (TensorBoard's import takes seconds on rank 0) exists before the engine, and
@@ -339,7 +341,9 @@ class DecoupledTrainer:
         self.model.eval()
         with committed, precision:
             collate_fn = (
-                None if isinstance(data, Rows) else (lambda examples: collate(self.data_collator, examples))
+                None
+                if isinstance(data, Rows)
+                else (lambda examples: collate(self.data_collator, examples, self._collator_fields))
             )
             for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size, collate_fn)):
                 if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:

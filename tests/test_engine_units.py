@@ -298,6 +298,7 @@ def test_rounds_are_named_as_the_spec_names_them(monkeypatch):
         (dict(nb_steps_tot=-1), "nb_steps_tot must be a positive"),
         (dict(learning_rate=0.0), "learning_rate must be a positive finite number"),
         (dict(scheduler_name="step"), "scheduler_name must be one of cosine"),
+        (dict(compile="inductr"), "'inductr' is not a torch.compile backend .*inductor"),
     ],
 )
 def test_config_errors(bad, match):

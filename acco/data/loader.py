@@ -40,7 +40,10 @@ def split_train_eval(n: int, eval_fraction: float, seed: int) -> tuple[torch.Ten
     so the same (n, eval_fraction, seed) always gives the same split.
     """
     if not 0.0 < eval_fraction < 1.0:
-        raise DataError(f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction}")
+        raise DataError(
+            f"train.eval_fraction must be between 0 and 1 (exclusive) to carve an eval set out of the "
+            f"training data, got {eval_fraction} (give an eval set, or set train.eval=false)"
+        )
     if seed < 0:
         raise DataError(f"seed must be >= 0, got {seed}")
     n_eval = max(1, round(n * eval_fraction))

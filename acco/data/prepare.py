@@ -21,6 +21,7 @@ tokenizes lands in the caches the workers then read.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -173,10 +174,11 @@ def prepare_dataset(
     data_collator=None,
     alone: bool = False,
 ):
-    """What the streams read: `Rows` of packed blocks (text), masked prompts (instructions)
-    or padded token ids (pre-tokenized); with a data collator, the examples themselves.
-    Instruction records are told by their instruction and output fields, before a text column
-    (the Hub's Alpaca has both). `alone`: tokenized in this process only (``rank0_first``)."""
+    """What the streams read: `Rows` of padded token ids (pre-tokenized: an input_ids column
+    wins over any other), masked prompts (instructions) or packed blocks (text); with a data
+    collator, the examples themselves. Instruction records are told by their instruction and
+    output fields, before a text column (the Hub's Alpaca has both). `alone`: tokenized in this
+    process only (``rank0_first``)."""
     arrays = torch.Tensor | np.ndarray
     if isinstance(dataset, Rows | arrays) or (
         isinstance(dataset, Mapping) and all(isinstance(v, arrays) for v in dataset.values())
@@ -190,15 +192,16 @@ def prepare_dataset(
         docs = dataset if isinstance(dataset, list) else list(dataset)
         return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column, alone))
     columns = getattr(dataset, "column_names", None) or (list(first) if isinstance(first, Mapping) else [])
+    if "input_ids" in columns:  # pre-tokenized (run_clm.py's output): used as they are, as
+        # transformers.Trainer does, also where the text they came from is still beside them
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
+        return Rows(pad_token_ids(dataset, max_length, pad))
     if "instruction" in columns and "output" in columns:
         records = list(dataset) if isinstance(dataset, list) else dataset.to_list()
         return Rows(_instructions(records, _need(tokenizer), max_length, cache_dir, alone))
     if text_column in columns:
         docs = dataset if is_hf_dataset(dataset) else [r[text_column] for r in dataset]
         return Rows(_packed(docs, _need(tokenizer), max_length, cache_dir, text_column, alone))
-    if "input_ids" in columns:  # pre-tokenized (run_clm.py's output): a tokenizer only pads
-        pad = tokenizer.pad_token_id if tokenizer is not None else None
-        return Rows(pad_token_ids(dataset, max_length, pad))
     raise DataError(
         f"dataset has neither a {text_column!r} column, instruction/output columns nor input_ids "
         f"(has {columns})"
@@ -244,8 +247,23 @@ def select(data, idx: torch.Tensor):
     return torch.utils.data.Subset(data, idx.tolist())
 
 
-def collate(data_collator, examples: list) -> dict:
-    """A user's data collator on `examples`, with labels added where it gives none."""
+def forward_fields(model) -> frozenset[str] | None:
+    """The example fields a data collator is given (transformers.Trainer's remove_unused_columns):
+    the named parameters of the model's forward, labels included; None (every field) for a model
+    whose forward names no input_ids (one that takes ``**kwargs`` only)."""
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" not in params:
+        return None
+    return frozenset(n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def collate(data_collator, examples: list, fields: frozenset[str] | None = None) -> dict:
+    """A user's data collator on `examples` (only their `fields`, None: all), with labels added
+    where it gives none."""
+    if fields is not None:
+        examples = [
+            {k: v for k, v in e.items() if k in fields} if isinstance(e, Mapping) else e for e in examples
+        ]
     batch = dict(data_collator(examples))
     if "labels" not in batch:  # a padding-only collator: every real token is a target
         labels = batch["input_ids"].clone()
@@ -255,10 +273,13 @@ def collate(data_collator, examples: list) -> dict:
     return batch
 
 
-def micro_batches(data, batch_size: int, rank: int, world_size: int, seed: int, data_collator=None):
-    """(this worker's resumable MicroBatchStream, the iterator of its micro-batches)."""
+def micro_batches(
+    data, batch_size: int, rank: int, world_size: int, seed: int, data_collator=None, fields=None
+):
+    """(this worker's resumable MicroBatchStream, the iterator of its micro-batches); a data
+    collator is given the examples' `fields` only (`collate`)."""
     if isinstance(data, Rows):
         stream = MicroBatchStream(data, batch_size, rank, world_size, seed)
         return stream, stream
     index = MicroBatchStream(torch.arange(len(data)), batch_size, rank, world_size, seed)
-    return index, (collate(data_collator, [data[i] for i in b["input_ids"].tolist()]) for b in index)
+    return index, (collate(data_collator, [data[i] for i in b["input_ids"].tolist()], fields) for b in index)

@@ -195,6 +195,14 @@ class EngineConfig(EngineSettings):
             raise ConfigError(
                 f"compile must be auto, true, false or a torch.compile backend, got {self.compile!r}"
             )
+        if isinstance(self.compile, str) and self.compile != "auto":  # found now, not at the first step
+            from torch._dynamo import list_backends
+
+            if self.compile not in (known := list_backends(exclude_tags=())):
+                raise ConfigError(
+                    f"compile: {self.compile!r} is not a torch.compile backend (auto, true, false, or "
+                    f"one of {', '.join(known)})"
+                )
 
     def _validate_split(self) -> None:
         e, most = self.estimate_micro_batches, 2 * int(self.n_grad_accumulation) - 1

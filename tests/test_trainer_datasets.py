@@ -1,0 +1,103 @@
+"""What DecoupledTrainer reads of a user's dataset, as transformers.Trainer does: token ids already
+there are used as they are (a text column beside them is not tokenized again), a data collator is
+given only the fields the model's forward takes (remove_unused_columns), and a Trainer key whose
+value acco would not honour is refused with what to set instead."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from trainer_helpers import SMALL
+
+from acco.data import load_tokenizer, synthetic_corpus
+from acco.models import build_model
+from acco.trainer import DecoupledTrainer
+
+
+def _args(tmp_path, **overrides) -> dict:
+    return dict(method_name="ddp", batch_size=4, nb_steps_tot=4, max_length=32, eval_step=1,
+                output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False,
+                **overrides)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setting():
+    docs = synthetic_corpus(120)
+    tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
+    return docs, tokenizer
+
+
+def test_token_ids_beside_their_text_are_used_as_they_are(tmp_path, setting):
+    """ds.map(tokenize) without remove_columns keeps the text: the user's ids (here each with a
+    prefix token the text alone would not give) are what trains, not the text packed anew."""
+    from datasets import Dataset
+
+    docs, tokenizer = setting
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
+    ids = [[7] + tokenizer(d)["input_ids"][:31] for d in docs[:40]]
+    ds = Dataset.from_dict({"text": docs[:40], "input_ids": ids})
+    trainer = DecoupledTrainer(
+        model=model, processing_class=tokenizer, train_dataset=ds, args=_args(tmp_path)
+    )
+    assert len(trainer.train_data) + len(trainer.eval_data) == 40  # one row per example, none packed
+    rows = trainer.train_data.take(list(range(len(trainer.train_data))))["input_ids"]
+    assert all(row[0] == 7 for row in rows.tolist())
+    assert trainer.train()["samples"] == 4
+
+
+def test_a_collator_is_given_only_what_the_model_takes(tmp_path, setting):
+    """Examples with a string and an integer field beside input_ids: the collator sees input_ids
+    only (a string breaks DataCollatorForLanguageModeling, an unknown integer would reach the
+    model's forward); with remove_unused_columns=false it gets every field."""
+    from transformers import DataCollatorForLanguageModeling
+
+    docs, tokenizer = setting
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
+    rows = [{"input_ids": tokenizer(d)["input_ids"][: 10 + i % 20], "note": d[:8], "idx": i}
+            for i, d in enumerate(docs)]  # fmt: skip
+    pads = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    seen = set()
+
+    def collator(examples):
+        seen.update(k for e in examples for k in e)
+        return pads(examples)
+
+    trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=rows,
+                               data_collator=collator, args=_args(tmp_path))  # fmt: skip
+    summary = trainer.train()
+    assert summary["samples"] == 4 and math.isfinite(summary["final_eval_loss"])
+    assert seen == {"input_ids"}
+
+    seen.clear()
+    keep_all = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=rows,
+                                data_collator=collator, args=_args(tmp_path, remove_unused_columns=False))
+    with pytest.raises(ValueError):  # what transformers.Trainer does with remove_unused_columns=False
+        keep_all.evaluate()
+    assert seen == {"input_ids", "note", "idx"}
+
+
+def test_gradient_accumulation_steps_is_refused_unless_it_is_one():
+    from acco.engine import ConfigError
+    from acco.trainer import TrainArgs
+
+    with pytest.raises(ConfigError, match="args must be a dict.*got 'acco'"):
+        TrainArgs.from_any("acco")
+
+    with pytest.raises(ConfigError, match="accumulation_steps=4 is not supported.*n_grad_accumulation"):
+        TrainArgs.from_any({"gradient_accumulation_steps": 4})
+    with pytest.warns(UserWarning, match="ignoring the seed's train key.*gradient_accumulation_steps"):
+        assert TrainArgs.from_any({"gradient_accumulation_steps": 1}).n_grad_accumulation == 1
+
+
+def test_no_eval_fraction_and_no_eval_set_says_what_to_do(tmp_path, setting):
+    from acco.data import DataError
+
+    docs, tokenizer = setting
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
+    with pytest.raises(DataError, match="got 0.0 .give an eval set, or set train.eval=false"):
+        DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
+                         args=_args(tmp_path, eval_fraction=0.0))  # fmt: skip
+    quiet = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
+                             args=_args(tmp_path, eval_fraction=0.0, eval=False))  # fmt: skip
+    assert quiet.eval_data is None
