@@ -170,6 +170,12 @@ class TrainArgs(EngineSettings, _Method):
                     f"train.save_on_signal: {name!r} is not a signal acco can catch "
                     f"(one of {', '.join(sorted(CATCHABLE_SIGNALS))})"
                 )
+        for name in ("eval_batch_size", "max_eval_batches"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"train.{name} must be null or a positive integer, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"train.seed must be a non-negative integer, got {self.seed!r}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
         if self.stop_at_eval_loss is not None and not math.isfinite(self.stop_at_eval_loss):
@@ -321,6 +327,11 @@ class DataConfig:
             raise ConfigError(f"data.format must be 'pretrain' or 'instruct', got {self.format!r}")
         if self.name == "synthetic" and (self.n_docs is None or self.n_docs < 1):
             raise ConfigError(f"data.n_docs must be a positive integer, got {self.n_docs!r}")
+        if self.name == "synthetic" and self.path is not None:  # else training on it would ignore the file
+            raise ConfigError(
+                f"data.path={self.path!r} with data=synthetic, which generates its corpus and reads no "
+                "file: add data=text for a local file (or data=tinystories, openwebtext, alpaca)"
+            )
 
 
 @dataclass
@@ -359,14 +370,40 @@ def compose(
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as e:
         raise InputError(hydra_message(e, overrides)) from e
-    check_values(cfg)
+    check_values(cfg, overrides)
     return cfg
 
 
-def check_values(cfg: DictConfig) -> None:
+_SCHEMAS = {"train": TrainArgs, "model": ModelConfig, "data": DataConfig, "launch": LaunchConfig}
+
+
+def check_values(cfg: DictConfig, overrides: list[str] = ()) -> None:
     """Each group's ``__post_init__`` checks (merging runs none; ``OmegaConf.to_object`` does) as one
-    ``InputError`` line; a group with a ``???`` or a broken interpolation is left to acco.validate."""
+    ``InputError`` line; a group with a ``???`` or a broken interpolation is left to acco.validate.
+    Also a key the schema does not have, which Hydra lets a ``+key=value`` override add (it would
+    be ignored), and train.eval with no eval set to carve (the command line's data has none other)."""
     from omegaconf.errors import OmegaConfBaseException
+
+    for group, schema in [(None, Config), *_SCHEMAS.items()]:
+        node = cfg if group is None else cfg.get(group)
+        if not isinstance(node, DictConfig):
+            continue
+        known = {f.name for f in dataclasses.fields(schema)} | ({"hydra"} if group is None else set())
+        for key in node.keys():
+            if key not in known:
+                name = f"{group}.{key}" if group else str(key)
+                override = next((a for a in overrides if a.split("=", 1)[0].lstrip("+~") == name), None)
+                keys = ", ".join(sorted(k for k in known - {"hydra"} if k not in SEED_ONLY_KEYS))
+                raise InputError(
+                    f"unknown config key {name!r}{f' in {override!r}' if override else ''}; "
+                    f"keys of {group or 'the top level'}: {keys}"
+                )
+    train = cfg.get("train")
+    if isinstance(train, DictConfig) and train.get("eval") is True and train.get("eval_fraction") == 0:
+        raise InputError(
+            "train.eval_fraction=0 leaves no eval set to carve out of the training data: raise it "
+            "or set train.eval=false"
+        )
 
     for group in ("launch", "train", "data"):  # launch first: train.timeout_s is ${launch.timeout_s}
         node = cfg.get(group)

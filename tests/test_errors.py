@@ -168,6 +168,11 @@ def test_instruction_records_without_instruction_or_output(tmp_path):
         ("train.scheduler_name=nope", "scheduler"),
         ("train.max_length=1000", "train.max_length 1000 exceeds model.max_position_embeddings 256"),
         ("train=base", "missing value for train.method_name"),
+        ("train.max_eval_batches=0", "train.max_eval_batches must be null or a positive integer, got 0"),
+        ("train.eval_batch_size=0", "train.eval_batch_size must be null or a positive integer, got 0"),
+        ("train.seed=-1", "train.seed must be a non-negative integer, got -1"),
+        ("train.eval_fraction=0", "train.eval_fraction=0 leaves no eval set to carve"),
+        ("data.path=corpus.txt", "data.path='corpus.txt' with data=synthetic, which generates its corpus"),
     ],
 )
 def test_bad_values_name_their_key(tmp_path, override, expected):
@@ -316,6 +321,9 @@ def test_unknown_config_group_option_or_key(tmp_path):
     "override, expected",
     [
         ("train.nb_steps=10", "unknown config key 'train.nb_steps' in 'train.nb_steps=10'"),
+        ("+train.learning_rat=1", "unknown config key 'train.learning_rat' in '+train.learning_rat=1'"),
+        ("++model.foo=2", "unknown config key 'model.foo' in '++model.foo=2'; keys of model: arch, "),
+        ("+foo=1", "unknown config key 'foo' in '+foo=1'; keys of the top level: data, launch, model, train"),
         ("data=wikipedia", "unknown data 'wikipedia': no config data/wikipedia.yaml (available: alpaca"),
     ],
 )
