@@ -97,7 +97,7 @@ def resolve(spec: str | bool, output_dir: str | Path) -> Path | None:
     if spec is True or spec == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise CheckpointError(f"resume_from_checkpoint=latest: no complete checkpoint in {output_dir}")
+            raise CheckpointError(f"no complete checkpoint in {output_dir}")
         return found[-1]
     folder = Path(os.path.expanduser(str(spec)))
     if not folder.is_dir():

@@ -293,6 +293,22 @@ def test_output_dir_holding_a_run_is_not_overwritten_unless_asked(tmp_path):
     check_output_dir(str(out))
 
 
+def test_auto_with_no_checkpoint_starts_afresh_but_never_over_a_finished_run(tmp_path):
+    """resume_from_checkpoint=auto: a run stopped before its first checkpoint starts again; a
+    finished one without checkpoints (train.save=false) is kept, as without auto."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    check_output_dir(str(out), resume="auto")
+    (out / "summary.json").write_text('{"old": true}')
+    msg = validation_error(tmp_path, "train.resume_from_checkpoint=auto")
+    assert msg.startswith(f"train.output_dir '{out}' holds a finished run (summary.json) and no checkpoint")
+    check_output_dir(str(out), resume="auto", overwrite=True)
+    (out / "checkpoint-4").mkdir()
+    (out / "checkpoint-4" / "meta.json").write_text("{}")
+    check_output_dir(str(out), resume="auto")  # a checkpoint to continue (what it holds: check_resumable)
+
+
 def test_unknown_config_group_option_or_key(tmp_path):
     with pytest.raises(
         InputError, match=r"^unknown config key 'train\.batch_sise' in 'train\.batch_sise=4'; keys of train: "
