@@ -31,6 +31,7 @@ where a check needs them (a named tokenizer, a small corpus, a pretrained model,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -72,6 +73,12 @@ PREPARE_FROM_TOKENS = 100_000_000
 # Files that show that a run already wrote to an output_dir (config.yaml and tokenizer/ do not:
 # they are written before training starts, so a run that failed early can simply be started again).
 RUN_MARKERS = ("summary.json", "metrics.jsonl")
+# The transformers config keys that make two models of as many parameters compute differently.
+ARCHITECTURE_KEYS = (
+    "model_type", "hidden_size", "num_layers", "num_hidden_layers", "num_heads", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "window_size", "attention_layers", "rope_theta",
+    "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "vocab_size",
+)  # fmt: skip
 
 
 def _fail(message: str, cause: BaseException | None = None) -> None:
@@ -293,9 +300,25 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
 
     label = f"model {model.get('name') or model.get('pretrained') or '?'!r}"
     try:
-        checkpoint.check_resumable(args, job.world_size, numel, label)
+        found = checkpoint.check_resumable(args, job.world_size, numel, label)
     except CheckpointError as e:
         _fail(f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {one_line_error(e)}", e)
+    if found is None:
+        return
+    folder = found[0]
+    try:  # as many parameters, but the same model? (4 heads or 2 of the same width have as many)
+        saved = json.loads((folder / "model" / "config.json").read_text())
+        vocab = saved.get("vocab_size") if job.loaded.tokenizer is None else len(job.loaded.tokenizer)
+        mine = (pretrained_config or models.model_config(dict(model), vocab)).to_dict()
+    except Exception:  # unreadable, or a model config the checks above report: the workers re-check
+        return
+    changed = [f"{k} {saved[k]!r} (this run: {mine[k]!r})" for k in ARCHITECTURE_KEYS
+               if k in saved and k in mine and saved[k] != mine[k]]  # fmt: skip
+    if changed:
+        _fail(
+            f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {folder} holds another "
+            f"architecture than {label}: {', '.join(changed)}"
+        )
 
 
 # --------------------------------------------------------------------------- data

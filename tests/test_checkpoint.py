@@ -264,6 +264,8 @@ def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
     assert "no complete checkpoint in" in line and not (tmp_path / "empty").exists()
     line = validation_error(run, "train.resume_from_checkpoint=latest", "model.hidden_size=32")
     assert "checkpoint-4 holds a model of" in line and "model 'tiny' has" in line
+    line = validation_error(run, "train.resume_from_checkpoint=latest", "model.num_heads=2")
+    assert "checkpoint-4 holds another architecture than model 'tiny': num_heads 4 (this run: 2)" in line
     line = validation_error(run, "train.resume_from_checkpoint=latest", "train.seed=5")
     assert "train.seed=5 (the checkpoint has 0)" in line and "other samples" in line
     line = validation_error(run, "train.resume_from_checkpoint=latest", "train.batch_size=4")

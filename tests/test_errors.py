@@ -437,3 +437,21 @@ def test_under_torchrun_rank0_alone_validates_and_the_others_follow(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("acco: error: [rank 0] data.path: "), proc.stderr[-3000:]
     assert "corpus.jsonl, line 2: malformed JSON" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_onto_another_architecture_of_as_many_parameters_is_refused(tmp_path, monkeypatch):
+    """4 heads or 2 of the same width have as many parameters (the size check passes): the
+    checkpoint's model/config.json tells them apart. The checkpoint itself is stood in for (its
+    files' checks: tests/test_checkpoint.py)."""
+    from acco import checkpoint, models
+
+    folder = tmp_path / "out" / "checkpoint-4"
+    tiny = compose(["model=tiny"]).model
+    models.model_config(dict(tiny), 2048).save_pretrained(folder / "model")
+    monkeypatch.setattr(checkpoint, "check_resumable", lambda *a, **k: (folder, {}))
+    line = validation_error(tmp_path, "train.resume_from_checkpoint=latest", "model.num_heads=2")
+    assert line == (
+        f"train.resume_from_checkpoint=latest: {folder} holds another architecture than model 'tiny': "
+        "num_heads 4 (this run: 2)"
+    )
+    validate_job(config(tmp_path, "train.resume_from_checkpoint=latest", "train.nb_steps_tot=16"))
