@@ -455,3 +455,14 @@ def test_a_resume_onto_another_architecture_of_as_many_parameters_is_refused(tmp
         "num_heads 4 (this run: 2)"
     )
     validate_job(config(tmp_path, "train.resume_from_checkpoint=latest", "train.nb_steps_tot=16"))
+
+
+MODELS = sorted(p.stem for p in (Path(__file__).parents[1] / "acco" / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_the_docs_list_runs_with_its_defaults(model):
+    """`model=X` alone composes into a run its model can take (llama-tiny took the paper's 1024
+    tokens against its 256 positions until it shared tiny's recipe)."""
+    cfg = compose([f"model={model}"])
+    assert cfg.train.max_length <= cfg.model.max_position_embeddings
