@@ -135,7 +135,8 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
 
 def rerender(out: Path) -> dict:
     """Recompute ``out/bench.json``'s figures from the run folders it lists (after a change to the
-    analysis) and write bench.json, bench.md and the plots again; the loads measured then are kept."""
+    analysis) and write bench.json, bench.md and the plots again; what was measured only while it
+    ran (loads, drift, retries) is kept."""
     from acco_bench import report
 
     bench = json.loads((out / "bench.json").read_text())
@@ -152,11 +153,15 @@ def rerender(out: Path) -> dict:
         dirs = sorted((out / name).glob("rep*")) or [out / name]
         results = []
         for i, d in enumerate(dirs):
-            res = method_metrics(d, settings)
+            rep = reps[i] if i < len(reps) else {}
+            # what was measured while it ran (load, drift, retries) is kept; the rest recomputed
+            res = {**rep, **method_metrics(d, settings)}
             res["run_dir"] = str(d)
-            res["load"] = (reps[i] if i < len(reps) else {}).get("load") or old.get("load")
+            res["load"] = rep.get("load") or old.get("load")
             results.append(res)
         methods[name] = combine_repeats(results)
+        for key, value in old.items():  # the same for what the run added beside the repetitions
+            methods[name].setdefault(key, value)
     bench["methods"] = methods
     bench.update(add_comparisons(methods, settings))
     (out / "bench.json").write_text(json.dumps(bench, indent=2, default=str) + "\n")

@@ -258,6 +258,10 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert "--slow-worker rank 5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["cluster", "--methods", "ddp,zero3"])
+    for broken in ("{bad", "{}"):  # `report` on a bench.json that is not a result: one line, exit 2
+        (tmp_path / "bench.json").write_text(broken)
+        assert main(["report", str(tmp_path)]) == 2
+        assert capsys.readouterr().err.startswith(f"acco-bench: {tmp_path}: not a finished acco-bench result")
 
 
 def test_without_namespaces_it_says_so(monkeypatch, tmp_path, capsys):

@@ -177,6 +177,17 @@ def test_the_cluster_reruns_a_drifted_method_and_flags_one_that_stays(tmp_path, 
     assert bench["compute_reference_s_per_micro_batch"] == pytest.approx(0.205)
     warning = [x for x in (tmp_path / "bench.md").read_text().splitlines() if "WARNING" in x]
     assert len(warning) == 1 and "dpu" in warning[0] and "acco" not in warning[0].split("micro-batch")[0]
+    # `acco-bench report` recomputes the figures from the run folders and keeps what was measured
+    # only while the methods ran (their drift, retries, loads)
+    from acco_bench.rerender import rerender_dir
+
+    before = json.loads((tmp_path / "bench.json").read_text())["methods"]
+    assert [x for x in rerender_dir(tmp_path).splitlines() if "WARNING" in x] == warning
+    after = json.loads((tmp_path / "bench.json").read_text())["methods"]
+    for name, measured in before.items():
+        assert set(measured) <= set(after[name]), (name, set(measured) - set(after[name]))
+        for key in ("drifted", "disturbed_attempts", "compute_s_per_micro_batch", "compute_vs_reference"):
+            assert after[name][key] == measured[key], (name, key)
 
 
 def test_the_clusters_median_repetition_is_chosen_among_the_undrifted(tmp_path, monkeypatch):
