@@ -258,6 +258,7 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert "--slow-worker rank 5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["cluster", "--methods", "ddp,zero3"])
+    capsys.readouterr()
     for broken in ("{bad", "{}"):  # `report` on a bench.json that is not a result: one line, exit 2
         (tmp_path / "bench.json").write_text(broken)
         assert main(["report", str(tmp_path)]) == 2
