@@ -391,6 +391,11 @@ def run(a) -> int:
         raise BenchError(f"--gbits takes comma-separated numbers, got {a.gbits!r}") from None
     if a.workers < 1 or a.grad_accum < 1 or a.sync_every < 1 or a.fragments < 1 or not 0 < a.mfu <= 1:
         raise BenchError("--workers, --grad-accum, --sync-every, --fragments must be >= 1 and 0 < --mfu <= 1")
+    for name in ("compute_s", "comm_s", "params", "gpu_gib"):  # nan and inf would reach the table
+        value = getattr(a, name, None)
+        if value is not None and not (0 <= value < math.inf and (value > 0 or name == "comm_s")):
+            least = "0 or more" if name == "comm_s" else "above 0"
+            raise BenchError(f"--{name.replace('_', '-')} must be a finite number {least}, got {value}")
     r = build(a)
     md = markdown(r)
     print(md)

@@ -259,6 +259,11 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["cluster", "--methods", "ddp,zero3"])
     capsys.readouterr()
+    for bad, said in (("--params=-5", "--params must be a finite number above 0, got -5.0"),
+                      ("--compute-s=nan", "--compute-s must be a finite number above 0, got nan"),
+                      ("--comm-s=inf", "--comm-s must be a finite number 0 or more, got inf")):  # fmt: skip
+        assert main(["map", "--compute-s", "1", "--comm-s", "0.5", bad]) == 2
+        assert capsys.readouterr().err == f"acco-bench: {said}\n"
     for broken in ("{bad", "{}"):  # `report` on a bench.json that is not a result: one line, exit 2
         (tmp_path / "bench.json").write_text(broken)
         assert main(["report", str(tmp_path)]) == 2
