@@ -252,6 +252,12 @@ def main() -> None:
             raise
         _report(e)
         code = 1
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says it once, its workers nothing
+        if debug:
+            raise
+        if os.environ.get("RANK") in (None, "0"):
+            sys.stderr.write("acco: interrupted\n")
+        code = 128 + signal.SIGINT
     if code:
         sys.exit(code)
 

@@ -466,3 +466,25 @@ def test_every_model_the_docs_list_runs_with_its_defaults(model):
     tokens against its 256 positions until it shared tiny's recipe)."""
     cfg = compose([f"model={model}"])
     assert cfg.train.max_length <= cfg.model.max_position_embeddings
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """A Ctrl-C to a training job (SIGINT to the launcher, forwarded to its workers) ends it with
+    one line, not a KeyboardInterrupt traceback from every worker."""
+    import signal
+
+    cmd = [sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
+           f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=100000",
+           "train.log_step=1"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ACCO_DEBUG"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # training has started: an update was logged
+            if line.startswith("step"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
+    assert err == "acco: interrupted\n"
