@@ -82,11 +82,6 @@ SEED_ONLY_KEYS = {
     "dataloader_persistent_workers": None, "label_smoothing_factor": 0, "run_baseline_ddp": None,
     "run_expe_slow": False, "const_len_batch": False, "finetune": None, "gradient_accumulation_steps": 1,
 }  # fmt: skip
-# What to set instead, where a seed key's other values have an acco counterpart.
-SEED_KEY_INSTEAD = {
-    "gradient_accumulation_steps": "set train.n_grad_accumulation, the micro-batches per worker per "
-    "update (acco: per round, two rounds per update)",
-}
 
 
 @dataclass
@@ -194,7 +189,8 @@ class TrainArgs(EngineSettings, _Method):
         for key in seen:
             value, neutral = getattr(self, key), SEED_ONLY_KEYS[key]
             if neutral is not None and value != neutral:
-                instead = f": {SEED_KEY_INSTEAD[key]}" if key in SEED_KEY_INSTEAD else ""
+                instead = (": set train.n_grad_accumulation, micro-batches per worker per update (acco: per "
+                           "round, two rounds per update)") if key == "gradient_accumulation_steps" else ""
                 raise ConfigError(
                     f"train.{key}={value!r} is not supported by acco (only {neutral!r}){instead}"
                 )

@@ -13,6 +13,13 @@ from acco_bench.report import load_json, write_sweep_report
 def rerender_dir(d: Path) -> str:
     """``acco-bench report DIR``: re-render a finished run's tables and plots, whatever wrote it
     (cluster, race, faults, sweep, lr-sweep, small batches, convergence); returns its Markdown."""
+    try:
+        return _rerender(d)
+    except (ValueError, KeyError, TypeError) as e:  # a JSON file that is not such a result
+        raise BenchError(f"{d}: not a finished acco-bench result ({type(e).__name__}: {e})") from e
+
+
+def _rerender(d: Path) -> str:
     from acco_bench.cluster import rerender
 
     if (d / "race.md").exists() and (d / "bench.json").exists():

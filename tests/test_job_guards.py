@@ -1,0 +1,66 @@
+"""The job's guards beyond single values: a resume onto another architecture of as many
+parameters, every model config against its own defaults, and a Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from validation_helpers import config, validation_error
+
+from acco.config import compose
+from acco.validate import validate_job
+
+
+def test_a_resume_onto_another_architecture_of_as_many_parameters_is_refused(tmp_path, monkeypatch):
+    """4 heads or 2 of the same width have as many parameters (the size check passes): the
+    checkpoint's model/config.json tells them apart. The checkpoint itself is stood in for (its
+    files' checks: tests/test_checkpoint.py)."""
+    from acco import checkpoint, models
+
+    folder = tmp_path / "out" / "checkpoint-4"
+    tiny = compose(["model=tiny"]).model
+    models.model_config(dict(tiny), 2048).save_pretrained(folder / "model")
+    monkeypatch.setattr(checkpoint, "check_resumable", lambda *a, **k: (folder, {}))
+    line = validation_error(tmp_path, "train.resume_from_checkpoint=latest", "model.num_heads=2")
+    assert line == (
+        f"train.resume_from_checkpoint=latest: {folder} holds another architecture than model 'tiny': "
+        "num_heads 4 (this run: 2)"
+    )
+    validate_job(config(tmp_path, "train.resume_from_checkpoint=latest", "train.nb_steps_tot=16"))
+
+
+MODELS = sorted(p.stem for p in (Path(__file__).parents[1] / "acco" / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_the_docs_list_runs_with_its_defaults(model):
+    """`model=X` alone composes into a run its model can take (llama-tiny took the paper's 1024
+    tokens against its 256 positions until it shared tiny's recipe)."""
+    cfg = compose([f"model={model}"])
+    assert cfg.train.max_length <= cfg.model.max_position_embeddings
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """A Ctrl-C to a training job (SIGINT to the launcher, forwarded to its workers) ends it with
+    one line, not a KeyboardInterrupt traceback from every worker."""
+    import signal
+
+    cmd = [sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
+           f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=100000",
+           "train.log_step=1"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ACCO_DEBUG"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # training has started: an update was logged
+            if line.startswith("step"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
+    assert err == "acco: interrupted\n"
