@@ -197,6 +197,21 @@ def _check_max_length(config: PretrainedConfig, max_length: int | None, label: s
         )
 
 
+def check_fits(model: nn.Module, vocab_size: int | None, max_length: int) -> None:
+    """A model the user built (DecoupledTrainer) takes this tokenizer's ids and sequences of
+    ``max_length``, as the command line checks its own models: a ModelError now rather than an
+    IndexError in the first forward."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if vocab_size is not None and rows is not None and vocab_size > rows:
+        raise ModelError(
+            f"the tokenizer has {vocab_size} tokens, more than the {rows} rows of the model's input embedding"
+        )
+    config = getattr(model, "config", None)
+    if config is not None:
+        _check_max_length(config, max_length, getattr(config, "model_type", None) or type(model).__name__)
+
+
 def _load_pretrained(
     name: str,
     dtype: torch.dtype | None,

@@ -36,6 +36,7 @@ from acco.launch import preemption
 from acco.launch.process_group import after_rank0, every_rank_at, init_distributed
 from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
+from acco.models import check_fits
 
 __all__ = ["DecoupledTrainer", "TrainArgs", "causal_lm_loss"]
 
@@ -65,6 +66,7 @@ class DecoupledTrainer:
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
         self.text_column_name = text_column_name
         self.data_collator = data_collator
+        check_fits(model, len(self.tokenizer) if self.tokenizer is not None else None, self.args.max_length)
         self.rank, self.world_size, self.local_rank, self.device = init_distributed(self.args.timeout_s)
         torch.manual_seed(self.args.seed)
         self.model = model.to(self.device)

@@ -16,9 +16,9 @@ from acco.trainer import DecoupledTrainer
 
 
 def _args(tmp_path, **overrides) -> dict:
-    return dict(method_name="ddp", batch_size=4, nb_steps_tot=4, max_length=32, eval_step=1,
-                output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False,
-                **overrides)  # fmt: skip
+    return {**dict(method_name="ddp", batch_size=4, nb_steps_tot=4, max_length=32, eval_step=1,
+                   output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False),
+            **overrides}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +101,20 @@ def test_no_eval_fraction_and_no_eval_set_says_what_to_do(tmp_path, setting):
     quiet = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
                              args=_args(tmp_path, eval_fraction=0.0, eval=False))  # fmt: skip
     assert quiet.eval_data is None
+
+
+def test_a_model_that_cannot_take_the_tokenizer_or_the_length_is_one_line(tmp_path, setting):
+    """A user's model whose embedding has fewer rows than the tokenizer has tokens, or fewer
+    positions than max_length: refused as DecoupledTrainer is built (an IndexError in the first
+    forward otherwise)."""
+    from acco.models import ModelError
+
+    docs, tokenizer = setting
+    small = build_model(SMALL, vocab_size=len(tokenizer) - 10, max_length=32)
+    with pytest.raises(ModelError, match=f"the tokenizer has {len(tokenizer)} tokens, more than the "
+                                         f"{len(tokenizer) - 10} rows of the model's input embedding"):
+        DecoupledTrainer(model=small, processing_class=tokenizer, train_dataset=docs, args=_args(tmp_path))
+    model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
+    with pytest.raises(ModelError, match="max_length 128 exceeds the model's max_position_embeddings .64."):
+        DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
+                         args=_args(tmp_path, max_length=128))  # fmt: skip
