@@ -403,9 +403,9 @@ def check_values(cfg: DictConfig, overrides: list[str] = ()) -> None:
 
     for group in ("launch", "train", "data"):  # launch first: train.timeout_s is ${launch.timeout_s}
         node = cfg.get(group)
-        if not isinstance(node, DictConfig) or OmegaConf.missing_keys(node):
-            continue
         try:
+            if not isinstance(node, DictConfig) or OmegaConf.missing_keys(node):
+                continue
             with warnings.catch_warnings():  # the seed keys' warning: once, where the values are used
                 warnings.simplefilter("ignore")
                 OmegaConf.to_object(node)

@@ -324,6 +324,7 @@ def test_unknown_config_group_option_or_key(tmp_path):
         ("train.nb_steps=10", "unknown config key 'train.nb_steps' in 'train.nb_steps=10'"),
         ("+train.learning_rat=1", "unknown config key 'train.learning_rat' in '+train.learning_rat=1'"),
         ("++model.foo=2", "unknown config key 'model.foo' in '++model.foo=2'; keys of model: arch, "),
+        ("train=base", "missing value for train.method_name: set train.method_name=..."),
         ("+foo=1", "unknown config key 'foo' in '+foo=1'; keys of the top level: data, launch, model, train"),
         ("data=wikipedia", "unknown data 'wikipedia': no config data/wikipedia.yaml (available: alpaca"),
     ],
