@@ -313,6 +313,9 @@ def test_unknown_config_group_option_or_key(tmp_path):
     with pytest.raises(InputError, match=r"^cannot parse override"):
         compose(["train.batch_size=[1,"])
     compose(["train=ddp", "model=gptneo-36m", "launch.nproc=3"])
+    # no method, and the default output_dir names it: the one line says what is missing
+    with pytest.raises(InputError, match=r"^missing value for train.method_name: set train.method_name=\.\.\.$"):
+        validate_job(compose(["train=base"]))
 
 
 # --------------------------------------------------------------------------- the CLI as users run it
@@ -324,7 +327,6 @@ def test_unknown_config_group_option_or_key(tmp_path):
         ("train.nb_steps=10", "unknown config key 'train.nb_steps' in 'train.nb_steps=10'"),
         ("+train.learning_rat=1", "unknown config key 'train.learning_rat' in '+train.learning_rat=1'"),
         ("++model.foo=2", "unknown config key 'model.foo' in '++model.foo=2'; keys of model: arch, "),
-        ("train=base", "missing value for train.method_name: set train.method_name=..."),
         ("+foo=1", "unknown config key 'foo' in '+foo=1'; keys of the top level: data, launch, model, train"),
         ("data=wikipedia", "unknown data 'wikipedia': no config data/wikipedia.yaml (available: alpaca"),
     ],
