@@ -314,7 +314,7 @@ def test_unknown_config_group_option_or_key(tmp_path):
         compose(["train.batch_size=[1,"])
     compose(["train=ddp", "model=gptneo-36m", "launch.nproc=3"])
     # no method, and the default output_dir names it: the one line says what is missing
-    with pytest.raises(InputError, match=r"^missing value for train.method_name: set train.method_name=\.\.\.$"):
+    with pytest.raises(InputError, match=r"^missing value for train.method_name: set train\.method_name="):
         validate_job(compose(["train=base"]))
 
 
