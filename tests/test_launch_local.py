@@ -120,17 +120,19 @@ BLOCKER = """
 """
 
 LAUNCHER = """
-    import sys
+    import signal, sys
     from acco.launch import launch_local
-    sys.exit(launch_local(2, [sys.executable, sys.argv[1]], grace_s=2))
+    saves = [signal.Signals[name] for name in sys.argv[2:]]
+    sys.exit(launch_local(2, [sys.executable, sys.argv[1]], grace_s=2, save_signals=saves))
 """
 
 
-def start_launcher(tmp_path):
+def start_launcher(tmp_path, save_signals=()):
     blocker = write_script(tmp_path, "blocker.py", BLOCKER)
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
     proc = subprocess.Popen(
-        [sys.executable, launcher, blocker], env=clean_env(), stdout=subprocess.PIPE, text=True
+        [sys.executable, launcher, blocker, *save_signals], env=clean_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )
     pids = {}
     while len(pids) < 2:  # both workers up (blocking read of their "ready" lines, in either order)
@@ -141,13 +143,19 @@ def start_launcher(tmp_path):
     return proc, [pids[rank] for rank in range(2)]
 
 
+@pytest.mark.parametrize("save_signals", [(), ("SIGTERM", "SIGUSR1")], ids=["plain", "saving"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_launcher_forwards_signals(tmp_path, sig):
-    proc, pids = start_launcher(tmp_path)
+def test_launcher_forwards_signals(tmp_path, sig, save_signals):
+    """The workers (here before any training, with no handler of their own) die of the signal the
+    launcher forwarded: its exit code, and no worker blamed for it, whichever comes first to the
+    launcher, the signal or their exits."""
+    proc, pids = start_launcher(tmp_path, save_signals)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == 128 + sig
     for pid in pids:
         assert wait_dead(pid, timeout=5)
+    err = proc.stderr.read()
+    assert "acco.launch:" not in err, err
 
 
 # SIGTERM reaches the launcher as its first worker starts (sent from the worker's side of the fork,

@@ -244,8 +244,13 @@ def launch_local(
                 continue
             running -= 1
             saved |= code == EXIT_SAVED_ON_SIGNAL
-            if code == EXIT_SAVED_ON_SIGNAL or (saving and code in (0, -signals_received[0])):
-                continue  # checkpointed on a signal (or finished, or stopped before training began)
+            # checkpointed on a signal, or finished, or stopped by the signal forwarded to it (before
+            # training began, or a signal that saves nothing): no failure, also when its exit comes
+            # before the loop has seen the signal
+            sig = signals_received[0] if signals_received else None
+            by_signal = sig is not None and code in (0, -sig, 128 + sig)
+            if code == EXIT_SAVED_ON_SIGNAL or by_signal:
+                continue
             if code != 0:
                 failed = {rank: code}
                 if _lost_report(report_dir, rank) is not None:  # it only lost a peer: wait a moment
