@@ -197,6 +197,23 @@ def _check_max_length(config: PretrainedConfig, max_length: int | None, label: s
         )
 
 
+# The transformers config keys that make two models of as many parameters compute differently.
+ARCHITECTURE_KEYS = (
+    "model_type", "hidden_size", "num_layers", "num_hidden_layers", "num_heads", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "window_size", "attention_layers", "rope_theta",
+    "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "vocab_size",
+)  # fmt: skip
+
+
+def known_attention(name: str | None):
+    """Whether transformers knows the attention implementation `name` (its registry, eager, or a Hub
+    kernel's "org/repo" and "paged|" forms it loads by name); with None, the registry's names."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    names = ["eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "|" not in k)]
+    return names if name is None else name in names or "/" in name or "|" in name
+
+
 def check_fits(model: nn.Module, vocab_size: int | None, max_length: int) -> None:
     """A model the user built (DecoupledTrainer) takes this tokenizer's ids and sequences of
     ``max_length``, as the command line checks its own models: a ModelError now rather than an

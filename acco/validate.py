@@ -73,12 +73,6 @@ PREPARE_FROM_TOKENS = 100_000_000
 # Files that show that a run already wrote to an output_dir (config.yaml and tokenizer/ do not:
 # they are written before training starts, so a run that failed early can simply be started again).
 RUN_MARKERS = ("summary.json", "metrics.jsonl")
-# The transformers config keys that make two models of as many parameters compute differently.
-ARCHITECTURE_KEYS = (
-    "model_type", "hidden_size", "num_layers", "num_hidden_layers", "num_heads", "num_attention_heads",
-    "num_key_value_heads", "intermediate_size", "window_size", "attention_layers", "rope_theta",
-    "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "vocab_size",
-)  # fmt: skip
 
 
 def _fail(message: str, cause: BaseException | None = None) -> None:
@@ -216,8 +210,15 @@ def check_model_fits(model: Mapping, pretrained_config: Any, vocab_size: int, wh
 
 def check_flash_window(model: Mapping, pretrained_config: Any, max_length: int) -> None:
     """transformers' GPT-Neo flash-attention-2 passes no sliding window: past window_size tokens its
-    local layers would attend globally, another model than eager's or SDPA's."""
-    if model.get("attn_implementation") != "flash_attention_2":
+    local layers would attend globally, another model than eager's or SDPA's. Also any name
+    transformers does not know (found here, not in every worker)."""
+    attn = model.get("attn_implementation")
+    if attn is not None:
+        from acco.models import known_attention
+        if not known_attention(str(attn)):
+            _fail(f"model.attn_implementation={attn!r} is not an attention transformers knows "
+                  f"({', '.join(known_attention(None))}, or a Hub kernel's org/repo)")  # fmt: skip
+    if attn != "flash_attention_2":
         return
     if pretrained_config is not None:
         arch, window = pretrained_config.model_type, getattr(pretrained_config, "window_size", None)
@@ -312,7 +313,7 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
         mine = (pretrained_config or models.model_config(dict(model), vocab)).to_dict()
     except Exception:  # unreadable, or a model config the checks above report: the workers re-check
         return
-    changed = [f"{k} {saved[k]!r} (this run: {mine[k]!r})" for k in ARCHITECTURE_KEYS
+    changed = [f"{k} {saved[k]!r} (this run: {mine[k]!r})" for k in models.ARCHITECTURE_KEYS
                if k in saved and k in mine and saved[k] != mine[k]]  # fmt: skip
     if changed:
         _fail(

@@ -153,6 +153,7 @@ def test_instruction_records_without_instruction_or_output(tmp_path):
         ("train.scheduler_name=nope", "scheduler"),
         ("train.max_length=1000", "train.max_length 1000 exceeds model.max_position_embeddings 256"),
         ("train=base", "missing value for train.method_name"),
+        ("model.attn_implementation=foo", "attn_implementation='foo' is not an attention transformers knows"),
         ("train.max_eval_batches=0", "train.max_eval_batches must be null or a positive integer, got 0"),
         ("train.eval_batch_size=0", "train.eval_batch_size must be null or a positive integer, got 0"),
         ("train.seed=-1", "train.seed must be a non-negative integer, got -1"),
