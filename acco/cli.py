@@ -40,6 +40,7 @@ from acco.config import (
     compose,
     one_line_error,
 )
+from acco.engine.progress import FAILURE_DIR_ENV
 from acco.job import Job, job_of
 from acco.launch.env import dist_env, self_command
 from acco.launch.local import handed_job, launch_local, local_nproc, wait_for_go
@@ -125,9 +126,12 @@ def launch_workers(cfg: DictConfig, nproc: int) -> int:
     # preemption notice is forwarded, and the launcher waits while the workers checkpoint.
     save_signals = [signal.Signals[name] for name in job.args.save_on_signal]
     try:
-        return launch_local(
+        code = launch_local(
             nproc, self_command(), env_extra={**threads, **debug}, check=check, save_signals=save_signals
         )
+        if code == 128 + signal.SIGINT:  # Ctrl-C, forwarded: said here, the workers say nothing
+            sys.stderr.write("acco: interrupted\n")
+        return code
     except AlreadyCompleted as done:  # the checkpoint to resume has completed the budget
         print(done, flush=True)
         return 0
@@ -252,10 +256,11 @@ def main() -> None:
             raise
         _report(e)
         code = 1
-    except KeyboardInterrupt:  # Ctrl-C: the launcher says it once, its workers nothing
+    except KeyboardInterrupt:  # Ctrl-C: said once (by the local launcher, if there is one)
         if debug:
             raise
-        if os.environ.get("RANK") in (None, "0"):
+        launched = FAILURE_DIR_ENV in os.environ  # by the local launcher, which says it
+        if os.environ.get("RANK") is None or (os.environ["RANK"] == "0" and not launched):
             sys.stderr.write("acco: interrupted\n")
         code = 128 + signal.SIGINT
     if code:
