@@ -66,7 +66,8 @@ class DecoupledTrainer:
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
         self.text_column_name = text_column_name
         self.data_collator = data_collator
-        check_fits(model, len(self.tokenizer) if self.tokenizer is not None else None, self.args.max_length)
+        vocab = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None  # None: no tokenizer
+        check_fits(model, vocab, self.args.max_length)
         self.rank, self.world_size, self.local_rank, self.device = init_distributed(self.args.timeout_s)
         torch.manual_seed(self.args.seed)
         self.model = model.to(self.device)
