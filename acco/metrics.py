@@ -209,7 +209,7 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot_runs(runs: dict[str, str | Path], path: str | Path) -> None:
-    """Loss against samples and against wall-clock time, one curve per run (eval loss dashed)."""
+    """Loss against samples and against wall-clock time, one curve per run (eval loss dashed, marked)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,16 +231,18 @@ def plot_runs(runs: dict[str, str | Path], path: str | Path) -> None:
         )
         if evals:
             steps = {t["step"]: t["wall_time"] for t in train}
+            # dashed, each evaluation marked: a single one (a short run) is a point, not nothing
             by_samples.plot(
                 [e["samples"] for e in evals],
                 [e["eval_loss"] for e in evals],
-                "--",
+                "o--",
+                markersize=3,
                 color=line.get_color(),
                 label=f"{name} eval",
             )
             timed = [(steps[e["step"]], e["eval_loss"]) for e in evals if e["step"] in steps]
             if timed:
-                by_time.plot(*zip(*timed), "--", color=line.get_color(), label=f"{name} eval")
+                by_time.plot(*zip(*timed), "o--", markersize=3, color=line.get_color(), label=f"{name} eval")
     by_samples.set_xlabel("micro-batches (all workers)")
     by_time.set_xlabel("wall-clock time (s)")
     for ax in (by_samples, by_time):
