@@ -205,13 +205,13 @@ ARCHITECTURE_KEYS = (
 )  # fmt: skip
 
 
-def known_attention(name: str | None):
-    """Whether transformers knows the attention implementation `name` (its registry, eager, or a Hub
-    kernel's "org/repo" and "paged|" forms it loads by name); with None, the registry's names."""
+def unknown_attention(name: str) -> list[str] | None:
+    """None when transformers knows the attention implementation `name` (eager, its registry, or a
+    Hub kernel's "org/repo" and "paged|" forms it loads by name), else the names it knows."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     names = ["eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "|" not in k)]
-    return names if name is None else name in names or "/" in name or "|" in name
+    return None if name in names or "/" in name or "|" in name else names
 
 
 def check_fits(model: nn.Module, vocab_size: int | None, max_length: int) -> None:

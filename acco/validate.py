@@ -214,10 +214,10 @@ def check_flash_window(model: Mapping, pretrained_config: Any, max_length: int) 
     transformers does not know (found here, not in every worker)."""
     attn = model.get("attn_implementation")
     if attn is not None:
-        from acco.models import known_attention
-        if not known_attention(str(attn)):
+        from acco.models import unknown_attention
+        if (known := unknown_attention(str(attn))) is not None:
             _fail(f"model.attn_implementation={attn!r} is not an attention transformers knows "
-                  f"({', '.join(known_attention(None))}, or a Hub kernel's org/repo)")  # fmt: skip
+                  f"({', '.join(known)}, or a Hub kernel's org/repo)")  # fmt: skip
     if attn != "flash_attention_2":
         return
     if pretrained_config is not None:

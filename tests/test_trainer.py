@@ -15,7 +15,7 @@ import pytest
 import torch
 from distributed import free_port, run_distributed
 from omegaconf import OmegaConf
-from trainer_helpers import SMALL
+from trainer_helpers import SMALL, small_run
 
 from acco.data import DataError, load_tokenizer, synthetic_corpus
 from acco.engine import EngineConfig, build_engine
@@ -314,23 +314,6 @@ def test_cli_fine_tunes_on_alpaca_records(tmp_path):
 
 
 
-def _small_run(tmp_path, **overrides) -> dict:
-    return {
-        **dict(
-            method_name="ddp",
-            batch_size=4,
-            nb_steps_tot=4,
-            max_length=32,
-            eval_step=1,
-            learning_rate=2e-3,
-            output_dir=str(tmp_path / "run"),
-            cache_dir=str(tmp_path / "cache"),
-            save=False,
-        ),
-        **overrides,
-    }
-
-
 def test_data_collator_examples_train_and_evaluate(tmp_path):
     from transformers import DataCollatorForLanguageModeling
 
@@ -340,7 +323,7 @@ def test_data_collator_examples_train_and_evaluate(tmp_path):
     # Examples of 10 to 29 tokens: the collator pads each batch.
     rows = [{"input_ids": tokenizer(d)["input_ids"][: 10 + i % 20]} for i, d in enumerate(docs)]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    args = _small_run(tmp_path, method_name="acco", eval_batch_size=5, accumulate_while_waiting=False)
+    args = small_run(tmp_path, method_name="acco", eval_batch_size=5, accumulate_while_waiting=False)
     # exactly 4 samples
     trainer = DecoupledTrainer(
         model=model, processing_class=tokenizer, train_dataset=rows, data_collator=collator, args=args
@@ -367,7 +350,7 @@ def test_pretokenized_dataset_needs_no_collator(tmp_path):
     blocks = [ids[i : i + 32] for i in range(0, len(ids), 32)]  # run_clm.py's group_texts output
     ds = Dataset.from_dict({"input_ids": blocks, "attention_mask": [[1] * 32] * 40, "labels": blocks})
     trainer = DecoupledTrainer(
-        model=model, processing_class=tokenizer, train_dataset=ds, args=_small_run(tmp_path)
+        model=model, processing_class=tokenizer, train_dataset=ds, args=small_run(tmp_path)
     )
     assert len(trainer.train_data) + len(trainer.eval_data) == 40
     batch = trainer.train_data.take([0, 1])
@@ -375,7 +358,7 @@ def test_pretokenized_dataset_needs_no_collator(tmp_path):
     assert trainer.train()["samples"] == 4
     with pytest.raises(DataError, match="more than max_length 16"):
         DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=ds,
-                         args=_small_run(tmp_path, max_length=16))
+                         args=small_run(tmp_path, max_length=16))
 
 
 def _prepare_on_rank(rank, world_size, tokenizer_dir, cache):

@@ -8,17 +8,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from trainer_helpers import SMALL
+from trainer_helpers import SMALL, small_run
 
 from acco.data import load_tokenizer, synthetic_corpus
 from acco.models import build_model
 from acco.trainer import DecoupledTrainer
-
-
-def _args(tmp_path, **overrides) -> dict:
-    return {**dict(method_name="ddp", batch_size=4, nb_steps_tot=4, max_length=32, eval_step=1,
-                   output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), save=False),
-            **overrides}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +32,7 @@ def test_token_ids_beside_their_text_are_used_as_they_are(tmp_path, setting):
     ids = [[7] + tokenizer(d)["input_ids"][:31] for d in docs[:40]]
     ds = Dataset.from_dict({"text": docs[:40], "input_ids": ids})
     trainer = DecoupledTrainer(
-        model=model, processing_class=tokenizer, train_dataset=ds, args=_args(tmp_path)
+        model=model, processing_class=tokenizer, train_dataset=ds, args=small_run(tmp_path)
     )
     assert len(trainer.train_data) + len(trainer.eval_data) == 40  # one row per example, none packed
     rows = trainer.train_data.take(list(range(len(trainer.train_data))))["input_ids"]
@@ -64,14 +58,14 @@ def test_a_collator_is_given_only_what_the_model_takes(tmp_path, setting):
         return pads(examples)
 
     trainer = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=rows,
-                               data_collator=collator, args=_args(tmp_path))  # fmt: skip
+                               data_collator=collator, args=small_run(tmp_path))  # fmt: skip
     summary = trainer.train()
     assert summary["samples"] == 4 and math.isfinite(summary["final_eval_loss"])
     assert seen == {"input_ids"}
 
     seen.clear()
     keep_all = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=rows,
-                                data_collator=collator, args=_args(tmp_path, remove_unused_columns=False))
+                                data_collator=collator, args=small_run(tmp_path, remove_unused_columns=False))
     with pytest.raises(ValueError):  # what transformers.Trainer does with remove_unused_columns=False
         keep_all.evaluate()
     assert seen == {"input_ids", "note", "idx"}
@@ -97,9 +91,9 @@ def test_no_eval_fraction_and_no_eval_set_says_what_to_do(tmp_path, setting):
     model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
     with pytest.raises(DataError, match="got 0.0 .give an eval set, or set train.eval=false"):
         DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
-                         args=_args(tmp_path, eval_fraction=0.0))  # fmt: skip
+                         args=small_run(tmp_path, eval_fraction=0.0))  # fmt: skip
     quiet = DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
-                             args=_args(tmp_path, eval_fraction=0.0, eval=False))  # fmt: skip
+                             args=small_run(tmp_path, eval_fraction=0.0, eval=False))  # fmt: skip
     assert quiet.eval_data is None
 
 
@@ -113,8 +107,10 @@ def test_a_model_that_cannot_take_the_tokenizer_or_the_length_is_one_line(tmp_pa
     small = build_model(SMALL, vocab_size=len(tokenizer) - 10, max_length=32)
     with pytest.raises(ModelError, match=f"the tokenizer has {len(tokenizer)} tokens, more than the "
                                          f"{len(tokenizer) - 10} rows of the model's input embedding"):
-        DecoupledTrainer(model=small, processing_class=tokenizer, train_dataset=docs, args=_args(tmp_path))
+        DecoupledTrainer(
+            model=small, processing_class=tokenizer, train_dataset=docs, args=small_run(tmp_path)
+        )
     model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
     with pytest.raises(ModelError, match="max_length 128 exceeds the model's max_position_embeddings .64."):
         DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
-                         args=_args(tmp_path, max_length=128))  # fmt: skip
+                         args=small_run(tmp_path, max_length=128))  # fmt: skip

@@ -78,3 +78,21 @@ def tiny_args(method: str, output_dir, **more) -> dict:
 
 def tiny_data() -> dict:
     return {"input_ids": torch.randint(0, 96, (40, 16), generator=torch.Generator().manual_seed(0))}
+
+
+def small_run(tmp_path, **overrides) -> dict:
+    """DecoupledTrainer arguments for a 4-micro-batch ddp run of SMALL, evaluated after every update."""
+    return {
+        **dict(
+            method_name="ddp",
+            batch_size=4,
+            nb_steps_tot=4,
+            max_length=32,
+            eval_step=1,
+            learning_rate=2e-3,
+            output_dir=str(tmp_path / "run"),
+            cache_dir=str(tmp_path / "cache"),
+            save=False,
+        ),
+        **overrides,
+    }
