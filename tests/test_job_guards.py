@@ -46,7 +46,7 @@ def test_every_model_the_docs_list_runs_with_its_defaults(model):
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     """A Ctrl-C to a training job (SIGINT to the launcher, forwarded to its workers) ends it with
-    one line, not a KeyboardInterrupt traceback from every worker."""
+    acco's one line, not a KeyboardInterrupt traceback from every worker."""
     import signal
 
     cmd = [sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
@@ -63,4 +63,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGINT
-    assert err == "acco: interrupted\n"
+    # acco's own line, last; no Python traceback. (A worker still in a collective when its peers
+    # stop may add torch's own C++ warning about the store's closed socket: not acco's to silence.)
+    assert err.endswith("acco: interrupted\n") and err.count("acco:") == 1, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
