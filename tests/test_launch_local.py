@@ -60,22 +60,26 @@ def test_launch_local_first_failure_stops_all(tmp_path, capfd):
 # may take. "crash": rank 1 dies right after rank 0 has exited with its lost-peer report: rank 0
 # hands its pid over a FIFO (the open blocks until rank 1 reads it), and rank 1 SIGKILLs itself
 # as soon as that pid has exited, well within the launcher's wait for a worker that failed on its
-# own (_ROOT_CAUSE_WAIT_S), however busy the machine.
+# own (_ROOT_CAUSE_WAIT_S), however busy the machine. "abort": the same handover, rank 0 aborts
+# (SIGABRT, as gloo does when its peer goes) and rank 1 then exits with code 3.
 LOST_PEER = """
-    import os, select, signal, sys, time
+    import os, resource, select, signal, sys, time
     from acco.engine.progress import report_lost_ranks
 
     rank, scenario = int(os.environ["RANK"]), sys.argv[1]
     if scenario == "stall" and rank != 2:  # rank 2 stalls; the others time out
         report_lost_ranks(rank, [2], f"rank 2 stopped responding (died or stalled): seen by rank {rank}")
         sys.exit(1)
-    handover = os.path.join(sys.argv[2], "rank0-pid") if scenario == "crash" else ""
-    if scenario == "crash" and rank == 0:  # rank 0 loses its peer and exits first...
+    handover = os.path.join(sys.argv[2], "rank0-pid") if scenario != "stall" else ""
+    if rank == 0:  # rank 0 loses its peer and exits first (a report, or gloo's abort)...
         with open(handover, "w") as fifo:
             fifo.write(str(os.getpid()))
+        if scenario == "abort":
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left behind
+            os.abort()
         report_lost_ranks(0, [1], "rank 1 stopped responding (died or stalled)")
         sys.exit(1)
-    if scenario == "crash" and rank == 1:  # ...but rank 1 was killed, a moment later
+    if rank == 1:  # ...but rank 1 was killed, or exited with an error, a moment later
         with open(handover) as fifo:
             pid = int(fifo.read())
         try:
@@ -83,6 +87,8 @@ LOST_PEER = """
             select.select([exited], [], [])  # readable once rank 0 has exited
         except ProcessLookupError:
             pass  # already exited and reaped
+        if scenario == "abort":
+            sys.exit(3)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(STALL_S)
 """
@@ -99,15 +105,21 @@ def test_launcher_relays_the_lost_rank_that_the_survivors_found(tmp_path, capfd)
     assert len(blamed) == 1 and blamed[0].startswith("acco.launch: rank 2 stopped responding"), err
 
 
-def test_launcher_prefers_a_crashed_worker_to_one_that_lost_its_peer(tmp_path, capfd):
+@pytest.mark.parametrize(
+    "scenario, code, blame",
+    [("crash", 128 + signal.SIGKILL, "was killed by signal SIGKILL"), ("abort", 3, "exited with code 3")],
+)
+def test_launcher_prefers_a_crashed_worker_to_one_that_lost_its_peer(tmp_path, capfd, scenario, code, blame):
+    """Rank 0 ends first, having lost its peer ("crash": its report; "abort": SIGABRT, as gloo does
+    when a peer closes the connection), and rank 1's own failure reaches the launcher after it."""
     script = write_script(tmp_path, "lost_peer.py", LOST_PEER.replace("STALL_S", str(STALL_S)))
     os.mkfifo(tmp_path / "rank0-pid")
-    code = launch_local(
-        2, [sys.executable, script, "crash", str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2
+    got = launch_local(
+        2, [sys.executable, script, scenario, str(tmp_path)], env_extra={"PYTHONPATH": REPO}, grace_s=2
     )
     err = capfd.readouterr().err
-    assert code == 128 + signal.SIGKILL
-    assert "acco.launch: rank 1 (pid" in err and "killed by signal SIGKILL" in err, err
+    assert got == code, err
+    assert "acco.launch: rank 1 (pid" in err and blame in err, err
 
 
 # Each worker says it is up in one write(2) of its whole line: a pipe never splits or interleaves a

@@ -75,6 +75,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 _ROOT_CAUSE_WAIT_S = 1.0
 
 
+def _maybe_consequence(folder: str, rank: int, code: int) -> bool:
+    """Whether this failure may be another worker's doing: the worker reported a lost peer, or it
+    aborted (SIGABRT is how gloo and NCCL's watchdog end a process whose peer went away; that
+    peer's own exit can reach the launcher later, while its interpreter still shuts down)."""
+    return code == -signal.SIGABRT or _lost_report(folder, rank) is not None
+
+
 def local_nproc(setting) -> int:
     """The number of local workers for ``launch.nproc`` (checked by LaunchConfig): "auto" is one
     per GPU, else 2."""
@@ -106,13 +113,15 @@ def _root_cause(failed: dict[int, int], folder: str, procs: list[subprocess.Pope
     """The line that blames the failure explaining the others, and the exit code to return.
 
     `failed` maps rank -> exit code, in the order the workers exited. A worker that failed on its
-    own (no lost-peer report) is the cause, one killed by a signal (OOM killer, segfault) first;
+    own (no lost-peer report) is the cause: one killed by a signal (OOM killer, segfault) first,
+    then one that exited with an error, then one that aborted (often a lost peer's consequence);
     else every failure is a lost peer, and what the survivors found is relayed."""
     reports = {rank: r for rank in failed if (r := _lost_report(folder, rank)) is not None}
     crashed = [rank for rank in failed if rank not in reports]
     named = [r for r in reports.values() if r["lost"]]
     if crashed or not named:
-        rank = min(crashed or failed, key=lambda r: failed[r] >= 0)  # signals first, then exit order
+        # min keeps the exit order among equals
+        rank = min(crashed or failed, key=lambda r: (failed[r] == -signal.SIGABRT, failed[r] >= 0))
         line = f"rank {rank} (pid {procs[rank].pid}) {_describe(failed[rank])}"
     else:
         rank = named[0]["rank"]
@@ -141,8 +150,9 @@ def launch_local(
     at fault goes to stderr, the others get SIGTERM and, after ``grace_s`` seconds, SIGKILL; the
     return value is the exit code of the worker blamed (128 + signal number when it was killed).
     The rank at fault is the worker that failed, unless it failed only because a peer died or
-    stalled: it then reported the lost rank (``report_lost_ranks``), the launcher waits a moment
-    for a worker that failed on its own and, if none did, relays that report. SIGINT and
+    stalled: it then reported the lost rank (``report_lost_ranks``) or aborted, the launcher waits
+    a moment for a worker that failed on its own and, if none did, blames the abort or relays the
+    report. SIGINT and
     SIGTERM received by the launcher are forwarded to the workers, which get ``grace_s`` seconds
     before SIGKILL (a second signal kills them at once); the launcher then returns 128 + signal
     number. A signal of ``save_signals`` (train.save_on_signal) is forwarded too, and then the
@@ -253,7 +263,7 @@ def launch_local(
                 continue
             if code != 0:
                 failed = {rank: code}
-                if _lost_report(report_dir, rank) is not None:  # it only lost a peer: wait a moment
+                if _maybe_consequence(report_dir, rank, code):  # wait a moment for the cause
                     deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
                     while running and time.monotonic() < deadline:
                         try:
