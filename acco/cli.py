@@ -40,7 +40,7 @@ from acco.config import (
     compose,
     one_line_error,
 )
-from acco.engine.progress import FAILURE_DIR_ENV
+from acco.engine.progress import FAILURE_DIR_ENV, launcher_is_stopping
 from acco.job import Job, job_of
 from acco.launch.env import dist_env, self_command
 from acco.launch.local import handed_job, launch_local, local_nproc, wait_for_go
@@ -247,15 +247,17 @@ def main() -> None:
     if any(a.startswith("-") for a in argv):  # Hydra's own flags (--help, --cfg job, -m ...)
         return _hydra_app()
     debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in argv]
-    try:
-        cfg = None if handed_job() else compose(argv)  # a launched worker is handed its job instead
-        debug = debug or (cfg is not None and cfg.launch.debug)
-        code = run(cfg)
-    except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
-        if debug:
-            raise
-        _report(e)
-        code = 1
+    try:  # nested: a Ctrl-C that lands while an error is being reported is still a Ctrl-C
+        try:
+            cfg = None if handed_job() else compose(argv)  # a launched worker is handed its job instead
+            debug = debug or (cfg is not None and cfg.launch.debug)
+            code = run(cfg)
+        except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
+            if debug:
+                raise
+            if not launcher_is_stopping():  # else a peer stopped on the launcher's signal first
+                _report(e)
+            code = 1
     except KeyboardInterrupt:  # Ctrl-C: said once (by the local launcher, if there is one)
         if debug:
             raise

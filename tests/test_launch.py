@@ -290,19 +290,31 @@ def _explain_after_marks(rank, world, marks, report_dir):
     try:
         collective()
     except progress.LostWorkerError as e:
-        return str(e), e.lost, (Path(report_dir) / f"rank{rank}.json").exists()
+        found = str(e), e.lost, (Path(report_dir) / f"rank{rank}.json").exists()
     except RuntimeError as e:
-        return str(e), None, (Path(report_dir) / f"rank{rank}.json").exists()
+        found = str(e), None, (Path(report_dir) / f"rank{rank}.json").exists()
+    dist.barrier()  # every rank has looked; then the launcher stops the run on a Ctrl-C
+    if rank == 0:
+        progress.note_stopping(report_dir)
+    dist.barrier()
+    try:
+        collective()
+    except progress.LostWorkerError:
+        return (*found, "blamed while the launcher stops the run")
+    except RuntimeError:
+        return (*found, None)
 
 
 def test_a_failed_collective_names_the_ranks_behind_this_one(tmp_path):
     from distributed import run_distributed
 
     results = run_distributed(_explain_after_marks, 4, [3, 1, 2, 1], str(tmp_path))
-    message, lost, reported = results[0]
+    message, lost, reported, _ = results[0]
     assert lost == [1, 3] and reported  # not rank 2: merely behind rank 0, ahead of the lost ones
     assert message == ("ranks 1 and 3 stopped responding (died or stalled): their last progress was "
                        "update 1; rank 0 reached update 3")
     assert results[2][1] == [1, 3]
-    message, lost, reported = results[1]  # rank 1 is among the lost: its error is left as it was
+    message, lost, reported, _ = results[1]  # rank 1 is among the lost: its error is left as it was
     assert lost is None and not reported and message.startswith("Timed out")
+    # once the launcher stops the run on a signal, a failed collective blames no one
+    assert [r[3] for r in results] == [None] * 4

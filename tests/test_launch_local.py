@@ -139,8 +139,8 @@ LAUNCHER = """
 """
 
 
-def start_launcher(tmp_path, save_signals=()):
-    blocker = write_script(tmp_path, "blocker.py", BLOCKER)
+def start_launcher(tmp_path, save_signals=(), worker=BLOCKER):
+    blocker = write_script(tmp_path, "blocker.py", worker)
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
     proc = subprocess.Popen(
         [sys.executable, launcher, blocker, *save_signals], env=clean_env(), stdout=subprocess.PIPE,
@@ -168,6 +168,47 @@ def test_launcher_forwards_signals(tmp_path, sig, save_signals):
         assert wait_dead(pid, timeout=5)
     err = proc.stderr.read()
     assert "acco.launch:" not in err, err
+
+
+# acco's worker (cli.main) under a Ctrl-C: rank 0 stops on its KeyboardInterrupt, while rank 1 is
+# inside a collective (no Python signal handler runs there: SIGINT ignored stands for it) that
+# fails once rank 0 has exited (its pid handed over a FIFO, its exit awaited on a pidfd).
+PEER_STOPPED_ON_CTRL_C = """
+    import os, select, signal, sys
+    import acco.cli as cli
+    from acco.engine.progress import LostWorkerError
+
+    rank, handover = int(os.environ["RANK"]), "HANDOVER"
+
+    def run(cfg):
+        if rank == 0:
+            with open(handover, "w") as fifo:
+                fifo.write(str(os.getpid()))
+            os.write(1, f"ready 0 {os.getpid()}\\n".encode())
+            signal.pause()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with open(handover) as fifo:
+            exited = os.pidfd_open(int(fifo.read()))
+        os.write(1, f"ready 1 {os.getpid()}\\n".encode())
+        select.select([exited], [], [])
+        raise LostWorkerError("rank 0 stopped responding (died or stalled)", lost=[0])
+
+    cli.run = run
+    sys.argv = sys.argv[:1]
+    cli.main()
+"""
+
+
+def test_a_worker_whose_peer_stopped_on_a_ctrl_c_says_nothing(tmp_path):
+    os.mkfifo(tmp_path / "handover")
+    worker = PEER_STOPPED_ON_CTRL_C.replace("HANDOVER", str(tmp_path / "handover"))
+    proc, pids = start_launcher(tmp_path, worker=worker)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 128 + signal.SIGINT
+    for pid in pids:
+        assert wait_dead(pid, timeout=5)
+    err = proc.stderr.read()
+    assert "acco" not in err and "Traceback" not in err, err
 
 
 # SIGTERM reaches the launcher as its first worker starts (sent from the worker's side of the fork,

@@ -41,7 +41,8 @@ from datetime import timedelta
 # FAILURE_DIR_ENV without paying for torch, which only its workers need.
 
 
-__all__ = ["FAILURE_DIR_ENV", "LostWorkerError", "explain", "mark", "names_lost_ranks", "report_lost_ranks"]
+__all__ = ["FAILURE_DIR_ENV", "LostWorkerError", "explain", "launcher_is_stopping", "mark",
+           "names_lost_ranks", "note_stopping", "report_lost_ranks"]
 
 _KEY = "acco/progress/{}"
 _lock = threading.Lock()  # the main thread and the comm thread both mark
@@ -67,9 +68,30 @@ class LostWorkerError(RuntimeError):
         super().__init__(message)
         self.lost = lost
 
+
 # A worker that fails because a peer died or stalled writes what it found (which rank stopped)
 # into this folder before it exits, so that the launcher blames that rank.
 FAILURE_DIR_ENV = "ACCO_FAILURE_DIR"
+
+
+# What the launcher writes into that folder before it forwards a signal that ends the run (a
+# Ctrl-C): a worker that fails afterwards (a peer that stopped first, while this one was inside a
+# collective, where no signal handler runs) has nothing to say; the launcher says why the run ended.
+_STOPPING = "stopping"
+
+
+def note_stopping(folder: str) -> None:
+    """The launcher's side: the workers of this folder are being stopped on purpose."""
+    try:
+        open(os.path.join(folder, _STOPPING), "w").close()
+    except OSError:
+        pass  # the workers then report what they find, as they would without the note
+
+
+def launcher_is_stopping() -> bool:
+    """In a worker of acco's local launcher: whether the launcher is stopping the run on a signal."""
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    return bool(folder) and os.path.exists(os.path.join(folder, _STOPPING))
 
 
 def report_lost_ranks(rank: int, lost: list[int], message: str) -> None:
@@ -222,6 +244,8 @@ def names_lost_ranks(fn):
         except LostWorkerError:
             raise  # already explained by an inner call
         except RuntimeError as e:  # what gloo, nccl, the store and the ring raise
+            if launcher_is_stopping():  # a peer stopped on the launcher's signal: no one to blame
+                raise
             lost = explain(e)
             if lost is None:
                 raise

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Collection
 
 from acco.config import EXIT_SAVED_ON_SIGNAL
-from acco.engine.progress import FAILURE_DIR_ENV
+from acco.engine.progress import FAILURE_DIR_ENV, note_stopping
 from acco.launch.env import free_port
 
 # The launcher's end of a worker's start gate: the worker blocks on a read of this fd until the
@@ -184,6 +184,8 @@ def launch_local(
 
     def on_signal(signum, _frame):  # forward; no locks taken here
         signals_received.append(signum)
+        if signum not in save_signals or len(signals_received) > 1:  # the run ends: workers say nothing
+            note_stopping(report_dir)
         for p in procs:
             if p.returncode is None:
                 _signal_group(p, signum if len(signals_received) == 1 else signal.SIGKILL)
