@@ -173,9 +173,9 @@ class TrainArgs(EngineSettings, _Method):
             raise ConfigError(f"train.seed must be a non-negative integer, got {self.seed!r}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
-        if self.stop_at_eval_loss is not None and not math.isfinite(self.stop_at_eval_loss):
-            raise ConfigError(
-                f"train.stop_at_eval_loss must be null or a finite number, got {self.stop_at_eval_loss!r}"
+        if self.stop_at_eval_loss is not None and not 0 <= self.stop_at_eval_loss < math.inf:
+            raise ConfigError(  # a cross-entropy: a negative target would never stop the run
+                f"train.stop_at_eval_loss must be null or a finite loss >= 0, got {self.stop_at_eval_loss!r}"
             )
         if not 1 <= self.slowdown < math.inf:
             raise ConfigError(f"train.slowdown must be >= 1, got {self.slowdown!r}")

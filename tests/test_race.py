@@ -56,17 +56,18 @@ def test_trainer_stops_at_the_first_evaluation_at_or_below_the_target(tmp_path):
 
 
 def test_trainer_without_a_reachable_target_runs_its_budget(tmp_path):
-    summary = _trainer(tmp_path, stop_at_eval_loss=-1.0).train()
+    summary = _trainer(tmp_path, stop_at_eval_loss=0.0).train()
     assert summary["updates"] == 12 and summary["stopped_at_eval_loss"] is False
     assert [e["step"] for e in _evals(tmp_path)] == [2, 4, 6, 8, 10, 12]
     assert math.isfinite(summary["final_eval_loss"])
 
 
-def test_stop_at_eval_loss_must_be_finite(tmp_path):
+@pytest.mark.parametrize("target", [float("nan"), float("inf"), -0.5])  # -0.5: a loss never reaches it
+def test_stop_at_eval_loss_must_be_a_reachable_loss(tmp_path, target):
     from acco.engine import ConfigError
 
     with pytest.raises(ConfigError, match="stop_at_eval_loss"):
-        _trainer(tmp_path, stop_at_eval_loss=float("nan"))
+        _trainer(tmp_path, stop_at_eval_loss=target)
 
 
 # --------------------------------------------------------------------------------------------
