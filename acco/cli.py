@@ -28,6 +28,7 @@ import os
 import pickle
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -40,6 +41,7 @@ from acco.config import (
     compose,
     one_line_error,
 )
+from acco.engine.config import ConfigWarning
 from acco.engine.progress import FAILURE_DIR_ENV, launcher_is_stopping
 from acco.job import Job, job_of
 from acco.launch.env import dist_env, self_command
@@ -237,8 +239,22 @@ def _report(e: BaseException) -> None:
     sys.stderr.flush()
 
 
+def _one_line_warnings(show):
+    """warnings.showwarning for the command line: acco's own configuration warnings as one line
+    from rank 0 (not Python's file, line and source of whatever code built the config)."""
+
+    def showwarning(message, category, *args, **kwargs):
+        if not issubclass(category, ConfigWarning):
+            return show(message, category, *args, **kwargs)
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"acco: warning: {message}\n")
+
+    return showwarning
+
+
 def main() -> None:
     argv = sys.argv[1:]
+    warnings.showwarning = _one_line_warnings(warnings.showwarning)
     # acco's own progress notes (caches found, examples dropped) on stdout, as print's lines
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))

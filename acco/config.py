@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from acco.engine.config import ConfigError, EngineConfig, EngineSettings
+from acco.engine.config import ConfigError, ConfigWarning, EngineConfig, EngineSettings
 from acco.model_config import ARCHS, GPT_NEO_WINDOW, ModelError, check_model_config, gpt_neo_attention_types
 
 __all__ = [
@@ -202,7 +202,7 @@ class TrainArgs(EngineSettings, _Method):
         if seen:
             warnings.warn(
                 f"ignoring the seed's train key(s) {', '.join(seen)}: they have no effect in acco",
-                stacklevel=4,
+                ConfigWarning, stacklevel=4,
             )
 
     def engine_config(self) -> EngineConfig:

@@ -105,26 +105,29 @@ WORKER = """
 """
 
 LAUNCHER = """
-    import sys
+    import atexit, sys
     import acco.cli, acco.validate
-    from acco.config import compose
 
     calls = []
     check_job = acco.validate.check_job
     acco.validate.check_job = lambda job: calls.append(job.world_size) or check_job(job)
-    acco.cli.self_command = lambda: [sys.executable, sys.argv[1], *sys.argv[2:]]
-    code = acco.cli.run(compose(sys.argv[2:]))
-    print(f"launcher validated {calls}", flush=True)
-    sys.exit(code)
+    worker, overrides = sys.argv[1], sys.argv[2:]
+    acco.cli.self_command = lambda: [sys.executable, worker, *overrides]
+    atexit.register(lambda: print(f"launcher validated {calls}", flush=True))
+    sys.argv[1:] = overrides  # the launcher is acco's own command line
+    acco.cli.main()
 """
 
 
 def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     worker = write_script(tmp_path, "worker.py", WORKER)
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
-    cmd = [sys.executable, launcher, worker, "launch.nproc=2", *job_overrides(tmp_path)]
+    seed_key = "train.dataloader_num_workers=4"  # a seed key acco ignores: said once, in one line
+    cmd = [sys.executable, launcher, worker, "launch.nproc=2", *job_overrides(tmp_path, seed_key)]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    warned = "acco: warning: ignoring the seed's train key(s) dataloader_num_workers: they have no effect"
+    assert proc.stderr.count(warned) == 1 and "UserWarning" not in proc.stderr, proc.stderr
     assert "launcher validated [2]" in proc.stdout  # once, for two workers
     assert "done: acco " in proc.stdout  # the workers trained
     saved = (tmp_path / "out" / "config.yaml").read_text()

@@ -22,6 +22,7 @@ from acco.engine.config import (
     METHODS,
     CheckpointError,
     ConfigError,
+    ConfigWarning,
     EngineConfig,
     UpdateRecord,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointError",
     "METHODS",
     "ConfigError",
+    "ConfigWarning",
     "DecoupledEngine",
     "Engine",
     "EngineConfig",

@@ -28,6 +28,10 @@ class ConfigError(ValueError):
     """A configuration value the engine cannot run with."""
 
 
+class ConfigWarning(UserWarning):
+    """A configuration value accepted and ignored (the command line says it in one line)."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed by this run (every engine raises it, and the trainer's
     checkpoint checks)."""
