@@ -215,9 +215,19 @@ def unknown_attention(name: str) -> list[str] | None:
 
 
 def check_fits(model: nn.Module, vocab_size: int | None, max_length: int) -> None:
-    """A model the user built (DecoupledTrainer) takes this tokenizer's ids and sequences of
-    ``max_length``, as the command line checks its own models: a ModelError now rather than an
-    IndexError in the first forward."""
+    """A model the user built (DecoupledTrainer) is a causal LM, and takes this tokenizer's ids and
+    sequences of ``max_length``, as the command line checks its own models: a ModelError now rather
+    than an IndexError in the first forward, or an encoder that trains under the next-token loss
+    (it sees the tokens it predicts: the loss falls, the model learns nothing)."""
+    if isinstance(model, PreTrainedModel):  # a module of the user's own: its forward is theirs
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        if not any(cls.__name__ in causal for cls in type(model).__mro__):
+            raise ModelError(
+                f"{type(model).__name__} is not a causal language model (acco trains with the "
+                "next-token loss): load one with AutoModelForCausalLM"
+            )
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embedding, "num_embeddings", None)
     if vocab_size is not None and rows is not None and vocab_size > rows:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import transformers
 from trainer_helpers import SMALL, small_run
 
 from acco.data import load_tokenizer, synthetic_corpus
@@ -99,8 +100,8 @@ def test_no_eval_fraction_and_no_eval_set_says_what_to_do(tmp_path, setting):
 
 def test_a_model_that_cannot_take_the_tokenizer_or_the_length_is_one_line(tmp_path, setting):
     """A user's model whose embedding has fewer rows than the tokenizer has tokens, or fewer
-    positions than max_length: refused as DecoupledTrainer is built (an IndexError in the first
-    forward otherwise)."""
+    positions than max_length, or an encoder: refused as DecoupledTrainer is built (an IndexError
+    in the first forward otherwise; an encoder would train, seeing the tokens it predicts)."""
     from acco.models import ModelError
 
     docs, tokenizer = setting
@@ -110,6 +111,11 @@ def test_a_model_that_cannot_take_the_tokenizer_or_the_length_is_one_line(tmp_pa
         DecoupledTrainer(
             model=small, processing_class=tokenizer, train_dataset=docs, args=small_run(tmp_path)
         )
+    bert = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, intermediate_size=64)
+    with pytest.raises(ModelError, match="BertForMaskedLM is not a causal language model"):
+        DecoupledTrainer(model=transformers.BertForMaskedLM(bert), processing_class=tokenizer,
+                         train_dataset=docs, args=small_run(tmp_path))
     model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
     with pytest.raises(ModelError, match="max_length 128 exceeds the model's max_position_embeddings .64."):
         DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
