@@ -48,6 +48,12 @@ class DrillSettings:
             raise BenchError("--faults must be >= 1")
         if self.save_step < 1 or self.grad_accum < 1:
             raise BenchError("--save-step and --grad-accum must be >= 1")
+        from acco.config import InputError, compose
+
+        try:  # the job's config, --override included, as main.py checks it: one line before any start
+            compose(self.overrides(Path("outputs"), Path("outputs")))
+        except InputError as e:
+            raise BenchError(f"the job cannot run: {e}") from None
 
     @property
     def budget_updates(self) -> int:

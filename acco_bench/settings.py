@@ -149,6 +149,18 @@ class BenchSettings:
                 parse_rate(self.bandwidth)
             except ValueError as e:
                 raise BenchError(str(e)) from e
+        self._check_worker_configs()
+
+    def _check_worker_configs(self) -> None:
+        """Every method's workers get a config that composes (keys, types and values, as main.py
+        checks them): a bad --override is one line before anything runs, not a failed run per method."""
+        from acco.config import InputError, compose
+
+        for method in self.methods:
+            try:
+                compose(self.overrides(method, Path("outputs"), 0))
+            except InputError as e:
+                raise BenchError(f"{method}'s workers cannot run: {e}") from None
 
     def grad_accum_for(self, method: str) -> int:
         return self.grad_accum // 2 if base_method(method) == "acco" else self.grad_accum

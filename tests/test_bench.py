@@ -259,6 +259,18 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["cluster", "--methods", "ddp,zero3"])
     capsys.readouterr()
+    # a worker config that cannot run (a misspelt key; a key of acco's given to ddp): before any run
+    out = tmp_path / "never"
+    for override, said in (("train.batch_sise=2", "unknown config key 'train.batch_sise'"),
+                           ("train.estimate_comm=int8", "train.estimate_comm=int8 applies to acco's estimate "
+                                                        "round only")):  # fmt: skip
+        cmd = ["cluster", "--loopback", "--methods", "ddp,acco", "--override", override, "--out", str(out)]
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"acco-bench: ddp's workers cannot run: {said}"), err
+        assert err.count("\n") == 1 and not out.exists(), err
+    assert main(["faults", "--override", "train.lr=1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("acco-bench: the job cannot run: unknown config key 'train.lr'")
     for bad, said in (("--params=-5", "--params must be a finite number above 0, got -5.0"),
                       ("--compute-s=nan", "--compute-s must be a finite number above 0, got nan"),
                       ("--comm-s=inf", "--comm-s must be a finite number 0 or more, got inf")):  # fmt: skip
