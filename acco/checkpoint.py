@@ -62,7 +62,8 @@ from acco.launch.process_group import after_rank0, wait_on_store
 SAVE_TIMEOUT_S = 3600.0
 META_KEYS = ("step", "samples", "method", "world_size", "numel")
 # Train settings a resume may change, but rarely should: each difference gets a warning.
-RESUME_KEYS = ("n_grad_accumulation", "estimate_micro_batches", "learning_rate", "nb_steps_tot")
+RESUME_KEYS = ("n_grad_accumulation", "estimate_micro_batches", "learning_rate", "nb_steps_tot",
+               "weight_decay", "scheduler_name", "warmup", "accumulate_while_waiting", "max_grad_norm")
 # Settings that decide which samples the data position points at: a resume must keep them
 # (batch_size may change only with the world size, where the position is converted by samples).
 DATA_KEYS = ("seed", "max_length", "batch_size")
@@ -296,6 +297,14 @@ def check_resumable(
         return None
     meta = load_meta(folder)
     check_files(folder, meta)
+    newer = [p.name for p in list_checkpoints(os.path.expanduser(str(args.output_dir)))
+             if int(_NAME.match(p.name).group(1)) > int(meta["step"])]  # fmt: skip
+    if newer:
+        raise CheckpointError(
+            f"train.output_dir holds checkpoints newer than {folder.name} ({', '.join(newer)}), of the run "
+            "that went on from it: this run's would be mixed with them (the newest is what a restart "
+            f"resumes); resume from {newer[-1]}, or move them out of train.output_dir"
+        )
     if meta["method"] != args.method_name:
         raise CheckpointError(
             f"{folder} was written by method {meta['method']!r}, this run is {args.method_name!r}"
@@ -400,6 +409,7 @@ def resume_run(
                 }
             )
             del state
+        position.check_same_data(positions[0]["data"])
         position.load_state_dict(data_position(positions, batch_size, world_size, position.batches_per_epoch))
         return False
     mine = load_worker(folder, rank, old_world)

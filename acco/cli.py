@@ -169,9 +169,6 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
                 raise InputError(line)
             return 1  # rank 0 prints the line
     args, out = job.args, Path(job.args.output_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(job.config, out / "config.yaml")
     data = prepare_data(job)  # every rank takes part in the waits on rank 0
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
     model = _build_model(job, data.tokenizer, device, announce=rank == 0)
@@ -179,6 +176,10 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
         model=model, tokenizer=data.tokenizer, train_dataset=data.train, eval_dataset=data.eval, args=args
     )
     del data  # the trainer holds the rows
+    # the job as composed, once training starts (after a resume that succeeded: nothing is replaced
+    # by a run that cannot continue the checkpoint)
+    trainer.on_train_start = lambda: OmegaConf.save(job.config, out / "config.yaml")
+    trainer.inputs_checked = True  # by the validation pass (launcher, or rank 0): the CRC read once
     summary = trainer.train()
     code = 0
     if summary.get("stopped_on_signal"):  # checkpointed: the same command with resume auto continues

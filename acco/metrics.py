@@ -192,19 +192,30 @@ class RunLog:
             plot_runs({summary["method"]: self.dir}, self.dir / "loss.png")
 
 
+def _entries(path: Path) -> list[tuple[str, dict]]:
+    """(line, entry) of each whole line of a JSON-lines log; a last line without its newline is a
+    write that a kill or a full disk cut short, and is left out."""
+    lines = path.read_text().splitlines(keepends=True)
+    entries = []
+    for number, line in enumerate(lines, 1):
+        if not line.endswith("\n"):
+            break
+        try:
+            entries.append((line, json.loads(line)))
+        except ValueError as e:
+            raise ValueError(f"{path}: line {number} is not a JSON record ({e})") from None
+    return entries
+
+
 def _truncate_after(path: Path, step: int) -> None:
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
-    path.write_text("".join(kept))
+    if path.exists():
+        path.write_text("".join(line for line, entry in _entries(path) if entry["step"] <= step))
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     train, evals = [], []
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        for line in f:
-            entry = json.loads(line)
-            (train if entry["type"] == "train" else evals).append(entry)
+    for _, entry in _entries(Path(run_dir) / "metrics.jsonl"):
+        (train if entry["type"] == "train" else evals).append(entry)
     return train, evals
 
 

@@ -17,6 +17,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from acco.data.prepare import collate, forward_fields, micro_batches, prepare_da
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
 from acco.launch import preemption
-from acco.launch.process_group import after_rank0, every_rank_at, init_distributed
+from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_at, init_distributed
 from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
 from acco.models import check_fits
@@ -79,6 +80,10 @@ class DecoupledTrainer:
             # Non-reentrant: the parameters' gradients land in the engine's flat buffer as usual.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = None
+        # Rank 0 calls it once training is about to start, a resume having succeeded (the command
+        # line writes the run's config.yaml then: a run that cannot start leaves the folder as it was)
+        self.on_train_start: Callable[[], None] | None = None
+        self.inputs_checked = False  # True: the command line's validation pass has run _check_inputs' checks
         self._collator_fields = forward_fields(model) if self.args.remove_unused_columns else None
         self.train_data = self._prepare(train_dataset) if train_dataset is not None else None
         if eval_dataset is not None:
@@ -125,6 +130,8 @@ class DecoupledTrainer:
         every_rank_at("setup")
         if resume_from_checkpoint is None:
             resume_from_checkpoint = args.resume_from_checkpoint
+        if not self.inputs_checked:
+            self._check_inputs(resume_from_checkpoint)
         # True means "latest" (transformers.Trainer's convention); "auto" with nothing to resume: None
         folder = (
             checkpoint.resolve(resume_from_checkpoint, args.output_dir) if resume_from_checkpoint else None
@@ -158,72 +165,68 @@ class DecoupledTrainer:
             self._collator_fields,
         )
         self.model.train()
-        # The log (TensorBoard's import takes seconds on rank 0) exists before the engine, and
-        # every rank starts the clock together: no rank computes while another is still setting up.
-        resumed_step = int(meta["step"]) if folder is not None else None
-        log = RunLog(
-            str(out),
-            self.rank,
-            self.world_size,
-            args.batch_size * args.max_length,
-            args.log_step,
-            resumed_step,
-        )
         self.engine = build_engine(self.model, args.engine_config())
         self._writer, self._checkpoint_pause_s = CheckpointWriter(self.device, args.async_save), 0.0
-        last = summary = None
+        last = summary = log = None
         stopped = on_signal = False
-        # A preemption notice from here on stops the run after an update, checkpointed (launch/preemption.py).
-        signals = contextlib.ExitStack()
-        caught = signals.enter_context(
-            preemption.save_on_signals(args.save_on_signal, self.engine.request_stop)
-        )
-        try:
-            if folder is not None:
-                self._resume(folder, meta, position)
-            stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown)
-            log.start_progress(args.nb_steps_tot, self.engine.samples)
-            every_rank_at("start")
-            records = self.engine.run(stream, causal_lm_loss)
-            for record in records:
-                log.update(record)
-                last = record
-                if not math.isfinite(record.loss):
-                    raise FloatingPointError(
-                        f"training loss is {record.loss} at update {record.step}; stopping"
+        # A preemption notice from here on stops the run after an update, checkpointed
+        # (launch/preemption.py); one that comes after the last update lets the run finish.
+        with preemption.save_on_signals(args.save_on_signal, self.engine.request_stop) as caught:
+            try:
+                if folder is not None:
+                    self._resume(folder, meta, position)
+                # Only now is anything written: a checkpoint this run cannot continue leaves the run
+                # folder as it was (the log cuts metrics.jsonl back to the checkpoint's update). Rank
+                # 0's log imports TensorBoard (seconds): the "start" barrier below waits for it, and
+                # every rank starts the clock together.
+                log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length,
+                             args.log_step, int(meta["step"]) if folder is not None else None)  # fmt: skip
+                if self.on_train_start is not None and self.rank == 0:
+                    self.on_train_start()
+                stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown)
+                log.start_progress(args.nb_steps_tot, self.engine.samples)
+                every_rank_at("start")
+                records = self.engine.run(stream, causal_lm_loss)
+                for record in records:
+                    log.update(record)
+                    last = record
+                    if not math.isfinite(record.loss):
+                        raise FloatingPointError(
+                            f"training loss is {record.loss} at update {record.step}; stopping"
+                        )
+                    with stream.not_compute():  # a slowdown stretches micro-batches, not these
+                        if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
+                            stopped = self._evaluate_and_log(log, record)
+                        # Every worker's record of the same update says stop: all checkpoint it and leave.
+                        on_signal = record.stop and record.samples < args.nb_steps_tot
+                        if (args.save_step and record.step % args.save_step == 0) or on_signal:
+                            self._checkpoint(record, position)
+                    if stopped or on_signal:
+                        break
+                # Every rank, also after a stop: nothing in flight and the model at the committed
+                # parameters before anything rank 0 does alone (the final save) touches it.
+                records.close()
+                self.engine.finish()
+                if last is not None and not on_signal:
+                    if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
+                        self._evaluate_and_log(log, last)
+                    if args.save and not (args.save_step and last.step % args.save_step == 0):
+                        self._checkpoint(last, position)
+                self._writer.wait()  # the last checkpoint is whole before the run reports or exits
+                facts = {**self._utilisation(log), **self._run_facts(stopped)}
+                if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
+                    facts.update(
+                        stopped_on_signal=caught[0] if caught else "a peer's signal",
+                        stopped_at_update=last.step,
                     )
-                with stream.not_compute():  # a slowdown stretches micro-batches, not these
-                    if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
-                        stopped = self._evaluate_and_log(log, record)
-                    # Every worker's record of the same update says stop: all checkpoint it and leave.
-                    on_signal = record.stop and record.samples < args.nb_steps_tot
-                    if (args.save_step and record.step % args.save_step == 0) or on_signal:
-                        self._checkpoint(record, position)
-                if stopped or on_signal:
-                    break
-            # Every rank, also after a stop: nothing in flight and the model at the committed
-            # parameters before anything rank 0 does alone (the final save) touches it.
-            records.close()
-            self.engine.finish()
-            if last is not None and not on_signal:
-                if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
-                    self._evaluate_and_log(log, last)
-                if args.save and not (args.save_step and last.step % args.save_step == 0):
-                    self._checkpoint(last, position)
-            self._writer.wait()  # the last checkpoint is whole before the run reports or exits
-            facts = {**self._utilisation(log), **self._run_facts(stopped)}
-            if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
-                facts.update(
-                    stopped_on_signal=caught[0] if caught else "a peer's signal", stopped_at_update=last.step
-                )
-            summary = log.summary(args.method_name, self.device, facts)
-        finally:
-            self._writer.close(timeout_s=2 * args.timeout_s)  # after a failure: what can still land
-            signals.close()
-            self.engine.close()
-            log.close(summary)
-        if args.save and not on_signal:
-            self.save_model(str(out / "model"))
+                summary = log.summary(args.method_name, self.device, facts)
+            finally:
+                self._writer.close(timeout_s=2 * args.timeout_s)  # after a failure: what can still land
+                self.engine.close()
+                if log is not None:
+                    log.close(summary)
+            if args.save and not on_signal:
+                self.save_model(str(out / "model"))
         return summary
 
     def _evaluate_and_log(self, log: RunLog, record) -> bool:
@@ -250,6 +253,32 @@ class DecoupledTrainer:
         if self.args.stop_at_eval_loss is not None:
             facts["stopped_at_eval_loss"] = stopped
         return facts
+
+    def _check_inputs(self, resume) -> None:
+        """The command line's checks of the run folder and the checkpoint, once, on rank 0 (every
+        rank follows its verdict): a finished run is not overwritten, and a damaged checkpoint (its
+        CRC read), or one with newer checkpoints beside it, is not resumed."""
+        from acco.config import AlreadyCompleted, InputError
+        from acco.models import count_parameters
+        from acco.validate import check_output_dir
+
+        args = dataclasses.replace(self.args, resume_from_checkpoint=resume)
+        errors = {"InputError": InputError, "CheckpointError": checkpoint.CheckpointError}
+
+        def verdict() -> str:
+            try:
+                check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+                numel = count_parameters(self.model, trainable_only=True)
+                checkpoint.check_resumable(args, self.world_size, lambda _: numel)
+            except AlreadyCompleted:
+                pass  # said by train(), which then returns
+            except tuple(errors.values()) as e:
+                return f"{type(e).__name__} {e}"
+            return ""
+
+        kind, _, line = decided_by_rank0(verdict, key="inputs").partition(" ")
+        if kind:
+            raise errors[kind](line)
 
     def _clear_old_checkpoints(self, out: Path) -> None:
         """A fresh run must not leave another run's checkpoints for `latest` to pick up."""

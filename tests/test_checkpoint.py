@@ -100,6 +100,10 @@ def test_resume_on_another_world_size_continues_from_the_same_samples(interrupte
     moved = tmp_path / "one-worker"
     moved.mkdir()
     os.system(f"cp -r {out / 'checkpoint-4'} {moved}/")
+    # Other data would be read from the converted position: refused, and the run folder left as it was
+    proc = cli(moved, "train.resume_from_checkpoint=latest", "data.n_docs=700", nproc=1)
+    assert proc.returncode != 0 and "saved num_samples" in proc.stderr, proc.stderr[-2000:]
+    assert {p.name for p in moved.iterdir()} <= {"checkpoint-4", "tokenizer"}  # no config.yaml, no log
     proc = cli(moved, "train.resume_from_checkpoint=latest", nproc=1)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resharded to 1" in proc.stdout
@@ -372,3 +376,40 @@ def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tm
     assert summary["nothing_to_do"] and summary["samples"] == 16
     assert "checkpoint-8 already completed the budget of 16 micro-batches" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_trainer_api_checks_what_the_command_line_checks(tmp_path):
+    """Without the command line's validation pass, DecoupledTrainer runs its checks itself, before
+    anything is written: a damaged checkpoint (CRC), one with newer checkpoints beside it (a
+    restart would resume those), a finished run without overwrite_output_dir, and a checkpoint
+    that the engine refuses (diloco's sync period) leave the run folder as it was."""
+    from acco.config import InputError
+    from acco.trainer import DecoupledTrainer
+
+    def train(out, method="ddp", resume=None, **more):
+        args = tiny_args(method, out, **more)
+        return DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(resume)
+
+    def files(out):
+        return {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+
+    out = tmp_path / "run"
+    train(out, nb_steps_tot=8)  # checkpoint-2 and checkpoint-4
+    before, rank0 = files(out), out / "checkpoint-4" / "rank0-of-1.pt"
+    whole, middle = rank0.read_bytes(), rank0.stat().st_size // 2
+    rank0.write_bytes(whole[:middle] + bytes([whole[middle] ^ 0xFF]) + whole[middle + 1 :])  # size unchanged
+    with pytest.raises(CheckpointError, match="rank0-of-1.pt: corrupted checkpoint file .entry .* CRC"):
+        train(out, resume="latest", nb_steps_tot=16)
+    rank0.write_bytes(whole)
+    with pytest.raises(CheckpointError, match=r"newer than checkpoint-2 \(checkpoint-4\)"):
+        train(out, resume=str(out / "checkpoint-2"), nb_steps_tot=16)
+    with pytest.raises(InputError, match="already holds a run"):
+        train(out, nb_steps_tot=8, save=False)
+    assert files(out) == {**before, rank0: rank0.stat().st_mtime_ns}
+
+    diloco = tmp_path / "diloco"
+    train(diloco, "diloco", nb_steps_tot=12)  # tiny_args: sync_every 3
+    before = files(diloco)
+    with pytest.raises(CheckpointError, match="synchronised 1 fragment.s. every 3 steps; this run: 1 every"):
+        train(diloco, "diloco", resume="latest", nb_steps_tot=24, sync_every=2)
+    assert files(diloco) == before

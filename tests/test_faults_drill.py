@@ -13,7 +13,7 @@ import pytest
 import torch
 from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
-from acco import checkpoint
+from acco.config import InputError
 from acco_bench.fault_job import last_step
 from acco_bench.fault_plan import DrillSettings, plan_faults
 from acco_bench.fault_results import bits_equal
@@ -62,7 +62,7 @@ def test_auto_starts_afresh_over_the_debris_of_a_first_save_that_crashed(tmp_pat
     assert summary["samples"] == 8 and sorted(train_losses(out)) == [1, 2]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     # another run's complete checkpoint is still protected
-    with pytest.raises(checkpoint.CheckpointError, match="holds checkpoints of another run"):
+    with pytest.raises(InputError, match="already holds a run .summary.json, metrics.jsonl, checkpoint-2."):
         DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=tiny_args("acco", out)).train()
 
 

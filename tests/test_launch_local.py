@@ -211,6 +211,37 @@ def test_a_worker_whose_peer_stopped_on_a_ctrl_c_says_nothing(tmp_path):
     assert "acco" not in err and "Traceback" not in err, err
 
 
+# Workers that catch the save signal: "finish" exits 0 on it (the notice came after the last update:
+# the run completes), "stuck" goes on (a save that takes long), to be killed by a second signal.
+CATCHER = """
+    import os, signal, sys
+    caught = []
+    signal.signal(signal.SIGTERM, lambda *_: caught.append(os.write(1, b"caught\\n")))
+    os.write(1, f"ready {os.environ['RANK']} {os.getpid()}\\n".encode())
+    while not caught or "SCENARIO" == "stuck":
+        signal.pause()
+"""
+
+
+def test_a_save_signal_that_finds_the_run_finishing_is_no_failure(tmp_path):
+    proc, pids = start_launcher(tmp_path, ("SIGTERM",), worker=CATCHER.replace("SCENARIO", "finish"))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0  # every worker exited 0: the run is complete
+    assert "acco.launch:" not in proc.stderr.read()
+
+
+def test_a_second_signal_kills_and_blames_no_worker(tmp_path):
+    proc, pids = start_launcher(tmp_path, ("SIGTERM",), worker=CATCHER.replace("SCENARIO", "stuck"))
+    proc.send_signal(signal.SIGTERM)
+    assert [proc.stdout.readline() for _ in pids] == ["caught\n"] * 2  # forwarded: both workers saving
+    proc.send_signal(signal.SIGTERM)  # the user's second Ctrl-C, or the scheduler's kill
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    for pid in pids:
+        assert wait_dead(pid, timeout=5)
+    err = proc.stderr.read()
+    assert "acco.launch:" not in err, err
+
+
 # SIGTERM reaches the launcher as its first worker starts (sent from the worker's side of the fork,
 # before it runs the command): the earliest a signal can come once a worker exists. It must be
 # forwarded like any other, not end the launcher alone (128 + 15, not -15), whatever the timing.

@@ -153,6 +153,29 @@ def test_a_sigterm_checkpoints_and_the_same_command_finishes_the_run_exactly(pre
     )
 
 
+def _notice_during_the_final_save(rank, world, root):
+    """A preemption notice (SIGUSR1, one of train.save_on_signal) while the final model is saved."""
+    from acco.trainer import DecoupledTrainer
+
+    trainer = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(),
+                               args=tiny_args("acco", root, nb_steps_tot=16))  # fmt: skip
+    save_model = trainer.save_model
+
+    def noticed(path):
+        os.kill(os.getpid(), signal.SIGUSR1)  # its default action ends the process
+        save_model(path)
+
+    trainer.save_model = noticed
+    summary = trainer.train()
+    return "stopped_on_signal" in summary, (Path(root) / "model" / "config.json").is_file()
+
+
+def test_a_notice_after_the_last_update_lets_the_run_finish(tmp_path):
+    """The handlers stay until the final model is saved: the run completes, nothing lost (a notice
+    in that window ended the process, without its model, before)."""
+    assert run_distributed(_notice_during_the_final_save, 2, str(tmp_path)) == [(False, True)] * 2
+
+
 def test_auto_starts_fresh_or_from_the_newest_checkpoint_and_bad_signals_are_refused(tmp_path):
     assert checkpoint.resolve("auto", tmp_path) is None  # nothing yet: a fresh start
     for step in (2, 4):

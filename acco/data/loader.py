@@ -211,14 +211,20 @@ class MicroBatchStream:
             "global_batch_size": self.global_batch_size,
         }
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        # The position counts global batches, so a run may resume on another world_size as
-        # long as the global batch, the dataset and the seed are those it was saved with.
-        for key in ("seed", "num_samples", "global_batch_size"):
+    def check_same_data(self, state: Mapping[str, int], keys=("seed", "num_samples")) -> None:
+        """The saved stream `state` read the same dataset in the same order (a resharded resume
+        converts its position by samples: the global batch may differ)."""
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
                 raise DataError(
                     f"cannot resume data stream: saved {key} {state[key]} differs from {getattr(self, key)}"
+                    + (" (other data, or another train.eval_fraction)" if key == "num_samples" else "")
                 )
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        # The position counts global batches, so a run may resume on another world_size as
+        # long as the global batch, the dataset and the seed are those it was saved with.
+        self.check_same_data(state, ("seed", "num_samples", "global_batch_size"))
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.batches_per_epoch:
             raise DataError(

@@ -152,15 +152,14 @@ def launch_local(
     The rank at fault is the worker that failed, unless it failed only because a peer died or
     stalled: it then reported the lost rank (``report_lost_ranks``) or aborted, the launcher waits
     a moment for a worker that failed on its own and, if none did, blames the abort or relays the
-    report. SIGINT and
-    SIGTERM received by the launcher are forwarded to the workers, which get ``grace_s`` seconds
-    before SIGKILL (a second signal kills them at once); the launcher then returns 128 + signal
-    number. A signal of ``save_signals`` (train.save_on_signal) is forwarded too, and then the
-    launcher waits for the workers to checkpoint and exit (a second signal kills them at once);
-    workers that exit with EXIT_SAVED_ON_SIGNAL (also on a signal of their own) are no failure,
-    and the launcher returns that code. Each worker runs in its own process group, killed whole at
-    the end, so nothing is left behind; if the launcher itself is killed, the kernel sends the
-    workers SIGTERM (Linux).
+    report. SIGINT and SIGTERM received by the launcher are forwarded to the workers, which get
+    ``grace_s`` seconds before SIGKILL (a second signal kills them at once); the launcher then
+    returns 128 + signal number. A signal of ``save_signals`` (train.save_on_signal) is forwarded
+    too, and then the launcher waits for the workers to checkpoint and exit (a second signal kills
+    them at once); workers that exit with EXIT_SAVED_ON_SIGNAL (also on a signal of their own) are
+    no failure, and the launcher returns that code (0 if every worker finished its run instead).
+    Each worker runs in its own process group, killed whole at the end, so nothing is left behind;
+    if the launcher itself is killed, the kernel sends the workers SIGTERM (Linux).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -237,7 +236,7 @@ def launch_local(
         # waiter threads only once every fork is done (preexec_fn and threads do not mix)
         for rank, p in enumerate(procs):
             threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True).start()
-        running, saving, saved, failed = len(procs), False, False, {}
+        running, saving, saved, failed, finished = len(procs), False, False, {}, 0
         while running or signals_received:
             if signals_received and not (saving and len(signals_received) == 1):
                 for p in procs:  # one that the signal came before (it arrived while the worker started)
@@ -256,11 +255,13 @@ def launch_local(
                 continue
             running -= 1
             saved |= code == EXIT_SAVED_ON_SIGNAL
+            finished += code == 0
             # checkpointed on a signal, or finished, or stopped by the signal forwarded to it (before
-            # training began, or a signal that saves nothing): no failure, also when its exit comes
-            # before the loop has seen the signal
+            # training began, or a signal that saves nothing; a second one kills): no failure, also
+            # when its exit comes before the loop has seen the signal
             sig = signals_received[0] if signals_received else None
             by_signal = sig is not None and code in (0, -sig, 128 + sig)
+            by_signal |= len(signals_received) > 1 and code == -signal.SIGKILL
             if code == EXIT_SAVED_ON_SIGNAL or by_signal:
                 continue
             if code != 0:
@@ -282,6 +283,8 @@ def launch_local(
                 sys.stderr.write(f"acco.launch: {line}; stopping the other {alive} worker(s)\n")
                 sys.stderr.flush()
                 break
+        if finished == len(procs):  # a save signal after the last update: the run completed
+            return 0
         return EXIT_SAVED_ON_SIGNAL if saved and not failed else result
     finally:
         for fd in gates:

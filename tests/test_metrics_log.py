@@ -1,0 +1,42 @@
+"""metrics.jsonl and loss.png (acco/metrics.py): a log that a kill or a full disk cut short mid-line
+still resumes and plots; a run's eval losses are drawn where they are, also a single one (a short
+run's only evaluation), which a dashed line alone would not show."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.figure
+import pytest
+
+from acco.metrics import _truncate_after, plot_runs, read_metrics
+
+
+def test_a_log_cut_short_mid_line_resumes_and_reads(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    rows = [{"type": "train", "step": s, "loss": 1.0} for s in range(1, 5)]
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    log.write_text(whole + json.dumps({"type": "train", "step": 5})[:9])  # update 5's line, cut short
+    assert [e["step"] for e in read_metrics(tmp_path)[0]] == [1, 2, 3, 4]
+    _truncate_after(log, 3)  # a resume from update 3
+    assert log.read_text() == "".join(json.dumps(r) + "\n" for r in rows[:3])
+    log.write_text(whole.replace('"step": 2,', '"step": 2'))  # damaged inside: said, not dropped
+    with pytest.raises(ValueError, match="metrics.jsonl: line 2 is not a JSON record"):
+        _truncate_after(log, 3)
+
+
+def test_a_single_evaluation_is_drawn_as_a_point(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"type": "train", "step": s, "samples": 4 * s, "loss": 3.0 - 0.1 * s, "wall_time": 0.5 * s}
+            for s in range(1, 5)]  # fmt: skip
+    rows.append({"type": "eval", "step": 4, "samples": 16, "eval_loss": 2.7})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    plot_runs({"acco": run}, tmp_path / "loss.png")
+    by_samples, by_time = figures[0].axes
+    for ax, x in ((by_samples, 16), (by_time, 2.0)):
+        (evals,) = [line for line in ax.get_lines() if line.get_label() == "acco eval"]
+        assert list(evals.get_xdata()) == [x] and list(evals.get_ydata()) == [2.7]
+        assert evals.get_marker() not in (None, "None", "", " ")  # a point, not an invisible line
