@@ -193,9 +193,11 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
                 flush=True,
             )
     elif rank == 0 and not summary.get("nothing_to_do"):
+        loss = summary.get("final_eval_loss")
         print(
-            f"done: {summary['method']} {summary['samples']} micro-batches, final eval loss "
-            f"{summary['final_eval_loss']}, {summary['tokens_per_s']:,.0f} tokens/s, outputs in {out}",
+            f"done: {summary['method']} {summary['samples']} micro-batches"
+            f"{'' if loss is None else f', final eval loss {loss:.4f}'}, "
+            f"{summary['tokens_per_s']:,.0f} tokens/s, outputs in {out}",
             flush=True,
         )
     # Free the engine (DDP's reducer, the comm worker) while the interpreter is whole: a gloo

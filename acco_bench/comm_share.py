@@ -101,13 +101,14 @@ def share_fields(asked: float | None, measured: float | None, rate: str | None,
     return d
 
 
-def share_line(d: dict) -> str:
+def share_line(d: dict, loopback: bool = False) -> str:
     """One Markdown line: the share asked and measured, then the rate."""
     measured, asked = d.get("comm_share_measured"), d.get("comm_share_asked")
-    got = f"{measured:.2f}" if measured is not None else "not measured (no ddp run)"
+    got = f"measured **{measured:.2f}**" if measured is not None else "not measured (no ddp run)"
     rate = rate_label(d.get("rate"))
     if asked is None:
-        return f"Comm share (ddp's comm over its step): **{got}** measured; rate {rate} (set by --bandwidth)."
+        how = "none: loopback, no link emulated" if loopback else f"{rate} (set by --bandwidth)"
+        return f"Comm share (ddp's comm over its step): {got}; rate {how}."
     cal = d.get("calibration") or {}
     how = ""
     if cal.get("unshaped") and cal.get("probes"):
@@ -115,7 +116,7 @@ def share_line(d: dict) -> str:
         how = (f" (calibrated here: ddp unshaped C {u['compute_s']:.3f} s, M {u['comm_s']:.3f} s; at "
                f"{rate_label(p['bandwidth'])} C {p['compute_s']:.3f} s, M {p['comm_s']:.3f} s)")
     head = "Comm share (ddp's comm over its step)"
-    return f"{head}: asked **{asked:.2f}**, measured **{got}**; rate {rate}{how}."
+    return f"{head}: asked **{asked:.2f}**, {got}; rate {rate}{how}."
 
 
 def _probe_settings(settings, bandwidth: str | None):

@@ -45,7 +45,7 @@ def race_markdown(race: dict, plots: list[str]) -> str:
             )
         ),
         "",
-        *([share_line(race), ""] if "comm_share_measured" in race else []),
+        *([share_line(race, bool(cfg.get("loopback"))), ""] if "comm_share_measured" in race else []),
         md_table(header, rows),
         "",
         "Training time excludes the evaluations' own seconds. The crossing is interpolated between the last "

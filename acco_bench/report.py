@@ -122,7 +122,7 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     if "comm_share_measured" in bench:  # runs before --comm-share have none
         from acco_bench.comm_share import share_line
 
-        lines += [share_line(bench), ""]
+        lines += [share_line(bench, loopback=bool(cfg.get("loopback"))), ""]
     slow = cfg.get("slow_worker")
     lines.append(
         f"Model `{cfg['model']}` {cfg.get('model_size')}, micro-batch {cfg['batch_size']} x "
