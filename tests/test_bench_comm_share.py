@@ -170,7 +170,8 @@ def test_the_share_line_says_what_was_measured_and_on_which_link():
     share_line = comm_share.share_line
     none = {"comm_share_measured": None, "comm_share_asked": None, "rate": None}
     head = "Comm share (ddp's comm over its step):"
-    assert share_line(none, loopback=True) == f"{head} not measured (no ddp run); rate none: loopback, no link emulated."
+    loopback = f"{head} not measured (no ddp run); rate none: loopback, no link emulated."
+    assert share_line(none, loopback=True) == loopback
     assert share_line({**none, "comm_share_measured": 0.31, "rate": "100mbit"}) == (
         "Comm share (ddp's comm over its step): measured **0.31**; rate 100.0 Mbit/s (set by --bandwidth)."
     )
