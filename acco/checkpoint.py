@@ -111,18 +111,43 @@ def resolve(spec: str | bool, output_dir: str | Path) -> Path | None:
 _save_calls = [0]
 
 
-def _all_written(key: str, rank: int, world_size: int) -> None:
-    """Rank 0 returns once every other rank has called this with `key` (each sets its own store
-    key); the others return at once. The store's wait has a long timeout, unlike a barrier."""
+def _all_written(key: str, rank: int, world_size: int, failed: str = "") -> str:
+    """Rank 0 returns once every rank has called this with `key` (each sets its own store key; the
+    wait's timeout is long, unlike a barrier's), with what failed ("rank 1: OSError: ..."; "": nothing),
+    the others at once with "": a failed write is said, not a shard that never comes waited for."""
     if world_size == 1:
-        return
+        return failed and f"rank 0: {failed}"
     store = dist.distributed_c10d._get_default_store()
     if rank != 0:
-        store.set(f"{key}/{rank}", "written")
+        store.set(f"{key}/{rank}", f"failed {failed}" if failed else "written")
+        return ""
+    others = [f"{key}/{r}" for r in range(1, world_size)]
+    wait_on_store(others, "every worker's checkpoint shard", SAVE_TIMEOUT_S)
+    said = {0: f"failed {failed}" if failed else "written"}
+    said.update({r: store.get(f"{key}/{r}").decode() for r in range(1, world_size)})
+    return "; ".join(f"rank {r}: {v.removeprefix('failed ')}" for r, v in said.items() if v != "written")
+
+
+def _finish_on_rank0(finish, key: str, rank: int, world_size: int, failed: str) -> None:
+    """Rank 0 runs `finish()` unless a shard failed; then every rank raises what failed, if anything."""
+    if rank == 0:
+        if not failed:
+            try:
+                finish()
+            except Exception as e:
+                failed = f"rank 0: {type(e).__name__}: {e}"
+        if world_size > 1:
+            dist.distributed_c10d._get_default_store().set(key, f"failed {failed}" if failed else "done")
     else:
-        wait_on_store(
-            [f"{key}/{r}" for r in range(1, world_size)], "every worker's checkpoint shard", SAVE_TIMEOUT_S
-        )
+        wait_on_store([key], "rank 0's checkpoint", SAVE_TIMEOUT_S)
+        said = dist.distributed_c10d._get_default_store().get(key).decode()
+        failed = said.removeprefix("failed ") if said != "done" else ""
+    if failed:
+        raise CheckpointWriteError(f"a checkpoint could not be written: {failed}")
+
+
+class CheckpointWriteError(OSError):
+    """A part of a checkpoint could not be written (a full disk): every worker raises it alike."""
 
 
 def save(
@@ -148,9 +173,13 @@ def save(
 
     start = time.perf_counter()
     after_rank0(prepare, key=f"{key}/prepare", slow_timeout_s=SAVE_TIMEOUT_S)
-    torch.save(worker_state, rank_file(tmp, rank, world_size))
+    try:
+        torch.save(worker_state, rank_file(tmp, rank, world_size))
+        failed = ""
+    except Exception as e:  # said to rank 0, and raised on every rank below
+        failed = f"{type(e).__name__}: {e}"
     shard_s = time.perf_counter() - start
-    _all_written(f"{key}/written", rank, world_size)
+    failed = _all_written(f"{key}/written", rank, world_size, failed)
     shards_s = time.perf_counter() - start
 
     def finish():  # rank 0 alone, once every shard is on disk; the others wait on the store
@@ -173,7 +202,7 @@ def save(
             flush=True,
         )
 
-    after_rank0(finish, key=f"{key}/finish", slow_timeout_s=SAVE_TIMEOUT_S)
+    _finish_on_rank0(finish, f"{key}/finish", rank, world_size, failed)
     return final
 
 

@@ -158,3 +158,43 @@ def test_after_a_failure_close_gives_up_on_a_stuck_write_without_raising(tmp_pat
     assert "the checkpoint being written was abandoned after 0 s" in capsys.readouterr().err
     assert not writer._buffers
     stuck.set()
+
+
+def _one_worker_cannot_write(rank, world, root, background):
+    """Rank 1's shard fails as on a full disk; every worker's train() and the time it took."""
+    import errno
+    import time
+
+    from acco.trainer import DecoupledTrainer
+
+    save = torch.save
+
+    def full_disk(obj, path, *a, **k):
+        if rank == 1 and str(path).endswith(f"rank1-of-{world}.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(obj, path, *a, **k)
+
+    checkpoint.torch.save = full_disk  # the module's reference: this spawned worker's alone
+    args = tiny_args("acco", root, nb_steps_tot=48, save_step=2, async_save=background, timeout_s=60)
+    trainer = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args)
+    start = time.monotonic()
+    try:
+        trainer.train()
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["async", "blocking"])
+def test_a_shard_that_cannot_be_written_is_said_by_every_worker(tmp_path, background):
+    """Rank 0 waited for a shard that never came (a full disk on rank 1) until the collective
+    timeout, and the run ended blaming rank 0 as stalled; now every worker raises the write's own
+    error at once, and the checkpoint before stays the newest."""
+    from distributed import run_distributed
+
+    found = run_distributed(_one_worker_cannot_write, 2, str(tmp_path), background)
+    said = "a checkpoint could not be written: rank 1: OSError: [Errno 28] No space left on device"
+    for kind, message, seconds in found:
+        assert kind == "CheckpointWriteError" and message.startswith(said), found
+        assert seconds < 30, found  # not the 60 s collective timeout
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == []  # the first save failed
