@@ -45,7 +45,8 @@ from acco.engine.config import ConfigWarning
 from acco.engine.progress import FAILURE_DIR_ENV, launcher_is_stopping
 from acco.job import Job, job_of
 from acco.launch.env import dist_env, self_command
-from acco.launch.local import handed_job, launch_local, local_nproc, wait_for_go
+from acco.launch.local import SAVE_SIGNALS_ENV, handed_job, launch_local, local_nproc, wait_for_go
+from acco.launch.preemption import catch_early
 
 
 class Role(enum.Enum):
@@ -155,6 +156,7 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
 
     # the launcher's validated job (or a quiet exit if its pass failed), else this config's
     job: Job = pickle.loads(wait_for_go()) if role is Role.LAUNCHED else job_of(cfg, world_size)
+    catch_early(job.args.save_on_signal)  # a preemption notice during start-up: stop after update 1
     rank, world_size, _, device = init_distributed(job.args.timeout_s)
     if role is Role.WORKER:  # rank 0 validates once for all, the others wait and follow its verdict
         kind, _, line = decided_by_rank0(lambda: validated(job), key="validation").partition(" ")
@@ -258,6 +260,8 @@ def _one_line_warnings(show):
 def main() -> None:
     argv = sys.argv[1:]
     warnings.showwarning = _one_line_warnings(warnings.showwarning)
+    if handed_job():  # a local launcher's worker: its forwarded notices are noted from here on
+        catch_early([name for name in os.environ.get(SAVE_SIGNALS_ENV, "").split(",") if name])
     # acco's own progress notes (caches found, examples dropped) on stdout, as print's lines
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))

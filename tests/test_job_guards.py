@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from validation_helpers import config, validation_error
 
-from acco.config import compose
+from acco.config import EXIT_SAVED_ON_SIGNAL, compose
 from acco.validate import validate_job
 
 
@@ -69,3 +69,30 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert err.endswith("acco: interrupted\n"), err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "acco: error" not in err, err
+
+
+def test_a_notice_during_start_up_checkpoints_the_first_update(tmp_path):
+    """SIGTERM (a preemption notice) to the launcher while the workers still set up, before
+    training: each worker notes it (preemption.catch_early), the run stops after its first update,
+    checkpointed, with exit 75, and the same command with auto finishes it (it ended with 143 and no
+    checkpoint before)."""
+    import signal
+
+    cmd = [sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
+           f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=32", "train.eval=false",
+           "train.resume_from_checkpoint=auto"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ACCO_DEBUG"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # rank 0 built its model: the trainer is not built yet
+            if line.startswith("attention:"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_SAVED_ON_SIGNAL, err[-2000:]
+    assert "acco: stopped on SIGTERM after update 1 " in out, out[-2000:]
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()
+    finished = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert finished.returncode == 0 and "resuming exactly from" in finished.stdout, finished.stderr[-2000:]

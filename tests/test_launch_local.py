@@ -230,6 +230,41 @@ def test_a_save_signal_that_finds_the_run_finishing_is_no_failure(tmp_path):
     assert "acco.launch:" not in proc.stderr.read()
 
 
+# A launcher whose check (the job's validation) waits on a FIFO that the test opens once the
+# launcher has had a save signal: the notice comes while the job is being checked.
+CHECKING = """
+    import signal, sys
+    from acco.launch import launch_local
+
+    def check():
+        print("checking", flush=True)
+        with open(sys.argv[2]) as fifo:
+            return fifo.read().encode()
+
+    sys.exit(launch_local(2, [sys.executable, sys.argv[1]], grace_s=2, check=check,
+                          save_signals=[signal.SIGTERM]))
+"""
+
+
+def test_a_save_signal_during_the_check_is_forwarded_not_the_end_of_the_launcher(tmp_path):
+    worker = write_script(tmp_path, "catcher.py", CATCHER.replace("SCENARIO", "finish"))
+    launcher = write_script(tmp_path, "checking.py", CHECKING)
+    os.mkfifo(tmp_path / "checked")
+    proc = subprocess.Popen([sys.executable, launcher, worker, str(tmp_path / "checked")], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        up = sorted(proc.stdout.readline().split(" ")[0] for _ in range(3))  # in whatever order
+        assert up == ["checking\n", "ready", "ready"], up
+        proc.send_signal(signal.SIGTERM)  # it was the launcher's end (-15) while the job was checked
+        assert [proc.stdout.readline() for _ in range(2)] == ["caught\n"] * 2  # both workers have it
+        assert proc.poll() is None, proc.stderr.read()  # the launcher still checks the job
+        with open(tmp_path / "checked", "w") as fifo:
+            fifo.write("")  # the check passes
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()  # the workers finished (exit 0)
+    finally:
+        proc.kill()
+
+
 def test_a_second_signal_kills_and_blames_no_worker(tmp_path):
     proc, pids = start_launcher(tmp_path, ("SIGTERM",), worker=CATCHER.replace("SCENARIO", "stuck"))
     proc.send_signal(signal.SIGTERM)

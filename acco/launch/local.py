@@ -34,6 +34,8 @@ from acco.config import EXIT_SAVED_ON_SIGNAL
 from acco.engine.progress import FAILURE_DIR_ENV, note_stopping
 from acco.launch.env import free_port
 
+# The signals that the workers save on (train.save_on_signal), for them to catch from their start.
+SAVE_SIGNALS_ENV = "ACCO_SAVE_SIGNALS"
 # The launcher's end of a worker's start gate: the worker blocks on a read of this fd until the
 # launcher has checked the job (b"go" and the check's bytes), or exits when the pipe closes without it.
 GO_FD_ENV = "ACCO_GO_FD"
@@ -166,8 +168,9 @@ def launch_local(
     base = dict(os.environ)
     base.update({k: str(v) for k, v in (env_extra or {}).items()})
     report_dir = tempfile.mkdtemp(prefix="acco-launch-")
+    saves = ",".join(signal.Signals(s).name for s in save_signals)
     base.update(
-        {FAILURE_DIR_ENV: report_dir},
+        {FAILURE_DIR_ENV: report_dir, SAVE_SIGNALS_ENV: saves},
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         WORLD_SIZE=str(nproc),
@@ -193,10 +196,11 @@ def launch_local(
     previous = {}
     result, forwarded = 0, False
 
-    def forward_signals() -> None:
+    def forward_signals(which=(signal.SIGINT, signal.SIGTERM, *save_signals)) -> None:
         if threading.current_thread() is threading.main_thread():
-            for sig in {signal.SIGINT, signal.SIGTERM, *save_signals}:
-                previous[sig] = signal.signal(sig, on_signal)
+            for sig in set(which):
+                handler = signal.signal(sig, on_signal)
+                previous.setdefault(sig, handler)  # the launcher's caller's, restored at the end
 
     try:
         preexec = _parent_death_signal_setter()
@@ -205,8 +209,13 @@ def launch_local(
             # soon, and however long this process then waits for a core) is forwarded, not the
             # end of the launcher alone.
             forward_signals()
+        else:
+            # A preemption notice while the job is checked is forwarded as well: each worker notes
+            # it from its first moments (preemption.catch_early), and its run stops after the first
+            # update, checkpointed. A Ctrl-C stays a KeyboardInterrupt until the check has passed.
+            forward_signals(save_signals)
         for rank in range(nproc):
-            if signals_received:  # no more workers: the loop below returns 128 + signal number
+            if signals_received and check is None:  # no more workers: the loop below returns 128 + signal
                 break
             env, fds = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), ()
             if check is not None:

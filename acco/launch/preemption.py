@@ -5,7 +5,9 @@ The handler only sets a flag (`request_stop` of the engine, signal-safe): the en
 its next round's statistics, every worker learns it in the same round, the trainer writes a
 checkpoint after that update and the job exits with EXIT_SAVED_ON_SIGNAL. So a signal may reach one
 rank or all of them, at any moment (during a save, an evaluation, the warm start): nothing is
-issued from the handler, and no collective of its own decides where to stop.
+issued from the handler, and no collective of its own decides where to stop. Before training, from
+a worker's first moments (`catch_early`), a signal is noted, and training then stops after its
+first update.
 """
 
 from __future__ import annotations
@@ -14,6 +16,20 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+
+# Signals of train.save_on_signal caught before training began (catch_early): the run stops after
+# its first update, checkpointed, as if they had come then.
+_noted: list[str] = []
+
+
+def catch_early(names) -> None:
+    """From a worker's first moments until training (where `save_on_signals` takes over), a signal
+    of `names` is noted instead of ending the process: a preemption notice during start-up
+    (tokenizing, building the model) then checkpoints the first update and exits as any other."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in names:
+        signal.signal(signal.Signals[name], lambda signum, _frame: _noted.append(signal.Signals(signum).name))
 
 
 @contextlib.contextmanager
@@ -32,6 +48,10 @@ def save_on_signals(names: list[str], request_stop: Callable[[], None]) -> Itera
         caught.append(signal.Signals(signum).name)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.Signals[name] for name in names)}
+    if _noted:  # a notice during start-up: stop after the first update
+        request_stop()
+        caught.extend(_noted)
+        _noted.clear()
     try:
         yield caught
     finally:
