@@ -129,6 +129,25 @@ def test_pack_documents_from_a_dataset(tmp_path, monkeypatch, bpe, corpus):
         pack_documents(["a", 1], bpe, max_length=2, cache_dir=None)
 
 
+def test_what_packing_finds_wrong_is_said(tmp_path, bpe, corpus, caplog):
+    """Documents without a text are counted (none at all: refused); a corpus of blank texts is a
+    DataError, not the tokenizer's IndexError; a damaged cache file is named, with what to do."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="acco.data.packing"):
+        pack_documents(Dataset.from_dict({"text": corpus[:20] + [None] * 5}), bpe, 8, cache_dir=None)
+    assert "5 of 25 documents have no text ('text' missing or null): skipped" in caplog.text
+    with pytest.raises(DataError, match="none of the 3 documents has a text"):
+        pack_documents(Dataset.from_dict({"text": [None] * 3}), bpe, max_length=8, cache_dir=None)
+    with pytest.raises(DataError, match="every document is empty"):
+        pack_documents(["", "  ", "\n"] * 4, bpe, max_length=8, cache_dir=None)
+    pack_documents(corpus[:30], bpe, max_length=32, cache_dir=str(tmp_path))
+    (cached,) = tmp_path.glob("*.npy")
+    cached.write_bytes(cached.read_bytes()[:1000])  # cut short outside acco's atomic write
+    with pytest.raises(DataError, match=f"cache file {cached} is damaged .*delete it, and the next run"):
+        pack_documents(corpus[:30], bpe, max_length=32, cache_dir=str(tmp_path))
+
+
 # ---------------------------------------------------------------- instruction data
 
 def test_alpaca_templates_are_the_stanford_ones():

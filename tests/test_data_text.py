@@ -29,6 +29,7 @@ from acco.data import (
     DataError,
     bos_to_prepend,
     cached_instructions,
+    corpus_fingerprint,
     load_documents,
     load_records,
     load_tokenizer,
@@ -335,3 +336,15 @@ def test_load_records(tmp_path):
         load_records(str(tmp_path / "missing.jsonl"))
 
 
+
+
+def test_a_table_file_edited_under_its_old_timestamp_gets_another_cache_key(tmp_path):
+    """datasets keys a local file by its path and modification time: a copy made with cp -p, or
+    an edit followed by touch -r, kept the old key, and training read the old file's tokens."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(50)))
+    stamp = path.stat().st_mtime_ns
+    before = corpus_fingerprint(open_documents(str(path), cache_dir=str(tmp_path / "hf")))
+    path.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(10)))
+    os.utime(path, ns=(stamp, stamp))
+    assert corpus_fingerprint(open_documents(str(path), cache_dir=str(tmp_path / "hf"))) != before

@@ -84,6 +84,7 @@ def token_stream(
     """
     if tokenizer.eos_token_id is None:
         raise DataError("packing needs a tokenizer with an eos token (use acco.data.load_tokenizer)")
+    _say_missing_texts(docs, text_column)
     dtype = np.dtype("<u2") if len(tokenizer) <= 1 << 16 else np.dtype("<i4")
     chunks = functools.partial(_encoded_chunks, docs, tokenizer, text_column, dtype, num_proc)
     if cache_dir is None:
@@ -97,7 +98,29 @@ def token_stream(
         log.info("token stream loaded from cache %s", path)
     else:
         _write_npy(path, chunks(), dtype)
-    return np.load(path, mmap_mode="r")
+    try:
+        stream = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as e:  # truncated (a full disk, a kill outside acco) or overwritten
+        raise DataError(f"cache file {path} is damaged ({e}); delete it, and the next run rebuilds it") from e
+    if stream.ndim != 1 or stream.dtype != dtype:
+        raise DataError(f"cache file {path} is not a token stream of {dtype}; delete it, and the next run "
+                        "rebuilds it")
+    return stream
+
+
+def _say_missing_texts(docs, text_column: str) -> None:
+    """Documents without a text (a null, or a record that lacks the field) are skipped: say how
+    many, and refuse a corpus of none."""
+    if is_hf_dataset(docs):
+        if text_column not in docs.column_names:
+            return
+        missing, total = docs.data.column(text_column).null_count, len(docs)  # Arrow's count: no scan
+    else:
+        missing, total = sum(doc is None for doc in docs), len(docs)
+    if missing and missing == total:
+        raise DataError(f"none of the {total} documents has a text ({text_column!r} missing or null)")
+    if missing:
+        log.info("%d of %d documents have no text (%r missing or null): skipped", missing, total, text_column)
 
 
 def packing_cache_key(docs, tokenizer, text_column: str = "text") -> str:
@@ -125,6 +148,8 @@ def _encode(texts, tokenizer) -> list[list[int]]:
             raise DataError(f"a document is a {type(text).__name__}, not a string")
         if text.strip():
             kept.append(text)
+    if not kept:  # a chunk of blank documents (the tokenizer fails on an empty batch)
+        return []
     # add_special_tokens=False: we add bos/eos ourselves, once per document. verbose=False
     # silences the "longer than model_max_length" warning: the stream is cut by us.
     ids = tokenizer(kept, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]

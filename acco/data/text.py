@@ -90,7 +90,25 @@ def open_documents(
     corpus = tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
     if len(corpus) == 0:
         raise DataError(f"{spec}: no documents")
+    if any(isinstance(s, Path) for s in sources):  # datasets keys local files by path and mtime only
+        signed = f"{corpus._fingerprint} {_files_signature(sources)}"
+        corpus._fingerprint = hashlib.sha256(signed.encode()).hexdigest()
     return corpus
+
+
+def _files_signature(files) -> str:
+    """Each local file's path, size, modification time and its first and last MiB: an edit that
+    keeps the file's timestamp (a copy with cp -p, touch -r) still changes the cache keys."""
+    h = hashlib.sha256()
+    for path in files:
+        st = path.stat()
+        h.update(f"{path.resolve()} {st.st_size} {st.st_mtime_ns}\n".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if st.st_size > 2 << 20:
+                f.seek(-(1 << 20), os.SEEK_END)
+                h.update(f.read(1 << 20))
+    return h.hexdigest()
 
 
 @contextlib.contextmanager
@@ -149,8 +167,9 @@ def corpus_fingerprint(docs, text_column: str = "text") -> str:
     """A sha256 that changes whenever the documents' content does, for cache keys.
 
     A `datasets.Dataset` has its own fingerprint, derived by `datasets` from the source files
-    and every transform since: hashing it instead of the texts keeps a cache lookup instant on a
-    large corpus. A list is hashed text by text.
+    and every transform since (`open_documents` adds each local file's size, time and ends):
+    hashing it instead of the texts keeps a cache lookup instant on a large corpus. A list is
+    hashed text by text.
     """
     h = hashlib.sha256()
     if is_hf_dataset(docs):
