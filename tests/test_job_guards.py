@@ -44,6 +44,22 @@ def test_every_model_the_docs_list_runs_with_its_defaults(model):
     assert cfg.train.max_length <= cfg.model.max_position_embeddings
 
 
+def _signal_job(cmd: list[str], after: str, sig: int) -> tuple[subprocess.Popen, str, str]:
+    """Start a job, send its launcher `sig` once it has printed a line starting with `after`; the
+    process and what it printed after that."""
+    env = {k: v for k, v in os.environ.items() if k != "ACCO_DEBUG"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith(after):
+                break
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc, out, err
+
+
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     """A Ctrl-C to a training job (SIGINT to the launcher, forwarded to its workers) ends it with
     acco's one line, not a KeyboardInterrupt traceback from every worker."""
@@ -52,16 +68,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     cmd = [sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
            f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=100000",
            "train.log_step=1"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "ACCO_DEBUG"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        for line in proc.stdout:  # training has started: an update was logged
-            if line.startswith("step"):
-                break
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    proc, _, err = _signal_job(cmd, "step", signal.SIGINT)  # training has started: an update was logged
     assert proc.returncode == 128 + signal.SIGINT
     # acco's own line, last; no Python traceback, and no worker blaming the peer that the Ctrl-C
     # stopped first (on a loaded machine one may still be inside a collective then). torch's C++
@@ -81,18 +88,10 @@ def test_a_notice_during_start_up_checkpoints_the_first_update(tmp_path):
     cmd = [sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
            f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=32", "train.eval=false",
            "train.resume_from_checkpoint=auto"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "ACCO_DEBUG"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        for line in proc.stdout:  # rank 0 built its model: the trainer is not built yet
-            if line.startswith("attention:"):
-                break
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    proc, out, err = _signal_job(cmd, "attention:", signal.SIGTERM)  # rank 0 built its model, not the trainer
     assert proc.returncode == EXIT_SAVED_ON_SIGNAL, err[-2000:]
     assert "acco: stopped on SIGTERM after update 1 " in out, out[-2000:]
     assert (tmp_path / "out" / "checkpoint-1").is_dir()
+    env = {k: v for k, v in os.environ.items() if k != "ACCO_DEBUG"}
     finished = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert finished.returncode == 0 and "resuming exactly from" in finished.stdout, finished.stderr[-2000:]
