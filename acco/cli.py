@@ -46,7 +46,7 @@ from acco.engine.progress import FAILURE_DIR_ENV, launcher_is_stopping
 from acco.job import Job, job_of
 from acco.launch.env import dist_env, self_command
 from acco.launch.local import SAVE_SIGNALS_ENV, handed_job, launch_local, local_nproc, wait_for_go
-from acco.launch.preemption import catch_early
+from acco.launch.preemption import catch_early, stop_catching_early
 
 
 class Role(enum.Enum):
@@ -144,19 +144,30 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
     """One worker's job: import what training needs (the local launcher validates meanwhile), get
     the job (handed by the launcher, else validated on rank 0 while the others wait), prepare the
     data, build the model, train."""
-    import torch
-    import torch.distributed as dist
-
-    from acco.data.prepare import prepare_data
+    import acco.data.prepare  # noqa: F401  (torch, transformers, datasets: imported while the launcher validates)
+    import acco.trainer  # noqa: F401
     from acco.host_memory import keep_heap_small
-    from acco.launch.process_group import decided_by_rank0, init_distributed, stop_heartbeat
-    from acco.trainer import DecoupledTrainer
 
     keep_heap_small()  # freed activations go back to the system (acco/host_memory.py)
 
     # the launcher's validated job (or a quiet exit if its pass failed), else this config's
     job: Job = pickle.loads(wait_for_go()) if role is Role.LAUNCHED else job_of(cfg, world_size)
     catch_early(job.args.save_on_signal)  # a preemption notice during start-up: stop after update 1
+    try:
+        return _train(job, role, world_size)
+    finally:  # an in-process run (a test, a notebook) gets its signals' defaults back
+        stop_catching_early(job.args.save_on_signal)
+
+
+def _train(job: Job, role: Role, world_size: int) -> int:
+    """train_worker's work once the job is known."""
+    import torch
+    import torch.distributed as dist
+
+    from acco.data.prepare import prepare_data
+    from acco.launch.process_group import decided_by_rank0, init_distributed, stop_heartbeat
+    from acco.trainer import DecoupledTrainer
+
     rank, world_size, _, device = init_distributed(job.args.timeout_s)
     if role is Role.WORKER:  # rank 0 validates once for all, the others wait and follow its verdict
         kind, _, line = decided_by_rank0(lambda: validated(job), key="validation").partition(" ")

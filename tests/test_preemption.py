@@ -187,3 +187,43 @@ def test_auto_starts_fresh_or_from_the_newest_checkpoint_and_bad_signals_are_ref
     assert TrainArgs(save_on_signal=[]).save_on_signal == []
     with pytest.raises(ConfigError, match="'SIGKILL' is not a signal acco can catch"):
         TrainArgs(save_on_signal=["SIGKILL"])
+
+
+# In a fresh interpreter (one thread, no test runner's signal handlers), with a timeout: a child
+# that only noted its signal would otherwise hang the suite.
+NOTED_EARLY = """
+    import os, signal
+    from acco.launch import preemption
+
+    preemption.catch_early(["SIGUSR1"])
+    up, say_up = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: says it is up (a signal before Python's after-fork reset is lost), then waits
+        os.write(say_up, b"up")
+        while True:
+            signal.pause()
+    os.read(up, 2)
+    os.kill(child, signal.SIGUSR1)
+    _, status = os.waitpid(child, 0)
+    os.kill(os.getpid(), signal.SIGUSR1)  # this process: noted, not ended
+    stops = []
+    with preemption.save_on_signals(["SIGUSR1"], lambda: stops.append(1)) as caught:
+        print(os.WIFSIGNALED(status) and os.WTERMSIG(status), stops, caught)
+    preemption.stop_catching_early(["SIGUSR1"])
+    print(signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)
+"""
+
+
+def test_a_notice_is_noted_early_but_a_forked_child_keeps_the_default(tmp_path):
+    """catch_early notes a save signal before training (save_on_signals then asks to stop), while a
+    process forked since (a multiprocessing pool's worker) still dies of it: pool.terminate()
+    waited forever on a worker that only noted its SIGTERM (a hang seen in the suite)."""
+    import subprocess
+    import sys
+
+    from distributed import REPO, clean_env, write_script
+
+    script = write_script(tmp_path, "noted.py", NOTED_EARLY)
+    proc = subprocess.run([sys.executable, script], env={**clean_env(), "PYTHONPATH": REPO},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.stdout.splitlines() == [f"{int(signal.SIGUSR1)} [1] ['SIGUSR1']", "True"], proc.stderr

@@ -13,6 +13,7 @@ first update.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -28,8 +29,25 @@ def catch_early(names) -> None:
     (tokenizing, building the model) then checkpoints the first update and exits as any other."""
     if threading.current_thread() is not threading.main_thread():
         return
+    owner = os.getpid()
+
+    def note(signum, _frame):
+        if os.getpid() != owner:  # a child forked since (a multiprocessing pool): the default, as before
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _noted.append(signal.Signals(signum).name)
+
     for name in names:
-        signal.signal(signal.Signals[name], lambda signum, _frame: _noted.append(signal.Signals(signum).name))
+        signal.signal(signal.Signals[name], note)
+
+
+def stop_catching_early(names) -> None:
+    """The default action again for `names` (catch_early's), and no note left behind."""
+    if threading.current_thread() is threading.main_thread():
+        for name in names:
+            signal.signal(signal.Signals[name], signal.SIG_DFL)
+    _noted.clear()
 
 
 @contextlib.contextmanager
