@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from trainer_helpers import SMALL
+from trainer_helpers import SMALL, small_run
 
 from acco.data import load_tokenizer, synthetic_corpus
 from acco.models import build_model
@@ -25,18 +25,7 @@ def _trainer(tmp_path, **overrides) -> DecoupledTrainer:
     docs = synthetic_corpus(200)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
     model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
-    args = dict(
-        method_name="ddp",
-        batch_size=4,
-        nb_steps_tot=12,
-        max_length=32,
-        eval_step=2,
-        learning_rate=2e-3,
-        output_dir=str(tmp_path / "run"),
-        cache_dir=str(tmp_path / "cache"),
-        save=False,
-        **overrides,
-    )
+    args = small_run(tmp_path, **{"nb_steps_tot": 12, "eval_step": 2, **overrides})
     return DecoupledTrainer(
         model=model, processing_class=tokenizer, train_dataset=docs, args=OmegaConf.create(args)
     )
