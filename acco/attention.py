@@ -13,12 +13,15 @@ in its window) SDPA gets ``is_causal=True`` and no mask, which lets it take its 
 GPU; an explicit mask rules that kernel out. Whether a batch has padding is decided once per
 forward by transformers' mask builder (see `use_sdpa`), never by reading a GPU tensor per layer.
 
-A local layer whose window cuts in (no padding, T > window_size) runs on CUDA under compile
-(``train.compile``) through `flex_local`: ``flex_attention`` with a sliding-window causal block
-mask, which skips the key blocks the window masks instead of computing the full T x T; elsewhere
-(the CPU, eager, padding, a KV cache) it keeps SDPA's explicit mask. FLEX_LOCAL = False turns it
-off. torch 2.13 has no flex backward on the CPU: its forward is tested there against eager
-attention (tests/test_attention.py), its backward only on a GPU.
+A local layer whose window cuts in (no padding, T > window_size) takes SDPA's explicit mask (the
+full T x T, masked). `flex_local` (``flex_attention`` with a sliding-window causal block mask, which
+skips the key blocks the window masks) is there for CUDA under compile (``train.compile``) but off
+(FLEX_LOCAL = False): on an H200 at GPT-Neo 125M's shapes (T = 1024, window 256, head dim 64) it
+was slower than the masked SDPA kernel, 0.91 against 0.35 ms forward and backward per layer at
+4 x 1024 (BENCHMARKS.md, section 10); acco-bench gpu's ``-flex`` variants weigh it in the whole
+model. Inductor's flex kernels need a head dimension of 16 or more; smaller heads keep SDPA.
+torch 2.13 has no flex backward on the CPU: its forward is tested there against eager attention
+(tests/test_attention.py).
 
 `skip_packing_check` removes the host sync that the mask builder itself costs (every model acco
 builds, GPT-Neo and Llama): with no attention mask, transformers reads ``.all()`` of a tensor made
@@ -36,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoModel, GPTNeoSelfAttention
 
-FLEX_LOCAL = True  # local layers through flex_attention on CUDA under compile (the module docstring)
+FLEX_LOCAL = False  # local layers through flex_attention on CUDA under compile (the module docstring)
+FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernels: "NYI: embedding dimension ... must be at least 16"
 
 
 def sliding_window_block_mask(length: int, window: int, device):
@@ -66,7 +70,13 @@ def flex_local(query, key, value, window: int, block_mask=None):
 
 
 def _use_flex(query, dropout: float) -> bool:
-    return FLEX_LOCAL and dropout == 0.0 and query.is_cuda and torch.compiler.is_compiling()
+    return (
+        FLEX_LOCAL
+        and dropout == 0.0
+        and query.size(-1) >= FLEX_MIN_HEAD_DIM
+        and query.is_cuda
+        and torch.compiler.is_compiling()
+    )
 
 
 class GPTNeoSDPAttention(GPTNeoSelfAttention):

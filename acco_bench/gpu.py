@@ -10,7 +10,9 @@
      each variant's peak GPU memory is measured from a reset, so the two can be compared;
    - ``-compiled`` (``engine-acco-compiled``, ``plain-bf16-compiled``): blocks and the loss's
      per-chunk pass compiled as ``train.compile`` does (``--compile-backend``); the others eager
-     (the side-stream check below runs compiled where ``engine-acco-compiled`` is asked).
+     (the side-stream check below runs compiled where ``engine-acco-compiled`` is asked);
+     ``-compiled-flex``: the same with GPT-Neo's local layers through flex_attention, which acco
+     leaves off (acco/attention.py), to weigh it in the whole model;
    Every variant does ``2 * grad_accum`` micro-batches of ``batch_size x max_length`` tokens per
    update (acco: ``grad_accum`` per round, two per update), timed over ``--steps`` after ``--warmup``
    (the runners: gpu_variants.py).
@@ -57,6 +59,7 @@ RATIOS = (  # (a, b): a's tokens/s over b's, where both ran
     ("engine-acco-gc", "plain-bf16-gc"),
     ("engine-acco-compiled", "plain-bf16-compiled"),
     ("engine-acco-compiled", "engine-acco"),
+    ("engine-acco-compiled-flex", "engine-acco-compiled"),
 )
 
 SKIP_EXIT = 0
@@ -231,17 +234,20 @@ def _worker(rank: int, args, port: int) -> None:
         dist.destroy_process_group()
 
 
-def parse_variants(text: str) -> list[tuple[str, str, bool, bool]]:
-    """--variants as (name, base, gradient checkpointing, compiled); a ValueError names an unknown one."""
+def parse_variants(text: str) -> list[tuple[str, str, bool, bool, bool]]:
+    """--variants as (name, base, gradient checkpointing, compiled, flex); a ValueError names an
+    unknown one. ``-flex`` (after ``-compiled``): local layers through flex_attention
+    (acco.attention.FLEX_LOCAL, off by default), taken on CUDA under compile only."""
     parsed = []
     for variant in [v.strip() for v in text.split(",") if v.strip()]:
         base = variant.removesuffix("-gc")
         gc = base != variant
+        flex, base = base.endswith("-flex"), base.removesuffix("-flex")
         compiled, base = base.endswith("-compiled"), base.removesuffix("-compiled")
-        if base not in BASE_VARIANTS:
+        if base not in BASE_VARIANTS or (flex and not compiled):
             raise ValueError(f"unknown variant {variant!r} (known: {', '.join(BASE_VARIANTS)}, "
-                             "each with -compiled and/or -gc)")
-        parsed.append((variant, base, gc, compiled))
+                             "each with -compiled, -compiled-flex and/or -gc)")
+        parsed.append((variant, base, gc, compiled, flex))
     return parsed
 
 
@@ -278,12 +284,16 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     }
     say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
         f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
-    for variant, base, gc, compiled in variants:
+    import acco.attention
+
+    flex_default = acco.attention.FLEX_LOCAL
+    for variant, base, gc, compiled, flex in variants:
         if world > 1 and base.startswith("plain-"):
             continue  # single-process loops
         if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
             torch.cuda.reset_peak_memory_stats(device)
         kw = dict(checkpointing=gc, compiled=compiled)
+        acco.attention.FLEX_LOCAL = flex  # read while tracing: each variant compiles its own model
         try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
             if base.startswith("engine-"):
                 r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, **kw)
@@ -294,6 +304,8 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
                 say(f"  {variant}: FAILED: {e!r}"[:500]) or repr(e)[:2000]
             )
             continue
+        finally:
+            acco.attention.FLEX_LOCAL = flex_default
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
             r["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20

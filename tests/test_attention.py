@@ -100,6 +100,25 @@ def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, pa
         assert all(no_mask == causal for no_mask, causal in calls)  # a mask or is_causal, never both
 
 
+def test_flex_is_off_by_default_and_never_taken_by_heads_under_16(monkeypatch):
+    """flex_attention for local layers is opt-in (slower than masked SDPA on an H200 at GPT-Neo's
+    shapes), and never taken with heads inductor's flex kernels refuse (the tiny models' 8)."""
+    from types import SimpleNamespace
+
+    import acco.attention
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def query(head_dim):  # a CUDA query under compile, as far as _use_flex looks
+        return SimpleNamespace(size=lambda dim: head_dim, is_cuda=True)
+
+    assert not acco.attention._use_flex(query(64), 0.0)
+    monkeypatch.setattr(acco.attention, "FLEX_LOCAL", True)
+    assert acco.attention._use_flex(query(64), 0.0) and acco.attention._use_flex(query(16), 0.0)
+    assert not acco.attention._use_flex(query(8), 0.0)
+    assert not acco.attention._use_flex(query(64), 0.1)  # dropout: SDPA
+
+
 @pytest.mark.parametrize("window, compiled", [(4, False), (16, False), (4, True)])
 def test_flex_local_layers_equal_eager_forward(monkeypatch, window, compiled):
     """The flex_attention path of local layers (taken on CUDA under compile: forced here) equals

@@ -108,3 +108,23 @@ def test_a_llama_runs_through_acco_bench_gpu_compiled_and_eager(tmp_path):
     v = result["variants"]
     assert list(v) == variants and all(r["tokens_per_s"] > 0 for r in v.values())
     assert v["engine-acco-compiled"]["final_loss"] == pytest.approx(v["engine-acco"]["final_loss"], rel=1e-3)
+
+
+def test_a_flex_variant_turns_flex_attention_on_for_its_own_run_only(tmp_path, monkeypatch):
+    """``-compiled-flex`` weighs flex_attention for local layers (off in acco) in the whole model:
+    on while that variant runs and compiles, back off for the next; without -compiled it is refused."""
+    import acco.attention
+    import acco_bench.gpu
+
+    seen = []
+
+    def record(args, method, device, vocab, pool, **kw):
+        seen.append((kw["compiled"], acco.attention.FLEX_LOCAL))
+        return {"tokens_per_s": 1.0, "step_time_s": 1.0}
+
+    monkeypatch.setattr(acco_bench.gpu, "run_engine", record)
+    argv = [*TINY_ON_CPU, "--micro", "off", "--out", str(tmp_path / "gpu")]
+    variants = "engine-acco-compiled-flex,engine-acco-compiled,engine-acco"
+    assert main([*argv, "--variants", variants]) == 0
+    assert seen == [(True, True), (True, False), (False, False)] and not acco.attention.FLEX_LOCAL
+    assert main([*argv, "--variants", "engine-acco-flex"]) == 2 and len(seen) == 3
