@@ -15,6 +15,8 @@ import itertools
 import statistics
 import time
 
+from acco_bench.gpu_profile import UPDATES, Window
+
 LR = 1e-4  # the engine's and the plain loop's, constant
 
 
@@ -61,9 +63,10 @@ def _checkpointing(model) -> bool:
 
 
 def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = False, delay=None,
-               budget: int | None = None, checkpointing: bool = False, compiled: bool = False) -> dict:
+               budget: int | None = None, checkpointing: bool = False, compiled: bool = False,
+               profile: bool = False) -> dict:
     """Train through the engine at world size 1; tokens/s over the timed updates, and the
-    per-micro-batch compute time."""
+    per-micro-batch compute time; `profile`: gpu_profile.UPDATES more updates, profiled."""
     import torch
 
     from acco.engine import EngineConfig, build_engine
@@ -71,7 +74,8 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     model = _fresh_model(args, vocab, device, torch.float32, checkpointing)
     k = args.grad_accum
     per_update = 2 * k
-    budget = budget or (args.warmup + args.steps) * per_update  # micro-batches of one worker
+    extra = UPDATES if profile else 0
+    budget = budget or (args.warmup + args.steps + extra) * per_update  # micro-batches of one worker
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     budget *= world  # nb_steps_tot counts every worker's micro-batches
     cfg = EngineConfig(method=method, n_grad_accumulation=k if method == "acco" else per_update,
@@ -84,13 +88,18 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
         engine.comm.delay_hook = delay
     tokens_per_mb = args.batch_size * args.max_length
     records = []
+    window = Window(device) if profile else None
     from acco.loss import causal_lm_loss as loss_fn
     try:
         for rec in engine.run(_cycle(pool), loss_fn):
             records.append(rec)
+            if window is not None and len(records) == args.warmup + args.steps:
+                window.start()
+        profiled = window.stop(extra * per_update) if window is not None else None
         _sync(device)
     finally:
         engine.close()
+    records = records[: len(records) - extra]  # the timed ones
     if len(records) < 3:
         raise RuntimeError(f"only {len(records)} updates: raise --steps")
     warm = max(0, min(args.warmup, len(records) - 3))
@@ -117,14 +126,16 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
         "final_loss": records[-1].loss,
         "gradient_checkpointing": checkpointed,
         "state_mb": state_bytes / 2**20,  # what the engine holds for training (docs/algorithm.md)
+        **({"profile": profiled} if profiled else {}),
     }
 
 
 def run_plain(
-    args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False, compiled: bool = False
+    args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False, compiled: bool = False,
+    profile: bool = False,
 ) -> dict:
     """A plain loop: forward/backward 2k micro-batches, fused AdamW step (CUDA, and the CPU since
-    torch 2.4), zero_grad."""
+    torch 2.4), zero_grad; `profile`: gpu_profile.UPDATES more updates, profiled."""
     import contextlib
 
     import torch
@@ -142,25 +153,23 @@ def run_plain(
     per_update = 2 * args.grad_accum
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     it = _cycle(pool)
-    times = []
     loss = None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             _sync(device)
             start = time.perf_counter()
-        t = time.perf_counter()
-        for _ in range(per_update):
-            with ctx():
-                loss_sum, tokens = loss_fn(model, next(it))
-            loss = loss_sum / (tokens * per_update)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
+        loss = _update(model, opt, it, loss_fn, ctx, per_update)
     _sync(device)
     elapsed = time.perf_counter() - start
     tokens = args.steps * per_update * args.batch_size * args.max_length
     final = float(loss.detach()) * per_update if loss is not None else None
+    profiled = None
+    if profile:
+        window = Window(device)
+        window.start()
+        for _ in range(UPDATES):
+            _update(model, opt, it, loss_fn, ctx, per_update)
+        profiled = window.stop(UPDATES * per_update)
     checkpointed, fused = _checkpointing(model), bool(opt.defaults["fused"])
     # parameters, their gradients (freed by zero_grad, held through each update) and AdamW's moments
     held = sum(2 * p.numel() * p.element_size() + sum(t.numel() * t.element_size()
@@ -176,4 +185,17 @@ def run_plain(
         "gradient_checkpointing": checkpointed,
         "fused_adamw": fused,
         "state_mb": held / 2**20,
+        **({"profile": profiled} if profiled else {}),
     }
+
+
+def _update(model, opt, batches, loss_fn, ctx, per_update: int):
+    """One update of the plain loop; returns the last micro-batch's scaled loss."""
+    for _ in range(per_update):
+        with ctx():
+            loss_sum, tokens = loss_fn(model, next(batches))
+        loss = loss_sum / (tokens * per_update)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss

@@ -77,6 +77,8 @@ def test_every_command_parses_headline_first(tmp_path):
         ("engine-acco-compiled-flex", "engine-acco", False, True, True),
     }
     assert first.micro == "on" and not first.no_stream_check
+    assert first.profile == "engine-acco-compiled"  # is the GPU the bound at 8 x 1024
+    assert first.profile in [name for name, *_ in parse_variants(first.variants)]
     assert tests == ["tests/test_cuda_one_gpu.py"]
     assert trainings == ["train=diloco", "train=streaming-diloco"]
     # a lent machine gives back 8 files at most: the logs are one file beside the figures' folders
@@ -88,7 +90,7 @@ def test_every_command_parses_headline_first(tmp_path):
 
 def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path):
     out, calls = _run(tmp_path, budget=105)
-    assert "== gpu8 skipped: 230s asked" in out and "== onegpu skipped: 170s asked" in out
+    assert "== gpu8 skipped: 240s asked" in out and "== onegpu skipped: 170s asked" in out
     assert "== gpu24 rc=0" in out and "== e2e-diloco rc=0" in out  # 100 s and 90 s still fit
     assert "== llama3 skipped: 120s asked" in out
     assert [a[2:4] for a in calls if a[:2] == ["-m", "acco_bench"]] == [["gpu", "--batch-size"]]

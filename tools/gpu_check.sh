@@ -43,8 +43,9 @@ step() {  # step NAME LIMIT_S COMMAND...: run under its limit if the budget stil
 # 1. GPT-Neo 125M, bf16, 8 x 1024: compiled and eager engine against the compiled and eager plain
 #    loop (MFU, the 0.97 ratio, eager against the 140k tokens/s of the first H200 run), the
 #    side-stream check (compiled, since engine-acco-compiled runs), the one-minute micro-benchmark,
-#    and flex_attention for the local layers (off in acco: slower than masked SDPA on an H200).
-step gpu8 230 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" --variants \
+#    flex_attention for the local layers (off in acco: not faster on an H200), and a profile of the
+#    compiled engine: is the GPU busy (8 x 1024 lost ~15 ms per micro-batch that 24 x 1024 did not)?
+step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" --profile engine-acco-compiled --variants \
   engine-acco-compiled,plain-bf16-compiled,engine-acco,plain-bf16,engine-acco-compiled-flex
 # 2. One NCCL rank: every method equals its reference (compiled: train.compile=auto), bf16 training,
 #    the overlap, peak memory against the state held at 4 x 1024.

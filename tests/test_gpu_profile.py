@@ -1,0 +1,101 @@
+"""acco-bench gpu --profile: the device's busy share and top kernels from the profiler's records
+(the arithmetic on made-up intervals; the plumbing on the CPU, where no device work is recorded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from acco_bench.cli import main
+from acco_bench.gpu_profile import busy_us, summarise
+
+TINY_ON_CPU = "gpu --device cpu --model tiny --batch-size 2 --max-length 16 --steps 2 --warmup 1".split()
+
+
+def test_busy_is_the_union_of_the_streams_intervals():
+    assert busy_us([]) == 0
+    assert busy_us([(0, 10), (20, 30)]) == 20  # a gap: the device idles 10 us
+    assert busy_us([(0, 10), (5, 15)]) == 15  # two streams overlapping count once
+    assert busy_us([(0, 30), (5, 10), (12, 20)]) == 30  # nested
+    assert busy_us([(20, 30), (0, 10), (10, 20)]) == 30  # back to back, out of order
+
+
+def test_summary_per_micro_batch_and_the_top_kernels():
+    kernels = [("gemm", 0, 400), ("gemm", 500, 900), ("softmax", 900, 1000), ("comm", 100, 300)]
+    s = summarise(kernels, wall_s=0.002, micro_batches=2)
+    assert s["busy"] == pytest.approx(0.9 / 2)  # 900 us of 2000: idle from 400 to 500 and after 1000
+    assert s["device_busy_ms_per_micro_batch"] == pytest.approx(0.45)
+    assert s["wall_ms_per_micro_batch"] == pytest.approx(1.0)
+    assert s["kernels_per_micro_batch"] == 2
+    assert [(k["kernel"], k["calls"]) for k in s["top"]] == [("gemm", 2), ("comm", 1), ("softmax", 1)]
+    assert s["top"][0]["ms_per_micro_batch"] == pytest.approx(0.4)
+    assert summarise([], 0.001, 1)["busy"] is None
+
+
+@pytest.mark.parametrize("variant", ["engine-acco", "plain-bf16"])
+def test_a_profiled_variant_keeps_its_timed_updates_and_reports_the_window(tmp_path, variant):
+    out = tmp_path / "gpu"
+    argv = [*TINY_ON_CPU, "--variants", f"{variant},engine-ddp", "--micro", "off", "--out", str(out)]
+    assert main([*argv, "--profile", variant]) == 0
+    result = json.loads((out / "gpu.json").read_text())
+    profile = result["profile"]
+    assert profile["variant"] == variant and profile["micro_batches"] == 2 * 4  # 2 updates of 4
+    assert profile["busy"] is None and profile["wall_ms_per_micro_batch"] > 0  # the CPU: no device work
+    assert result["variants"][variant]["updates_timed"] == 2  # the profiled updates are not timed
+    assert "profile" not in result["variants"][variant]
+    assert f"Profile of {variant}" in (out / "gpu.md").read_text()
+    assert main([*argv, "--profile", "engine-acco-compiled"]) == 2  # not among the variants
+
+
+def test_on_cuda_the_window_records_the_device_alone_and_keeps_its_events(monkeypatch):
+    """The CUDA branch, on a made-up profiler: CUDA activity only (no CPU ops, little host cost of
+    the profiler's own), the device's events kept and the host's left out."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    from acco_bench import gpu_profile
+
+    def event(name, device, start, end):
+        span = SimpleNamespace(start=start, end=end)
+        return SimpleNamespace(name=name, device_type=device, time_range=span)
+
+    asked = []
+
+    class FakeProfile:
+        def __init__(self, activities):
+            asked.append(activities)
+
+        start = stop = lambda self: None
+
+        def events(self):
+            return [event("gemm", DeviceType.CUDA, 0, 600), event("aten::mm", DeviceType.CPU, 0, 900),
+                    event("cudaLaunchKernel", DeviceType.CPU, 0, 5)]  # fmt: skip
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    window = gpu_profile.Window(torch.device("cuda"))
+    window.start()
+    s = window.stop(micro_batches=1)
+    assert asked == [[ProfilerActivity.CUDA]]
+    assert [k["kernel"] for k in s["top"]] == ["gemm"] and s["kernels_per_micro_batch"] == 1
+    assert s["device_busy_ms_per_micro_batch"] == pytest.approx(0.6)
+
+
+def test_a_profiler_that_fails_costs_the_variant_nothing(tmp_path, monkeypatch):
+    import torch
+
+    def no_cupti(*a, **k):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(torch.profiler, "profile", no_cupti)
+    out = tmp_path / "gpu"
+    argv = [*TINY_ON_CPU, "--variants", "engine-acco", "--micro", "off", "--out", str(out)]
+    assert main([*argv, "--profile", "engine-acco"]) == 0
+    result = json.loads((out / "gpu.json").read_text())
+    assert result["variants"]["engine-acco"]["tokens_per_s"] > 0
+    assert "CUPTI_ERROR_NOT_INITIALIZED" in result["profile"]["error"]
+    assert "the profiler failed: RuntimeError('CUPTI_ERROR_NOT_INITIALIZED')" in (out / "gpu.md").read_text()
