@@ -87,6 +87,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of the -compiled variants"
     )
+    p.add_argument("--compile-mode", default=None,
+                   help="inductor's mode of the -compiled variants (train.compile_mode)")
     p.add_argument(
         "--micro", choices=("auto", "on", "off"), default="auto", help="the micro-benchmark (auto: CUDA)"
     )
@@ -181,7 +183,11 @@ def main(args) -> int:
         names = [name for name, *_ in parse_variants(args.variants)]
         if args.profile is not None and args.profile not in names:
             raise ValueError(f"--profile {args.profile}: not among --variants ({', '.join(names)})")
-    except ValueError as e:
+        if args.compile_mode is not None:  # EngineConfig's own check, before any variant runs
+            from acco.engine import EngineConfig
+
+            EngineConfig(compile=args.compile_backend, compile_mode=args.compile_mode)
+    except ValueError as e:  # ConfigError is one
         print(f"acco-bench gpu: {e}", file=sys.stderr)
         return 2
     try:
@@ -284,6 +290,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         "micro_batches_per_update": 2 * args.grad_accum,
         "flops_per_token": fpt,
         "peak_bf16_tflops": peak,
+        "compile_mode": args.compile_mode,
         "variants": {},
     }
     say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
@@ -385,7 +392,8 @@ def gpu_markdown(r: dict) -> str:
         f"{r['model']} (random init, vocab {r['vocab_size']}), bf16, micro-batch {r['batch_size']} x "
         f"{r['max_length']} tokens, {r['micro_batches_per_update']} micro-batches per update, "
         f"{fmt(r['flops_per_token'] / 1e6, 1)} MFLOP per token, peak {r['peak_bf16_tflops']} TFLOP/s, "
-        f"torch {r['torch']} (CUDA {r['cuda']}).",
+        f"torch {r['torch']} (CUDA {r['cuda']})"
+        + (f"; -compiled variants in inductor's {r['compile_mode']} mode." if r.get("compile_mode") else "."),
         "",
     ]
     rows = [[k, fmt(v["tokens_per_s"], 0), fmt(100 * v["mfu"], 1, "%") if v.get("mfu") is not None else "-",

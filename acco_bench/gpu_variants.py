@@ -82,7 +82,8 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
                        nb_steps_tot=budget, use_mixed_precision=True,
                        accumulate_while_waiting=accumulate, accumulate_cap=None,  # the stream check counts
                        scheduler_name="constant", learning_rate=LR,
-                       compile=args.compile_backend if compiled else False)
+                       compile=args.compile_backend if compiled else False,
+                       compile_mode=args.compile_mode if compiled else None)
     engine = build_engine(model, cfg)
     if delay is not None:
         engine.comm.delay_hook = delay
@@ -140,12 +141,13 @@ def run_plain(
 
     import torch
 
-    from acco.engine.compiling import compile_module
+    from acco.engine.compiling import compile_module, compile_options
     from acco.engine.config import EngineSettings
 
     dtype = torch.float32 if autocast else torch.bfloat16
     model = _fresh_model(args, vocab, device, dtype, checkpointing)
-    compile_module(model, {"backend": args.compile_backend} if compiled else None)  # as build_engine does
+    options = compile_options(args.compile_backend, device.type, args.compile_mode) if compiled else None
+    compile_module(model, options)  # as build_engine does
     s = EngineSettings()  # the engine's AdamW, its defaults
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                             weight_decay=s.weight_decay, fused=True)

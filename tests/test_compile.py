@@ -178,3 +178,24 @@ def test_the_setting():
     for bad in ("", 3, None):
         with pytest.raises(ConfigError, match="compile must be"):
             EngineConfig(compile=bad)
+
+
+def test_the_compile_mode_reaches_inductor_and_nothing_else(monkeypatch):
+    """train.compile_mode (CUDA graphs, autotuning) is inductor's: passed to torch.compile with it,
+    refused with another backend or an unknown mode; "auto" on the CPU still compiles nothing."""
+    cuda_graphs = {"backend": "inductor", "mode": "reduce-overhead"}
+    assert compile_options(True, "cpu", "reduce-overhead") == cuda_graphs
+    assert compile_options("auto", "cuda", "max-autotune") == {"backend": "inductor", "mode": "max-autotune"}
+    assert compile_options("auto", "cpu", "reduce-overhead") is None
+    args = TrainArgs.from_any({"compile": "auto", "compile_mode": "reduce-overhead"})
+    assert args.engine_config().compile_mode == "reduce-overhead"  # train.compile_mode
+    with pytest.raises(ConfigError, match="compile_mode=reduce-overhead is inductor's; compile=aot_eager"):
+        EngineConfig(compile="aot_eager", compile_mode="reduce-overhead")
+    with pytest.raises(ConfigError, match="compile_mode must be null or one of default, reduce-overhead"):
+        EngineConfig(compile=True, compile_mode="fast")
+    seen = []  # what build_engine hands torch.compile, without compiling
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: seen.append(options))
+    model = make_model("block")
+    build_engine(model, config(method="ddp", compile=True, compile_mode="max-autotune-no-cudagraphs")).close()
+    assert seen and all(o == {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"} for o in seen)
+    assert model.acco_compile == seen[0]  # the loss's per-chunk pass compiles alike

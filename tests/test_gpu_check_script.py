@@ -45,7 +45,7 @@ def _run(tmp_path: Path, budget: int) -> tuple[str, list[list[str]]]:
 def test_every_command_parses_headline_first(tmp_path):
     out, calls = _run(tmp_path, budget=10_000)
     steps = [line.split()[1] for line in out.splitlines() if line.startswith("== ") and " rc=0 " in line]
-    assert steps == ["gpu8", "onegpu", "gpu24", "e2e-diloco", "e2e-streaming-diloco", "llama3"]
+    assert steps == ["gpu8", "gpu8cg", "onegpu", "gpu24", "e2e-diloco", "e2e-streaming-diloco", "llama3"]
     bench, tests, trainings = [], [], []
     for argv in calls:
         if argv[:2] == ["-m", "acco_bench"]:
@@ -66,6 +66,7 @@ def test_every_command_parses_headline_first(tmp_path):
             assert argv[0] == "-c", argv  # the version line
     assert [(a.model, a.batch_size) for a in bench] == [
         ("gptneo-125m", 8),
+        ("gptneo-125m", 8),
         ("gptneo-125m", 24),
         ("llama3", 4),
     ]
@@ -79,6 +80,8 @@ def test_every_command_parses_headline_first(tmp_path):
     assert first.micro == "on" and not first.no_stream_check
     assert first.profile == "engine-acco-compiled"  # is the GPU the bound at 8 x 1024
     assert first.profile in [name for name, *_ in parse_variants(first.variants)]
+    graphs = bench[1]  # CUDA graphs, profiled: what they buy at the size the host may bound
+    assert graphs.compile_mode == "reduce-overhead" and graphs.profile == "engine-acco-compiled"
     assert tests == ["tests/test_cuda_one_gpu.py"]
     assert trainings == ["train=diloco", "train=streaming-diloco"]
     # a lent machine gives back 8 files at most: the logs are one file beside the figures' folders
@@ -93,4 +96,7 @@ def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path):
     assert "== gpu8 skipped: 240s asked" in out and "== onegpu skipped: 170s asked" in out
     assert "== gpu24 rc=0" in out and "== e2e-diloco rc=0" in out  # 100 s and 90 s still fit
     assert "== llama3 skipped: 120s asked" in out
-    assert [a[2:4] for a in calls if a[:2] == ["-m", "acco_bench"]] == [["gpu", "--batch-size"]]
+    assert "== gpu8cg rc=0" in out  # 100 s fits
+    assert [a[2:4] for a in calls if a[:2] == ["-m", "acco_bench"]] == [
+        ["gpu", "--compile-mode"], ["gpu", "--batch-size"]
+    ]

@@ -99,3 +99,20 @@ def test_a_profiler_that_fails_costs_the_variant_nothing(tmp_path, monkeypatch):
     assert result["variants"]["engine-acco"]["tokens_per_s"] > 0
     assert "CUPTI_ERROR_NOT_INITIALIZED" in result["profile"]["error"]
     assert "the profiler failed: RuntimeError('CUPTI_ERROR_NOT_INITIALIZED')" in (out / "gpu.md").read_text()
+
+
+def test_the_compile_mode_reaches_the_compiled_variants_and_is_checked_first(tmp_path, monkeypatch):
+    """--compile-mode (train.compile_mode) for the -compiled variants, engine and plain loop alike;
+    refused before anything runs with a backend that has no modes."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: seen.append(options))
+    out = tmp_path / "gpu"
+    argv = [*TINY_ON_CPU, "--micro", "off", "--out", str(out), "--compile-mode", "reduce-overhead"]
+    assert main([*argv, "--variants", "engine-acco-compiled,plain-bf16-compiled,engine-acco"]) == 0
+    assert seen and all(o == {"backend": "inductor", "mode": "reduce-overhead"} for o in seen)
+    assert "inductor's reduce-overhead mode" in (out / "gpu.md").read_text()
+    blocks = len(seen)
+    assert main([*argv, "--variants", "engine-acco-compiled", "--compile-backend", "aot_eager"]) == 2
+    assert len(seen) == blocks  # nothing ran

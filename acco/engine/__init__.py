@@ -125,5 +125,5 @@ def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
         from acco.engine.decoupled import DecoupledEngine
 
         engine = DecoupledEngine(module, cfg, group)
-    compile_module(module, compile_options(cfg.compile, engine.device.type))
+    compile_module(module, compile_options(cfg.compile, engine.device.type, cfg.compile_mode))
     return engine

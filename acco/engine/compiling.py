@@ -27,15 +27,15 @@ from torch import nn
 RECOMPILE_LIMIT = 64
 
 
-def compile_options(setting, device_type: str) -> dict | None:
+def compile_options(setting, device_type: str, mode: str | None = None) -> dict | None:
     """torch.compile's keywords for a ``compile`` setting on this device, or None (eager):
     "auto" compiles on CUDA only (inductor), True everywhere (inductor), False never; any other
-    string is a torch.compile backend ("aot_eager" keeps a CPU test to seconds)."""
+    string is a torch.compile backend ("aot_eager" keeps a CPU test to seconds). `mode` is
+    inductor's (``compile_mode``; EngineConfig refuses it with another backend)."""
     if setting is False or (setting == "auto" and device_type != "cuda"):
         return None
-    if setting is True or setting == "auto":
-        return {"backend": "inductor"}
-    return {"backend": str(setting)}
+    backend = "inductor" if setting is True or setting == "auto" else str(setting)
+    return {"backend": backend} | ({"mode": mode} if mode is not None and backend == "inductor" else {})
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:

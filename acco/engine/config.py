@@ -21,6 +21,7 @@ LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
 ACCO_ESTIMATES = ("lean", "paper")
 ESTIMATE_COMMS = ("full", "int8")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # inductor's
 SCHEDULERS = ("cosine", "linear", "constant")
 
 
@@ -138,6 +139,10 @@ class EngineSettings:
     """torch.compile on each transformer block, in place, and on the loss's per-chunk pass
     (acco/engine/compiling.py): "auto" on CUDA only, true, false, or a torch.compile backend name
     ("aot_eager", "inductor"). The engine, its comm thread and the optimizer stay eager."""
+    compile_mode: Any = None
+    """inductor's mode where ``compile`` runs inductor: null (its default), "reduce-overhead" (CUDA
+    graphs: less host time per kernel launch, for small micro-batches), "max-autotune" or
+    "max-autotune-no-cudagraphs" (GEMM autotuning: longer compiles). Not yet measured on a GPU."""
 
 
 @dataclass
@@ -207,6 +212,18 @@ class EngineConfig(EngineSettings):
                     f"compile: {self.compile!r} is not a torch.compile backend (auto, true, false, or "
                     f"one of {', '.join(known)})"
                 )
+
+        self._validate_compile_mode()
+
+    def _validate_compile_mode(self) -> None:
+        if self.compile_mode is None:
+            return
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"compile_mode must be null or one of {', '.join(COMPILE_MODES)}, "
+                              f"got {self.compile_mode!r}")
+        if self.compile not in (True, "auto", "inductor"):
+            raise ConfigError(f"compile_mode={self.compile_mode} is inductor's; compile={self.compile} "
+                              "runs no inductor (compile=auto, true or inductor)")
 
     def _validate_split(self) -> None:
         e, most = self.estimate_micro_batches, 2 * int(self.n_grad_accumulation) - 1
