@@ -214,6 +214,12 @@ def unknown_attention(name: str) -> list[str] | None:
     return None if name in names or "/" in name or "|" in name else names
 
 
+def token_rows(model: nn.Module) -> int | None:
+    """The token ids the model takes: its input embedding's rows (None for a module without one)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embedding, "num_embeddings", None)
+
+
 def check_fits(model: nn.Module, vocab_size: int | None, max_length: int) -> None:
     """A model the user built (DecoupledTrainer) is a causal LM, and takes this tokenizer's ids and
     sequences of ``max_length``, as the command line checks its own models: a ModelError now rather
@@ -228,8 +234,7 @@ def check_fits(model: nn.Module, vocab_size: int | None, max_length: int) -> Non
                 f"{type(model).__name__} is not a causal language model (acco trains with the "
                 "next-token loss): load one with AutoModelForCausalLM"
             )
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    rows = getattr(embedding, "num_embeddings", None)
+    rows = token_rows(model)
     if vocab_size is not None and rows is not None and vocab_size > rows:
         raise ModelError(
             f"the tokenizer has {vocab_size} tokens, more than the {rows} rows of the model's input embedding"

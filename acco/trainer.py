@@ -29,7 +29,7 @@ from acco.checkpoint_writer import CheckpointWriter
 from acco.config import TrainArgs
 from acco.data.errors import DataError
 from acco.data.loader import Rows, eval_batches, split_train_eval
-from acco.data.on_device import OnDevice, Rewound, without_full_mask
+from acco.data.on_device import OnDevice, Rewound, check_token_ids, without_full_mask
 from acco.data.prepare import collate, forward_fields, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
@@ -37,7 +37,7 @@ from acco.launch import preemption
 from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_at, init_distributed
 from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
-from acco.models import check_fits
+from acco.models import check_fits, token_rows
 
 __all__ = ["DecoupledTrainer", "TrainArgs", "causal_lm_loss"]
 
@@ -183,7 +183,8 @@ class DecoupledTrainer:
                              args.log_step, int(meta["step"]) if folder is not None else None)  # fmt: skip
                 if self.on_train_start is not None and self.rank == 0:
                     self.on_train_start()
-                stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown)
+                stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown,
+                                                 vocab_size=token_rows(self.model))
                 log.start_progress(args.nb_steps_tot, self.engine.samples)
                 every_rank_at("start")
                 records = self.engine.run(stream, causal_lm_loss)
@@ -377,9 +378,11 @@ class DecoupledTrainer:
                 if isinstance(data, Rows)
                 else (lambda examples: collate(self.data_collator, examples, self._collator_fields))
             )
+            rows = token_rows(self.model)
             for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size, collate_fn)):
                 if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
                     break
+                check_token_ids(batch, rows)
                 batch = {k: v.to(self.device) for k, v in without_full_mask(batch).items()}
                 loss_sum, tokens = causal_lm_loss(self.model, batch)
                 totals[0] += loss_sum

@@ -120,3 +120,31 @@ def test_a_model_that_cannot_take_the_tokenizer_or_the_length_is_one_line(tmp_pa
     with pytest.raises(ModelError, match="max_length 128 exceeds the model's max_position_embeddings .64."):
         DecoupledTrainer(model=model, processing_class=tokenizer, train_dataset=docs,
                          args=small_run(tmp_path, max_length=128))  # fmt: skip
+
+
+def test_a_token_id_outside_the_vocabulary_is_one_clear_error_in_training_and_evaluation(tmp_path):
+    """Pre-tokenized ids the model has no row for: a DataError on the host that names the id and
+    the vocabulary (on a GPU it would be a device-side assert naming nothing), not an IndexError."""
+    import torch
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
+
+    from acco.data import DataError
+
+    bad = tiny_data()
+    bad["input_ids"][:, 3] = 96  # the tiny model has 96 rows: ids 0 to 95
+    args = tiny_args("ddp", tmp_path / "run", nb_steps_tot=4, save=False)
+    trainer = DecoupledTrainer(model=tiny_model(), train_dataset=bad, args=args)
+    with pytest.raises(DataError, match=r"input_ids holds token id 96 \(2 such in this micro-batch\), outside "
+                                        r"the model's vocabulary of 96 \(ids 0 to 95\)"):
+        trainer.train()
+    good = tiny_data()
+    trainer = DecoupledTrainer(model=tiny_model(), train_dataset=good, eval_dataset=bad, args=args)
+    with pytest.raises(DataError, match="input_ids holds token id 96"):
+        trainer.evaluate()
+    labels = good | {"labels": good["input_ids"].clone().index_fill_(1, torch.tensor([2]), -100)}
+    labels["labels"][0, 5] = 500  # a label the head has no logit for
+    with pytest.raises(DataError, match="labels holds token id 500"):
+        DecoupledTrainer(model=tiny_model(), train_dataset=labels, eval_dataset=labels, args=args).evaluate()
+    labels["labels"][0, 5] = 7  # -100 labels are no token: they pass
+    assert math.isfinite(DecoupledTrainer(model=tiny_model(), train_dataset=labels, eval_dataset=labels,
+                                          args=args).evaluate()["eval_loss"])

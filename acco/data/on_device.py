@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from acco.data.errors import DataError
+from acco.data.instruct import IGNORE_INDEX
 from acco.engine.config import ConfigError
 from acco.engine.device import device_ops
 
@@ -25,6 +27,29 @@ def without_full_mask(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k != "attention_mask"}
 
 
+def check_token_ids(batch: dict, vocab_size: int | None) -> None:
+    """Refuse, on the host, a token id the model has no embedding (input_ids) or logit (labels,
+    -100 aside) for: on a GPU it would end in a device-side assert that kills the process and names
+    no data; on the CPU in an IndexError deep in the model. Pre-tokenized data or a token cache made
+    for another vocabulary. A few microseconds per micro-batch, before the copy."""
+    if vocab_size is None:
+        return
+    ids, labels = batch.get("input_ids"), batch.get("labels")
+    for name, t in (("input_ids", ids), ("labels", None if labels is ids else labels)):
+        if t is None or t.device.type != "cpu" or t.numel() == 0:
+            continue
+        allowed = (t >= 0) & (t < vocab_size)
+        if name == "labels":
+            allowed |= t == IGNORE_INDEX
+        if not bool(allowed.all()):
+            bad = t[~allowed]
+            raise DataError(
+                f"{name} holds token id {int(bad[0])} ({bad.numel()} such in this micro-batch), outside "
+                f"the model's vocabulary of {vocab_size} (ids 0 to {vocab_size - 1}): the data was "
+                "tokenized for another vocabulary, or the model's embedding is smaller than its tokenizer"
+            )
+
+
 class OnDevice:
     """Moves each micro-batch to the device (and, for benchmarks, slows this worker down).
 
@@ -36,12 +61,14 @@ class OnDevice:
     without streams, for tests).
     """
 
-    def __init__(self, stream, device: torch.device, slowdown: float = 1.0, prefetch: bool | None = None):
+    def __init__(self, stream, device: torch.device, slowdown: float = 1.0, prefetch: bool | None = None,
+                 vocab_size: int | None = None):
         if slowdown > 1 and device.type != "cpu":
             # The stretch is this thread's CPU time: on an accelerator that is launch overhead, not compute.
             raise ConfigError(f"train.slowdown emulates a slower worker on the CPU only; this worker runs on "
                               f"{device.type}: leave train.slowdown at 1 there (use a slower device instead)")
         self.stream, self.device, self.slowdown = stream, device, slowdown
+        self.vocab_size = vocab_size  # token ids checked against it (check_token_ids); None: not
         self._last = None
         self.ops = device_ops(device)
         self.prefetch = self.ops.streams if prefetch is None else prefetch
@@ -68,6 +95,7 @@ class OnDevice:
         batch = next(self.stream, _NONE)
         if batch is _NONE:
             return None
+        check_token_ids(batch, self.vocab_size)
         batch = without_full_mask(batch)  # a host read, before anything is queued on the copy stream
         with self.ops.use_stream(self.copy_stream):
             moved = self._move(batch)
@@ -93,7 +121,9 @@ class OnDevice:
             # all-reduce, acco at its cap) is not compute and must not be stretched.
             time.sleep((self.slowdown - 1) * (time.thread_time() - self._last))
         if not self.prefetch:
-            batch = self._move(without_full_mask(next(self.stream)))
+            batch = next(self.stream)
+            check_token_ids(batch, self.vocab_size)
+            batch = self._move(without_full_mask(batch))
             self._last = time.thread_time()
             return batch
         current = self._fetch() if self._next is _NONE else self._next
