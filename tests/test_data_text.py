@@ -328,10 +328,39 @@ def test_load_records(tmp_path):
         {"instruction": "c", "output": "d"},
         {"instruction": "e"},
     ]
-    with pytest.raises(DataError, match="record 2 lacks 'output'"):
+    with pytest.raises(DataError, match=r"line 3 \(record 2\): no 'output' field \(fields: instruction\)$"):
         load_records(write_jsonl(tmp_path / "bad.jsonl", rows_bad), cache_dir=cache)
-    with pytest.raises(DataError, match="record 0 lacks 'instruction'"):
+    no_instruction = r"line 1 \(record 0\): no 'instruction' field \(fields: output\)$"
+    with pytest.raises(DataError, match=no_instruction):
         load_records(write_jsonl(tmp_path / "bad2.jsonl", [{"output": "x"}]), cache_dir=cache)
+    spaced = tmp_path / "spaced.jsonl"  # blank lines are no records, but count as lines
+    lines = [json.dumps(r) for r in rows_bad[:2]] + ["", '{"instruction": "e", "output": null}']
+    spaced.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"spaced.jsonl, line 4 \(record 2\): 'output' is null, not a str"):
+        load_records(str(spaced), cache_dir=cache)
+    with pytest.raises(DataError, match="no such file"):
+        load_records(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("output", "found"), [(None, "null"), (3, "a number (3)"), (["a"], "a list"), ({"a": 1}, "an object")]
+)
+def test_a_record_whose_output_is_not_a_string_names_its_line_and_type(tmp_path, byte_tok, output, found):
+    """The field is there, its value is wrong: said so (not that the record lacks it), with the
+    file, its line and the record's index in it."""
+    cache = str(tmp_path / "hf-cache")
+    rows = [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "c", "output": output}]
+    path = write_jsonl(tmp_path / "ft.jsonl", rows)
+    expected = f"ft.jsonl, line 2 (record 1): 'output' is {found}, not a string"
+    with pytest.raises(DataError, match=re.escape(expected) + "$"):
+        load_records(path, cache_dir=cache)
+    (tmp_path / "ft.json").write_text(json.dumps(rows, indent=2))  # an array: the record's index only
+    with pytest.raises(DataError, match=re.escape(f"ft.json, record 1: 'output' is {found}, not a string")):
+        load_records(str(tmp_path / "ft.json"), cache_dir=cache)
+    # records given to the trainer directly (no file): their index
+    expected = f"instruction record 1: 'output' is {found}, not a string"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        tokenize_instructions(rows, byte_tok, 64)
     with pytest.raises(DataError, match="no such file"):
         load_records(str(tmp_path / "missing.jsonl"))
 

@@ -119,11 +119,16 @@ def test_data_file_without_read_permission(tmp_path):
 def test_instruction_records_without_instruction_or_output(tmp_path):
     data = write_jsonl(tmp_path / "ft.jsonl", [ALPACA, {"instruction": "Say bye."}, ALPACA])
     msg = validation_error(tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}")
-    assert "ft.jsonl: record 1 lacks 'output'" in msg
+    assert msg.endswith("ft.jsonl, line 2 (record 1): no 'output' field (fields: instruction)"), msg
     data = write_jsonl(tmp_path / "ft2.jsonl", [{"prompt": "x", "output": "y"}])
-    assert "record 0 lacks 'instruction'" in validation_error(
+    assert "line 1 (record 0): no 'instruction' field (fields: prompt, output)" in validation_error(
         tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}"
     )
+    # the field is there but null, or not text: said so, not that it lacks it
+    for value, found in ((None, "null"), (42, "a number (42)")):
+        data = write_jsonl(tmp_path / "ft3.jsonl", [ALPACA, ALPACA, {**ALPACA, "output": value}])
+        msg = validation_error(tmp_path, "train=acco-ft", "data=alpaca", f"data.path={data}")
+        assert msg.endswith(f"ft3.jsonl, line 3 (record 2): 'output' is {found}, not a string"), msg
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 # File types that the loaders read from local disk.
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -27,6 +28,34 @@ def looks_like_local_path(spec: str) -> bool:
         or spec.count("/") > 1
         or spec.lower().endswith(LOCAL_SUFFIXES)
     )
+
+
+# How a message names a value of each type that JSON (and so a table row) can hold; bool first,
+# being an int too.
+_KINDS = ((bool, "a boolean"), (int, "a number"), (float, "a number"), (list, "a list"), (dict, "an object"))
+
+
+def describe(value) -> str:
+    """A value as a message names it: "null", "a number (3)", "a boolean (true)", "a list",
+    "an object", or "of type NAME" for anything else."""
+    if value is None:
+        return "null"
+    kind = next((name for t, name in _KINDS if isinstance(value, t)), None)
+    if kind is None:
+        return f"of type {type(value).__name__}"
+    if isinstance(value, int | float):
+        text = "true" if value is True else "false" if value is False else repr(value)
+        return f"{kind} ({text[:40]})"
+    return kind
+
+
+def string_field_problem(record: Mapping, key: str) -> str | None:
+    """What keeps `record[key]` from being a string field, in words ("'output' is null, not a
+    string", "no 'output' field (fields: ...)"); None when it is a string."""
+    if key not in record:
+        return f"no {key!r} field (fields: {', '.join(map(str, record)) or 'none'})"
+    value = record[key]
+    return None if isinstance(value, str) else f"{key!r} is {describe(value)}, not a string"
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

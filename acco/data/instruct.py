@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import DataError
+from .errors import DataError, string_field_problem
 from .tokenizer import bos_to_prepend, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,15 @@ ALPACA_PROMPT_NO_INPUT = (
 )
 
 
-def format_alpaca(record: dict) -> tuple[str, str]:
-    """(prompt, response) of one record; the template with "### Input:" only when input is non-empty."""
-    try:
-        instruction, output = record["instruction"], record["output"]
-    except KeyError as e:
-        raise DataError(f"instruction record lacks {e.args[0]!r} (keys: {', '.join(record)})") from None
+def format_alpaca(record: dict, index: int | None = None) -> tuple[str, str]:
+    """(prompt, response) of one record; the template with "### Input:" only when input is non-empty.
+    `index`: the record's position, named in the error when its instruction or output is not a
+    string."""
+    for key in ("instruction", "output"):
+        if problem := string_field_problem(record, key):
+            which = "instruction record" if index is None else f"instruction record {index}"
+            raise DataError(f"{which}: {problem}")
+    instruction, output = record["instruction"], record["output"]
     input_text = record.get("input") or ""
     if input_text:
         prompt = ALPACA_PROMPT.format(instruction=instruction, input=input_text)
@@ -67,7 +70,8 @@ def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> di
             "instruction data needs a tokenizer with eos and pad tokens (use acco.data.load_tokenizer)"
         )
 
-    prompts, responses = zip(*(format_alpaca(r) for r in records)) if records else ((), ())
+    pairs = [format_alpaca(r, i) for i, r in enumerate(records)]
+    prompts, responses = zip(*pairs) if pairs else ((), ())
     # Batched calls: the fast tokenizer encodes a list in parallel in Rust.
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False, verbose=False)["input_ids"]
     response_ids = tokenizer(list(responses), add_special_tokens=False, verbose=False)["input_ids"]

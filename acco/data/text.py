@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import LOCAL_SUFFIXES, DataError, looks_like_local_path, one_line
+from .errors import LOCAL_SUFFIXES, DataError, looks_like_local_path, one_line, string_field_problem
 
 EOS_LINE = "<|endoftext|>"
 
@@ -195,18 +195,54 @@ def load_records(path_or_name: str | os.PathLike, cache_dir: str | None = None) 
     for source in _sources(spec):
         if isinstance(source, Path) and source.suffix == ".txt":
             raise DataError(f"{source}: instruction records must be .jsonl, .json or .parquet, not .txt")
-        records.extend(_load_table(source, cache_dir).to_list())
+        table = _load_table(source, cache_dir).to_list()
+        for i, record in enumerate(table):
+            for key in ("instruction", "output"):
+                if string_field_problem(record, key):
+                    raise DataError(_bad_record(source, i, record, key))
+            if record.get("input") is None:
+                record["input"] = ""
+        records.extend(table)
     if not records:
         raise DataError(f"{spec}: no records")
-
-    for i, record in enumerate(records):
-        for key in ("instruction", "output"):
-            if not isinstance(record.get(key), str):
-                problem = "lacks" if record.get(key) is None else "has a non-string"
-                raise DataError(f"{spec}: record {i} {problem} {key!r} (keys: {', '.join(record)})")
-        if record.get("input") is None:
-            record["input"] = ""
     return records
+
+
+def _bad_record(source: Path | str, index: int, record: dict, key: str) -> str:
+    """The message for record `index` of `source`, whose `key` is not a string: told from the file
+    itself where it is JSON (the table holds a null where a row lacks a field that others have)."""
+    located, raw = _json_line(source, index), None
+    if located:
+        raw = located[1]
+    elif isinstance(source, Path) and source.suffix == ".json":  # one JSON array of the records
+        with contextlib.suppress(ValueError):
+            array = json.loads(source.read_text(encoding="utf-8"))
+            raw = array[index] if isinstance(array, list) and index < len(array) else None
+    problem = string_field_problem(raw, key) if isinstance(raw, dict) else None
+    where = f"line {located[0]} (record {index})" if located else f"record {index}"
+    return f"{_where(source)}, {where}: {problem or string_field_problem(record, key)}"
+
+
+def _json_line(source: Path | str, index: int) -> tuple[int, dict] | None:
+    """(line number, parsed object) of row `index` of a JSON Lines file (datasets skips blank
+    lines); None for any other source, or a line that does not parse to an object."""
+    if not isinstance(source, Path) or source.suffix not in (".jsonl", ".json"):
+        return None
+    n = -1
+    with source.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                return None  # not JSON Lines (a JSON array over several lines)
+            if not isinstance(value, dict):
+                return None
+            n += 1
+            if n == index:
+                return lineno, value
+    return None
 
 
 def _sources(spec: str) -> list[Path | str]:
