@@ -306,8 +306,30 @@ def test_open_documents_keeps_tables_memory_mapped(tmp_path):
     with pytest.raises(DataError, match="no column 'body'"):
         open_documents(str(tmp_path / "tables"), text_column="body", cache_dir=cache)
     write_jsonl(tmp_path / "n.jsonl", [{"text": 1}])
-    with pytest.raises(DataError, match="not strings"):
+    with pytest.raises(DataError, match=r"n.jsonl, line 1 \(row 0\): 'text' is a number \(1\), not a string"):
         open_documents(str(tmp_path / "n.jsonl"), cache_dir=cache)
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [(5, "a number (5)"), (2.5, "a number (2.5)"), (True, "a boolean (true)"), (["a", "b"], "a list"),
+     ({"body": "x"}, "an object")],
+)
+def test_a_text_that_is_not_a_string_is_named_by_row_line_and_type(tmp_path, value, found):
+    """A text column of mixed values (datasets' Json type): the first bad row (a null before it
+    counted, as datasets counts it), its file line and what it holds."""
+    cache = str(tmp_path / "hf-cache")
+    jsonl = tmp_path / "mixed.jsonl"
+    rows = [{"text": "fine"}, {"text": None}, {"text": "also fine"}, {"text": value}, {"text": 7}]
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = f"mixed.jsonl, line 4 (row 3): 'text' is {found}, not a string"
+    for read in (open_documents, load_documents):
+        with pytest.raises(DataError, match=re.escape(expected)):
+            read(str(jsonl), cache_dir=cache)
+    array = tmp_path / "mixed.json"  # one JSON array over several lines: no line to name, the row
+    array.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+    with pytest.raises(DataError, match=re.escape(f"mixed.json, row 3: 'text' is {found}, not a string")):
+        open_documents(str(array), cache_dir=cache)
 
 
 def test_load_records(tmp_path):

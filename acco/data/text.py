@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import LOCAL_SUFFIXES, DataError, looks_like_local_path, one_line, string_field_problem
+from .errors import LOCAL_SUFFIXES, DataError, describe, looks_like_local_path, one_line, string_field_problem
 
 EOS_LINE = "<|endoftext|>"
 
@@ -47,9 +47,7 @@ def load_documents(
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise DataError(
-                    f"{_where(source)}, row {i}: {text_column!r} is a {type(text).__name__}, not a string"
-                )
+                raise DataError(f"{_row(source, i)}: {text_column!r} is {describe(text)}, not a string")
             docs.append(text)
 
     docs = [d for d in docs if d.strip()]
@@ -83,9 +81,7 @@ def open_documents(
                 f"{_where(source)} has no column {text_column!r} (columns: {', '.join(rows.column_names)})"
             )
         if getattr(rows.features[text_column], "dtype", None) not in ("string", "large_string"):
-            raise DataError(
-                f"{_where(source)}: column {text_column!r} holds {rows.features[text_column]}, not strings"
-            )
+            raise DataError(_not_strings(source, rows, text_column))
         tables.append(rows.select_columns([text_column]))
     corpus = tables[0] if len(tables) == 1 else datasets.concatenate_datasets(tables)
     if len(corpus) == 0:
@@ -94,6 +90,16 @@ def open_documents(
         signed = f"{corpus._fingerprint} {_files_signature(sources)}"
         corpus._fingerprint = hashlib.sha256(signed.encode()).hexdigest()
     return corpus
+
+
+def _not_strings(source: Path | str, rows, text_column: str) -> str:
+    """Why the column `text_column` of the table `rows` (read from `source`) is not text: its
+    first value that is neither a string nor null, by row (and line), or that it holds no value."""
+    for start in range(0, len(rows), 1000):
+        for i, value in enumerate(rows[start : start + 1000][text_column], start):
+            if value is not None and not isinstance(value, str):
+                return f"{_row(source, i)}: {text_column!r} is {describe(value)}, not a string"
+    return f"{_where(source)}: column {text_column!r} holds no strings (every value is null)"
 
 
 def _files_signature(files) -> str:
@@ -243,6 +249,12 @@ def _json_line(source: Path | str, index: int) -> tuple[int, dict] | None:
             if n == index:
                 return lineno, value
     return None
+
+
+def _row(source: Path | str, index: int) -> str:
+    """Where row `index` of `source` is: the file and its line (JSON Lines), else its index."""
+    located = _json_line(source, index)
+    return f"{_where(source)}, " + (f"line {located[0]} (row {index})" if located else f"row {index}")
 
 
 def _sources(spec: str) -> list[Path | str]:
