@@ -41,6 +41,7 @@ from acco.config import (
     compose,
     one_line_error,
 )
+from acco.data.errors import DataError
 from acco.engine.config import ConfigWarning
 from acco.engine.progress import FAILURE_DIR_ENV, launcher_is_stopping
 from acco.job import Job, job_of
@@ -249,7 +250,8 @@ def _build_model(job: Job, tokenizer, device, announce: bool):
 def _report(e: BaseException) -> None:
     rank = os.environ.get("RANK")
     where = f"[rank {rank}] " if rank is not None else ""
-    kind = "" if isinstance(e, InputError) else f"{type(e).__name__}: "
+    # acco's own input errors are worded for the user: no class name in front (as acco-prepare)
+    kind = "" if isinstance(e, InputError | DataError) else f"{type(e).__name__}: "
     # one write of the whole line (print writes its newline apart where stderr is unbuffered)
     sys.stderr.write(f"acco: error: {where}{kind}{one_line_error(e)}\n")
     sys.stderr.flush()
