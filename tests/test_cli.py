@@ -130,5 +130,9 @@ def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     assert proc.stderr.count(warned) == 1 and "UserWarning" not in proc.stderr, proc.stderr
     assert "launcher validated [2]" in proc.stdout  # once, for two workers
     assert "done: acco " in proc.stdout  # the workers trained
+    # what became of the token cache is said once: rank 1, which maps the file rank 0 wrote or
+    # found, says nothing of it
+    cache_lines = [line for line in proc.stdout.splitlines() if line.startswith("token stream")]
+    assert len(cache_lines) == 1, proc.stdout
     saved = (tmp_path / "out" / "config.yaml").read_text()
     assert "nb_steps_tot: 16" in saved and "${" not in saved  # the job as composed, resolved

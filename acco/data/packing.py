@@ -94,9 +94,8 @@ def token_stream(
         return stream
 
     path = cache_path(docs, tokenizer, cache_dir, text_column)
-    if path.exists():
-        log.info("token stream loaded from cache %s", path)
-    else:
+    found = path.exists()
+    if not found:
         _write_npy(path, chunks(), dtype)
     try:
         stream = np.load(path, mmap_mode="r")
@@ -105,6 +104,8 @@ def token_stream(
     if stream.ndim != 1 or stream.dtype != dtype:
         raise DataError(f"cache file {path} is not a token stream of {dtype}; delete it, and the next run "
                         "rebuilds it")
+    if found:  # as _write_npy says it, with the count that tells one split's stream from another's
+        log.info("token stream (%d tokens) loaded from cache %s", len(stream), path)
     return stream
 
 

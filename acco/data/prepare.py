@@ -20,8 +20,10 @@ tokenizes lands in the caches the workers then read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -83,12 +85,30 @@ def prepare_data(job: Job) -> PreparedData:
 
 def rank0_first(work, key: str, alone: bool = False):
     """`work()` on rank 0 while the other ranks wait, then on them (they find what rank 0 cached,
-    or compute it where they cannot see its cache). `alone`: in this process only, the store not
+    or compute it where they cannot see its cache), without the notes rank 0 has given of it (the
+    cache found or written). `alone`: in this process only, the store not
     touched (the validation pass, which runs on rank 0 alone or in the launcher)."""
     if alone:
         return work()
     result = after_rank0(work, key=key)
-    return result if result is not None else work()
+    if result is not None:
+        return result
+    with _notes_from_rank0_only():
+        return work()
+
+
+@contextlib.contextmanager
+def _notes_from_rank0_only():
+    """The data package's notes (a cache found or written, documents skipped) silenced while a
+    rank other than 0 repeats rank 0's work: rank 0 has said them, and every rank would say them
+    again, the same line once per worker. Warnings still come through."""
+    logger = logging.getLogger("acco.data")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_corpus_rank0_first(data: Mapping, loaded=None):
