@@ -26,6 +26,7 @@ reads the mark.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -175,12 +176,18 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     (the CPU). dW's error in bf16 then stays that of one GEMM whatever the number of chunks; summed
     in bf16 it was 2x at 8 chunks and 3.8x at 32, and the bf16 product added to fp32 1.4x
     (tests/test_loss_fused.py)."""
+    global _FP32_ADDMM
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
-    elif _FP32_ADDMM and acc.device.type in ("cuda", "meta"):
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        return
+    if _FP32_ADDMM and acc.device.type in ("cuda", "meta"):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, NotImplementedError) as e:  # a build without it for these dtypes
+            _FP32_ADDMM = False
+            warnings.warn(f"addmm with out_dtype failed ({e}); the loss widens its inputs", stacklevel=2)
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):

@@ -50,6 +50,7 @@ from engine_helpers import (
 from overlap_helpers import OVERLAP_UPDATES, assert_overlap, overlap_run
 from torch.nn.utils import parameters_to_vector
 
+import acco.loss
 from acco.engine.config import METHODS
 
 
@@ -87,14 +88,8 @@ def _in_group(device_type: str, fn, args):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls, to compare with the CPU references
         torch.backends.cudnn.allow_tf32 = False
-        dist.init_process_group(
-            "nccl",
-            store=dist.HashStore(),
-            rank=0,
-            world_size=1,
-            timeout=timedelta(seconds=300),
-            device_id=device,
-        )
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=300), device_id=device)  # fmt: skip
     else:
         device = torch.device("cpu")
         dist.init_process_group(
@@ -224,6 +219,17 @@ def expected(cfg) -> tuple[torch.Tensor, list[float]]:
     else:
         theta = reference_acco(ref, UPDATES, lean=cfg.acco_estimate == "lean")
     return theta, ref.losses
+
+
+@needs_gpu
+def test_the_loss_sums_the_heads_bf16_products_in_fp32_on_the_gpu():
+    """acco/loss.py's _add_product on CUDA: one GEMM accumulating into fp32, onto what it holds."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    acc = torch.randn(256, 64, device="cuda", generator=g)
+    a, b = (torch.randn(*shape, device="cuda", generator=g).bfloat16() for shape in ((256, 512), (512, 64)))
+    want = acc.double() + a.double() @ b.double()
+    acco.loss._add_product(acc, a, b)
+    torch.testing.assert_close(acc.double(), want, rtol=1e-5, atol=1e-4)  # exact bf16 products, fp32 sums
 
 
 @pytest.mark.parametrize("on", ON)

@@ -218,3 +218,22 @@ def test_the_fp32_accumulating_gemm_takes_bf16_inputs():
                                                                                  dtype=torch.bfloat16)
     acco.loss._add_product(acc, a, b)
     assert acc.dtype == torch.float32 and acc.shape == (8, 4)
+
+
+def test_a_torch_whose_fp32_accumulating_gemm_fails_widens_instead(monkeypatch):
+    """Where addmm with out_dtype raises (a build without it for these dtypes), the sum goes on
+    with the inputs widened, says so once, and does not try again."""
+    monkeypatch.setattr(acco.loss, "_FP32_ADDMM", True)
+    real = torch.addmm
+
+    def refuse(*args, **kwargs):
+        if "out_dtype" in kwargs:
+            raise RuntimeError("addmm: out_dtype is not supported here")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", refuse)
+    acc = torch.zeros(8, 4, device="meta")
+    a, b = (torch.zeros(*shape, device="meta", dtype=torch.bfloat16) for shape in ((8, 16), (16, 4)))
+    with pytest.warns(UserWarning, match="addmm with out_dtype failed"):
+        acco.loss._add_product(acc, a, b)
+    assert acco.loss._FP32_ADDMM is False and acc.dtype == torch.float32
