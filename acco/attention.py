@@ -17,9 +17,9 @@ A local layer whose window cuts in (no padding, T > window_size) takes SDPA's ex
 full T x T, masked). `flex_local` (``flex_attention`` with a sliding-window causal block mask, which
 skips the key blocks the window masks) is there for CUDA under compile (``train.compile``) but off
 (FLEX_LOCAL = False): on an H200 at GPT-Neo 125M's shapes (T = 1024, window 256, head dim 64) it
-was slower than the masked SDPA kernel, 0.91 against 0.35 ms forward and backward per layer at
-4 x 1024 (BENCHMARKS.md, "GPU (one H200)"); acco-bench gpu's ``-flex`` variants weigh it in the whole
-model. Inductor's flex kernels need a head dimension of 16 or more; smaller heads keep SDPA.
+was slower than the masked SDPA kernel alone (0.91 against 0.35 ms forward and backward per layer
+at 4 x 1024) and no faster in the compiled model (BENCHMARKS.md, "GPU (one H200)"); acco-bench gpu's
+``-compiled-flex`` variants weigh it. Inductor's flex kernels need a head dimension of 16 or more; smaller heads keep SDPA.
 torch 2.13 has no flex backward on the CPU: its forward is tested there against eager attention
 (tests/test_attention.py).
 
