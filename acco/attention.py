@@ -19,9 +19,9 @@ skips the key blocks the window masks) is there for CUDA under compile (``train.
 (FLEX_LOCAL = False): on an H200 at GPT-Neo 125M's shapes (T = 1024, window 256, head dim 64) it
 was slower than the masked SDPA kernel alone (0.91 against 0.35 ms forward and backward per layer
 at 4 x 1024) and no faster in the compiled model (BENCHMARKS.md, "GPU (one H200)"); acco-bench gpu's
-``-compiled-flex`` variants weigh it. Inductor's flex kernels need a head dimension of 16 or more; smaller heads keep SDPA.
-torch 2.13 has no flex backward on the CPU: its forward is tested there against eager attention
-(tests/test_attention.py).
+``-compiled-flex`` variants weigh it. Inductor's flex kernels need a head dimension of 16 or more;
+smaller heads keep SDPA. torch 2.13 has no flex backward on the CPU: its forward is tested there
+against eager attention (tests/test_attention.py).
 
 `skip_packing_check` removes the host sync that the mask builder itself costs (every model acco
 builds, GPT-Neo and Llama): with no attention mask, transformers reads ``.all()`` of a tensor made
