@@ -5,6 +5,7 @@ composing the config again, and the trainer receives prepared rows."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -136,3 +137,19 @@ def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     assert len(cache_lines) == 1, proc.stdout
     saved = (tmp_path / "out" / "config.yaml").read_text()
     assert "nb_steps_tot: 16" in saved and "${" not in saved  # the job as composed, resolved
+
+
+def test_help_names_acco_its_choices_and_where_every_key_is_documented():
+    """`python main.py --help`: acco's own header, the groups to pick from, and pointers to the docs
+    that exist (Hydra's default said "cli is powered by Hydra")."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "main.py"), "--help"], capture_output=True, text=True,
+                         env=clean_env(), cwd=root, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert text.startswith("acco: train a causal LM") and "powered by Hydra" not in text
+    assert "train: acco, acco-ft" in text and "nb_steps_tot:" in text
+    docs = re.findall(r"docs/\w+\.md", text)
+    assert docs and all((root / d).is_file() for d in docs), docs
