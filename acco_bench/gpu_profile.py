@@ -60,7 +60,7 @@ class Window:
 
     def __init__(self, device):
         self.device = device
-        self._prof, self._error = None, None
+        self._prof, self._error, self._t0 = None, None, None
 
     def _sync(self) -> None:
         import torch
@@ -83,6 +83,8 @@ class Window:
     def stop(self, micro_batches: int) -> dict:
         from torch.autograd import DeviceType
 
+        if self._t0 is None:  # the run ended before its profiled updates (fewer records than asked)
+            return {"micro_batches": micro_batches, "error": "the run ended before the profiled updates"}
         self._sync()
         wall = time.perf_counter() - self._t0
         try:

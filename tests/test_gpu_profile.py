@@ -106,13 +106,28 @@ def test_the_compile_mode_reaches_the_compiled_variants_and_is_checked_first(tmp
     refused before anything runs with a backend that has no modes."""
     import torch
 
-    seen = []
+    import acco.loss
+
+    seen, loss_passes = [], []  # what torch.compile would be handed, without compiling
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: seen.append(options))
+    plain_pass = acco.loss._chunk_pass
+    monkeypatch.setattr(acco.loss, "_compiled_pass", lambda **o: loss_passes.append(o) or plain_pass)
     out = tmp_path / "gpu"
     argv = [*TINY_ON_CPU, "--micro", "off", "--out", str(out), "--compile-mode", "reduce-overhead"]
     assert main([*argv, "--variants", "engine-acco-compiled,plain-bf16-compiled,engine-acco"]) == 0
     assert seen and all(o == {"backend": "inductor", "mode": "reduce-overhead"} for o in seen)
+    assert loss_passes and all(o == seen[0] for o in loss_passes)  # the loss's pass compiles alike
     assert "inductor's reduce-overhead mode" in (out / "gpu.md").read_text()
     blocks = len(seen)
     assert main([*argv, "--variants", "engine-acco-compiled", "--compile-backend", "aot_eager"]) == 2
     assert len(seen) == blocks  # nothing ran
+
+
+def test_a_window_never_started_says_so():
+    """A run that ends before its profiled updates (fewer records than asked) reports it, no crash."""
+    import torch
+
+    from acco_bench import gpu_profile
+
+    said = gpu_profile.Window(torch.device("cpu")).stop(micro_batches=4)
+    assert said == {"micro_batches": 4, "error": "the run ended before the profiled updates"}

@@ -208,16 +208,18 @@ def test_the_head_gradient_in_bf16_is_as_exact_with_many_chunks_as_with_one():
     assert errors[1] <= 1.1 * errors[0], errors
 
 
-def test_the_fp32_accumulating_gemm_takes_bf16_inputs():
+def test_the_fp32_accumulating_gemm_takes_bf16_inputs(monkeypatch):
     """The CUDA branch of the per-chunk sum (addmm with out_dtype), run on meta tensors, whose
     shape rules CUDA's kernel shares: it takes bf16 products into an fp32 sum in place."""
     if not acco.loss._FP32_ADDMM:
         pytest.skip("this torch has no addmm(..., out_dtype=): the widened product serves every device")
+    calls, real = [], torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(k) or real(*a, **k))
     acc = torch.zeros(8, 4, device="meta")
-    a, b = torch.zeros(8, 16, device="meta", dtype=torch.bfloat16), torch.zeros(16, 4, device="meta",
-                                                                                 dtype=torch.bfloat16)
+    a, b = (torch.zeros(*shape, device="meta", dtype=torch.bfloat16) for shape in ((8, 16), (16, 4)))
     acco.loss._add_product(acc, a, b)
     assert acc.dtype == torch.float32 and acc.shape == (8, 4)
+    assert [k.get("out_dtype") for k in calls] == [torch.float32] and calls[0]["out"] is acc  # that branch
 
 
 def test_a_torch_whose_fp32_accumulating_gemm_fails_widens_instead(monkeypatch):
