@@ -124,11 +124,13 @@ def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     worker = write_script(tmp_path, "worker.py", WORKER)
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
     seed_key = "train.dataloader_num_workers=4"  # a seed key acco ignores: said once, in one line
-    cmd = [sys.executable, launcher, worker, "launch.nproc=2", *job_overrides(tmp_path, seed_key)]
+    warmup = "train.warmup=16"  # the whole budget (16): legal, said once, in one line
+    cmd = [sys.executable, launcher, worker, "launch.nproc=2", *job_overrides(tmp_path, seed_key, warmup)]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     warned = "acco: warning: ignoring the seed's train key(s) dataloader_num_workers: they have no effect"
     assert proc.stderr.count(warned) == 1 and "UserWarning" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("acco: warning: train.warmup=16 is not below train.nb_steps_tot=16") == 1
     assert "launcher validated [2]" in proc.stdout  # once, for two workers
     assert "done: acco " in proc.stdout  # the workers trained
     # what became of the token cache is said once: rank 1, which maps the file rank 0 wrote or

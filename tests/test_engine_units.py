@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from distributed import run_distributed
 from torch import nn
 
 from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine.config import ConfigWarning
 from acco.engine.flat import FlatParams, ShardLayout
 from acco.engine.optim import ShardedAdamW, learning_rate
 
@@ -309,6 +311,18 @@ def test_config_errors(bad, match):
 def test_config_from_mapping_accepts_method_name_and_ignores_other_keys():
     cfg = EngineConfig.from_mapping({"method_name": "dpu", "batch_size": 8, "learning_rate": 1e-3})
     assert cfg.method == "dpu" and cfg.learning_rate == 1e-3
+
+
+def test_a_warmup_as_long_as_the_budget_is_said_once_with_the_caller_s_key_names():
+    with pytest.warns(ConfigWarning) as said:
+        EngineConfig(method="ddp", nb_steps_tot=37, warmup=37)
+        EngineConfig(method="ddp", nb_steps_tot=37, warmup=37)  # rebuilt: not said again
+        EngineConfig.from_mapping({"method_name": "ddp", "nb_steps_tot": 37, "warmup": 40}, key_prefix="train.")
+    assert [str(w.message).split(" (")[0] for w in said] == [
+        "warmup=37 is not below nb_steps_tot=37", "train.warmup=40 is not below train.nb_steps_tot=37"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        EngineConfig(method="ddp", nb_steps_tot=37, warmup=36)
 
 
 def test_a_progress_mark_never_waits_for_the_store(monkeypatch):

@@ -10,8 +10,10 @@ all workers; ``n_warmup_steps`` counts optimizer updates.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +32,19 @@ class ConfigError(ValueError):
 
 
 class ConfigWarning(UserWarning):
-    """A configuration value accepted and ignored (the command line says it in one line)."""
+    """A configuration value accepted that is ignored or unlikely to be what was meant (the
+    command line says it in one line)."""
+
+
+_KEY_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("acco_key_prefix", default="")
+_ADVISED: set[str] = set()
+
+
+def _advise(text: str) -> None:
+    """A ConfigWarning, once per process (a config is validated again wherever it is rebuilt)."""
+    if text not in _ADVISED:
+        _ADVISED.add(text)
+        warnings.warn(text, ConfigWarning, stacklevel=5)
 
 
 class CheckpointError(ValueError):
@@ -197,6 +211,11 @@ class EngineConfig(EngineSettings):
         for name in ("warmup", "n_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.warmup >= int(self.nb_steps_tot):  # legal (a short trial run), but rarely meant
+            k = _KEY_PREFIX.get()
+            _advise(f"{k}warmup={self.warmup} is not below {k}nb_steps_tot={self.nb_steps_tot} (both count "
+                    f"micro-batches over all workers): the learning rate never reaches {k}learning_rate="
+                    f"{self.learning_rate}")
         if not 0 < self.bucket_cap_mb < math.inf:
             raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
         self._validate_local_sgd()
@@ -276,6 +295,7 @@ class EngineConfig(EngineSettings):
         if "method" not in values and "method_name" in values:
             values["method"], method_key = values["method_name"], "method_name"
         names = {f.name for f in dataclasses.fields(cls)}
+        prefix = _KEY_PREFIX.set(key_prefix)  # warnings name the keys alike
         try:
             return cls(**{k: v for k, v in values.items() if k in names})
         except ConfigError as e:
@@ -285,6 +305,8 @@ class EngineConfig(EngineSettings):
             if message.startswith("method "):
                 message = method_key + message[len("method"):]
             raise ConfigError(key_prefix + message) from None
+        finally:
+            _KEY_PREFIX.reset(prefix)
 
 
 @dataclass
