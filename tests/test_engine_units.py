@@ -317,7 +317,8 @@ def test_a_warmup_as_long_as_the_budget_is_said_once_with_the_caller_s_key_names
     with pytest.warns(ConfigWarning) as said:
         EngineConfig(method="ddp", nb_steps_tot=37, warmup=37)
         EngineConfig(method="ddp", nb_steps_tot=37, warmup=37)  # rebuilt: not said again
-        EngineConfig.from_mapping({"method_name": "ddp", "nb_steps_tot": 37, "warmup": 40}, key_prefix="train.")
+        values = {"method_name": "ddp", "nb_steps_tot": 37, "warmup": 40}
+        EngineConfig.from_mapping(values, key_prefix="train.")
     assert [str(w.message).split(" (")[0] for w in said] == [
         "warmup=37 is not below nb_steps_tot=37", "train.warmup=40 is not below train.nb_steps_tot=37"]
     with warnings.catch_warnings():
