@@ -318,3 +318,121 @@ def test_a_failed_collective_names_the_ranks_behind_this_one(tmp_path):
     assert lost is None and not reported and message.startswith("Timed out")
     # once the launcher stops the run on a signal, a failed collective blames no one
     assert [r[3] for r in results] == [None] * 4
+
+
+# Rank 0, the store's host, exits once both ranks have marked; rank 1 then fails a collective.
+STORE_HOST_GONE = """
+    import os, select, sys
+    import torch.distributed as dist
+    from pathlib import Path
+    from acco.engine import progress
+    from acco.launch import init_distributed
+
+    out = Path(sys.argv[1])
+    rank, _, _, _ = init_distributed(timeout_s=30)  # a beat every 5 s: none while rank 0 exits
+    progress.mark("update 1")
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    select.select([os.pidfd_open(int((out / "pid0").read_text()))], [], [])  # rank 0 has exited
+
+    @progress.names_lost_ranks
+    def collective():
+        raise RuntimeError("Connection reset by peer")
+
+    try:
+        collective()
+    except progress.LostWorkerError as e:
+        (out / "lost.txt").write_text(str(e))
+    os._exit(0)
+"""
+
+
+def test_a_rank_whose_store_host_exited_says_so_in_one_line_without_torch_s_trace(tmp_path):
+    """Reading the progress record on a store whose host has gone makes torch's C++ client log a
+    stack trace before it raises; acco finds the host gone first and says so alone."""
+    script = write_script(tmp_path, "gone.py", STORE_HOST_GONE)
+    env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path)], stderr=subprocess.PIPE, text=True,
+                              env=clean_env({**env, "RANK": str(r), "LOCAL_RANK": str(r)})) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert (tmp_path / "lost.txt").read_text().endswith("the progress record on the rendezvous store "
+                                                        "cannot be read, its host has exited)")
+    assert "TCPStore" not in errs[1] and "frame #" not in errs[1], errs[1]
+
+
+def _beat_with_the_store(rank, world, listening):
+    import torch.distributed as dist
+
+    from acco.launch import process_group
+
+    store, key = dist.distributed_c10d._get_default_store(), process_group._ALIVE.format(rank)
+    process_group.store_listening = lambda s: listening
+    before = store.add(key, 0)
+    process_group.start_heartbeat(30.0)
+    _, thread = process_group._heartbeat["stop"]
+    thread.join(timeout=2)  # a beating thread waits 5 s between beats
+    beating = thread.is_alive()
+    process_group.stop_heartbeat()
+    return store.add(key, 0) - before, beating
+
+
+@pytest.mark.parametrize("listening", [True, False])
+def test_the_heartbeat_stops_without_a_word_once_its_store_s_host_has_gone(listening):
+    """A beat sent to a store whose host has exited fails after torch's C++ client has logged a
+    stack trace: the beat asks whether anything still listens there first (store_listening)."""
+    from distributed import run_distributed
+
+    results = run_distributed(_beat_with_the_store, 2, listening)
+    assert results == ([(1, True)] * 2 if listening else [(0, False)] * 2)
+
+
+# A store whose operations take a second: one is on its way when the script exits.
+SLOW_STORE_AT_EXIT = """
+    import sys, threading, time
+    from pathlib import Path
+    import torch.distributed as dist
+
+    out, which = Path(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    started = threading.Event()
+
+    class SlowStore:
+        def add(self, key, amount):
+            started.set()
+            time.sleep(1)  # a slow store, not a synchronisation
+            (out / "done").write_text(key)
+            return 1
+
+        def set(self, key, value):
+            self.add(key, 0)
+
+    dist.distributed_c10d._get_default_store = SlowStore
+    dist.get_world_size = lambda *args, **kwargs: 2  # as a rank of two would
+    if which == "beat":
+        from acco.launch.process_group import start_heartbeat
+        start_heartbeat(600.0)
+    else:
+        from acco.engine import progress
+        progress.mark("update 1")
+    started.wait(timeout=60)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("which", ["beat", "progress"])
+def test_an_exit_waits_for_the_store_write_on_its_way(tmp_path, which):
+    """The heartbeat and the progress publisher are daemon threads: one still inside the store's
+    C++ client when the interpreter finalises aborts the process (SIGABRT, exit code 134, seen
+    under load), so at exit each lets its write finish and starts no other."""
+    script = write_script(tmp_path, "slow_store.py", SLOW_STORE_AT_EXIT)
+    cmd = [sys.executable, script, str(tmp_path), which]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert (tmp_path / "done").read_text() == ("acco/alive/0" if which == "beat" else "acco/progress/0")

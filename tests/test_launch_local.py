@@ -47,7 +47,7 @@ def test_launch_local_first_failure_stops_all(tmp_path, capfd):
     # grace_s, not rank 0's 600 s collective timeout
     elapsed = time.monotonic() - float((tmp_path / "exit1").read_text())
     err = capfd.readouterr().err
-    assert code == 3
+    assert code == 3, err
     assert "acco.launch: rank 1" in err and "exited with code 3" in err
     assert elapsed < 20, elapsed
     pids = [int((tmp_path / name).read_text()) for name in ("pid0", "pid1", "grandchild")]

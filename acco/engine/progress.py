@@ -30,6 +30,7 @@ the launcher all use it, and it imports none of them.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -42,7 +43,7 @@ from datetime import timedelta
 
 
 __all__ = ["FAILURE_DIR_ENV", "LostWorkerError", "explain", "launcher_is_stopping", "mark",
-           "names_lost_ranks", "note_stopping", "report_lost_ranks"]
+           "names_lost_ranks", "note_stopping", "report_lost_ranks", "store_listening"]
 
 _KEY = "acco/progress/{}"
 _lock = threading.Lock()  # the main thread and the comm thread both mark
@@ -127,6 +128,7 @@ def mark(label: str) -> None:
         if _publisher is None:
             _publisher = threading.Thread(target=_publish_forever, name="acco-progress", daemon=True)
             _publisher.start()
+            atexit.register(_stop_publishing)
     _wake.set()
 
 
@@ -142,6 +144,13 @@ def publish() -> None:
         if count != _published:
             dist.distributed_c10d._get_default_store().set(_KEY.format(dist.get_rank()), f"{count} {label}")
             _published = count
+
+
+def _stop_publishing() -> None:
+    """At exit: let a store write on its way finish, and start no other. The publisher is a daemon
+    thread, and one still inside the store's C++ client when the interpreter finalises aborts the
+    process ("terminate called without an active exception"): its exit code would say SIGABRT."""
+    _publish_lock.acquire(timeout=10)  # kept: a later publish waits in Python, which is safe
 
 
 def _publish_forever() -> None:
@@ -162,12 +171,37 @@ def _read(store, rank: int) -> tuple[int, str]:
     return int(count), label
 
 
+def store_listening(store, timeout_s: float = 1.0) -> bool:
+    """False when nothing listens any more at the address of `store` (a TCPStore, or a PrefixStore
+    over one): its host, rank 0 unless torchrun hosts the store, has exited. A read would fail too,
+    but only after torch's C++ client has logged a stack trace of its failure; a fresh connection
+    finds it out in silence (the server ignores a client that connects and leaves). True for other
+    stores, and for a host that does not answer within `timeout_s` (the read's own timeout then)."""
+    import socket
+
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return True
+    try:
+        with socket.create_connection((store.host, store.port), timeout=timeout_s):
+            return True
+    except TimeoutError:
+        return True
+    except OSError:  # refused, reset, unreachable: no server there any more
+        return False
+
+
 def _furthest_behind(settle_s: float) -> dict[int, str]:
     """{rank: last label} of the ranks furthest behind, if behind this one, once every rank had
     `settle_s` to catch up; {} when this rank is among the furthest behind."""
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
+    if not store_listening(store):
+        raise ConnectionError("the store's host has exited")
     store.set_timeout(_READ_TIMEOUT)  # the run is ending: the store is used for nothing else now
     publish()  # the others compare themselves with this rank's latest mark too
     me, deadline = dist.get_rank(), time.monotonic() + settle_s

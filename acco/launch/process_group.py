@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
 from datetime import timedelta
 
-from acco.engine.progress import LostWorkerError, report_lost_ranks
+from acco.engine.progress import LostWorkerError, report_lost_ranks, store_listening
 from acco.launch.env import dist_env
 
 RENDEZVOUS_TIMEOUT_S = 1800.0  # how long the first rank waits for the last one to start
@@ -179,6 +180,8 @@ def start_heartbeat(timeout_s: float) -> None:
     import torch.distributed as dist
 
     stop_heartbeat()  # a later call replaces the beat
+    atexit.unregister(stop_heartbeat)  # registered once however many beats were started
+    atexit.register(stop_heartbeat)  # a plain sys.exit must not leave a beat inside the store's client
     _heartbeat["timeout_s"] = float(timeout_s)
     if dist.get_world_size() == 1:
         return
@@ -187,7 +190,7 @@ def start_heartbeat(timeout_s: float) -> None:
 
     def beat() -> None:
         try:
-            while not stopped.is_set():
+            while not stopped.is_set() and store_listening(store):  # its host gone: stop, silently
                 store.add(key, 1)
                 stopped.wait(interval)
         except Exception:  # the store is gone (its host exited, or the group was destroyed)
@@ -200,7 +203,8 @@ def start_heartbeat(timeout_s: float) -> None:
 
 def stop_heartbeat() -> None:
     """Stop this rank's beat and wait for it: a beat still inside the store's C++ client when the
-    interpreter exits (rank 0, the store's host, gone first) aborts the process."""
+    interpreter exits aborts the process ("terminate called without an active exception"), whose
+    exit code then says SIGABRT rather than its own. Also run at exit (atexit)."""
     stopped, thread = _heartbeat.pop("stop", (None, None))
     if stopped is not None:
         stopped.set()
