@@ -93,8 +93,9 @@ def add_arguments(p) -> None:
         "--micro", choices=("auto", "on", "off"), default="auto", help="the micro-benchmark (auto: CUDA)"
     )
     p.add_argument("--no-stream-check", action="store_true", help="skip the side-stream check")
-    p.add_argument("--profile", default=None, metavar="VARIANT",
-                   help="profile a few more updates of this variant: the device's busy share, top kernels")
+    p.add_argument("--profile", default=None, metavar="VARIANTS",
+                   help="profile a few more updates of these variants (comma-separated): the device's busy "
+                        "share, top kernels")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (code-path check only)")
     p.add_argument(
         "--require-cuda", action="store_true", help=f"exit {NO_CUDA_EXIT} when there is no CUDA device"
@@ -181,8 +182,8 @@ def _skip(args, reason: str) -> int:
 def main(args) -> int:
     try:  # before anything runs: a typo found after minutes of compiling wastes a GPU's time
         names = [name for name, *_ in parse_variants(args.variants)]
-        if args.profile is not None and args.profile not in names:
-            raise ValueError(f"--profile {args.profile}: not among --variants ({', '.join(names)})")
+        if unknown := [v for v in _profiled(args) if v not in names]:
+            raise ValueError(f"--profile {','.join(unknown)}: not among --variants ({', '.join(names)})")
         if args.compile_mode is not None:  # EngineConfig's own check, before any variant runs
             from acco.engine import EngineConfig
 
@@ -244,6 +245,10 @@ def _worker(rank: int, args, port: int) -> None:
         dist.destroy_process_group()
 
 
+def _profiled(args) -> list[str]:
+    return [v.strip() for v in (args.profile or "").split(",") if v.strip()]
+
+
 def parse_variants(text: str) -> list[tuple[str, str, bool, bool, bool]]:
     """--variants as (name, base, gradient checkpointing, compiled, flex); a ValueError names an
     unknown one. ``-flex`` (after ``-compiled``): local layers through flex_attention
@@ -303,7 +308,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
             continue  # single-process loops
         if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
             torch.cuda.reset_peak_memory_stats(device)
-        kw = dict(checkpointing=gc, compiled=compiled, profile=variant == args.profile)
+        kw = dict(checkpointing=gc, compiled=compiled, profile=variant in _profiled(args))
         acco.attention.FLEX_LOCAL = flex  # read while tracing: each variant compiles its own model
         try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
             if base.startswith("engine-"):
@@ -318,7 +323,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         finally:
             acco.attention.FLEX_LOCAL = flex_default
         if "profile" in r:
-            result["profile"] = {"variant": variant} | r.pop("profile")
+            result.setdefault("profiles", {})[variant] = {"variant": variant} | r.pop("profile")
         r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
             r["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -418,10 +423,10 @@ def gpu_markdown(r: dict) -> str:
             f"{sc['side_stream_delay']['micro_batches_per_round']:.1f}); the same sleep on the compute "
             f"stream (control): x{sc['compute_slowdown_control']:.2f}.",
         ]
-    if r.get("profile"):
+    for profile in r.get("profiles", {}).values():
         from acco_bench.gpu_profile import markdown
 
-        lines += markdown(r["profile"])
+        lines += markdown(profile)
     if r.get("micro"):
         from acco_bench.gpu_micro import markdown
 

@@ -78,10 +78,11 @@ def test_every_command_parses_headline_first(tmp_path):
         ("engine-acco-compiled-flex", "engine-acco", False, True, True),
     }
     assert first.micro == "on" and not first.no_stream_check
-    assert first.profile == "engine-acco-compiled"  # is the GPU the bound at 8 x 1024
-    assert first.profile in [name for name, *_ in parse_variants(first.variants)]
+    # is the GPU the bound at 8 x 1024, and what does the engine add to the plain loop's kernels
+    assert first.profile == "engine-acco-compiled,plain-bf16-compiled"
+    assert set(first.profile.split(",")) <= {name for name, *_ in parse_variants(first.variants)}
     graphs = bench[1]  # CUDA graphs, profiled: what they buy at the size the host may bound
-    assert graphs.compile_mode == "reduce-overhead" and graphs.profile == "engine-acco-compiled"
+    assert graphs.compile_mode == "reduce-overhead" and graphs.profile == "engine-acco-compiled,plain-bf16-compiled"
     assert tests == ["tests/test_cuda_one_gpu.py"]
     assert trainings == ["train=diloco", "train=streaming-diloco"]
     # a lent machine gives back 8 files at most: the logs are one file beside the figures' folders

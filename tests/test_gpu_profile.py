@@ -33,19 +33,21 @@ def test_summary_per_micro_batch_and_the_top_kernels():
     assert summarise([], 0.001, 1)["busy"] is None
 
 
-@pytest.mark.parametrize("variant", ["engine-acco", "plain-bf16"])
-def test_a_profiled_variant_keeps_its_timed_updates_and_reports_the_window(tmp_path, variant):
+def test_profiled_variants_keep_their_timed_updates_and_report_their_windows(tmp_path):
     out = tmp_path / "gpu"
-    argv = [*TINY_ON_CPU, "--variants", f"{variant},engine-ddp", "--micro", "off", "--out", str(out)]
-    assert main([*argv, "--profile", variant]) == 0
+    variants = "engine-acco,plain-bf16,engine-ddp"
+    argv = [*TINY_ON_CPU, "--variants", variants, "--micro", "off", "--out", str(out)]
+    assert main([*argv, "--profile", "engine-acco,plain-bf16"]) == 0  # the engine and the plain loop
     result = json.loads((out / "gpu.json").read_text())
-    profile = result["profile"]
-    assert profile["variant"] == variant and profile["micro_batches"] == 2 * 4  # 2 updates of 4
-    assert profile["busy"] is None and profile["wall_ms_per_micro_batch"] > 0  # the CPU: no device work
-    assert result["variants"][variant]["updates_timed"] == 2  # the profiled updates are not timed
-    assert "profile" not in result["variants"][variant]
-    assert f"Profile of {variant}" in (out / "gpu.md").read_text()
-    assert main([*argv, "--profile", "engine-acco-compiled"]) == 2  # not among the variants
+    assert list(result["profiles"]) == ["engine-acco", "plain-bf16"]
+    for variant, profile in result["profiles"].items():
+        assert profile["variant"] == variant and profile["micro_batches"] == 2 * 4  # 2 updates of 4
+        assert profile["busy"] is None and profile["wall_ms_per_micro_batch"] > 0  # the CPU: no device work
+        assert result["variants"][variant]["updates_timed"] == 2  # the profiled updates are not timed
+        assert "profile" not in result["variants"][variant]
+        assert f"Profile of {variant}" in (out / "gpu.md").read_text()
+    assert result["variants"]["engine-ddp"]["updates_timed"] == 2 and "engine-ddp" not in result["profiles"]
+    assert main([*argv, "--profile", "engine-acco,engine-acco-compiled"]) == 2  # one not among the variants
 
 
 def test_on_cuda_the_window_records_the_device_alone_and_keeps_its_events(monkeypatch):
@@ -97,7 +99,7 @@ def test_a_profiler_that_fails_costs_the_variant_nothing(tmp_path, monkeypatch):
     assert main([*argv, "--profile", "engine-acco"]) == 0
     result = json.loads((out / "gpu.json").read_text())
     assert result["variants"]["engine-acco"]["tokens_per_s"] > 0
-    assert "CUPTI_ERROR_NOT_INITIALIZED" in result["profile"]["error"]
+    assert "CUPTI_ERROR_NOT_INITIALIZED" in result["profiles"]["engine-acco"]["error"]
     assert "the profiler failed: RuntimeError('CUPTI_ERROR_NOT_INITIALIZED')" in (out / "gpu.md").read_text()
 
 

@@ -43,13 +43,16 @@ step() {  # step NAME LIMIT_S COMMAND...: run under its limit if the budget stil
 # 1. GPT-Neo 125M, bf16, 8 x 1024: compiled and eager engine against the compiled and eager plain
 #    loop (MFU, the 0.97 ratio, eager against the 140k tokens/s of the first H200 run), the
 #    side-stream check (compiled, since engine-acco-compiled runs), the one-minute micro-benchmark,
-#    flex_attention for the local layers (off in acco: not faster on an H200), and a profile of the
-#    compiled engine: is the GPU busy (8 x 1024 lost ~15 ms per micro-batch that 24 x 1024 did not)?
-step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" --profile engine-acco-compiled --variants \
-  engine-acco-compiled,plain-bf16-compiled,engine-acco,plain-bf16,engine-acco-compiled-flex
+#    flex_attention for the local layers (off in acco: not faster on an H200), and profiles of the
+#    compiled engine and plain loop: is the GPU busy (8 x 1024 lost ~15 ms per micro-batch that
+#    24 x 1024 did not), and which kernels make the engine's ~1 ms more per micro-batch?
+step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" \
+  --profile engine-acco-compiled,plain-bf16-compiled \
+  --variants engine-acco-compiled,plain-bf16-compiled,engine-acco,plain-bf16,engine-acco-compiled-flex
 # 1b. CUDA graphs (train.compile_mode=reduce-overhead) at 8 x 1024: what they buy if the host is the bound.
 step gpu8cg 100 "$PY" -m acco_bench gpu --compile-mode reduce-overhead --no-stream-check --micro off \
-  --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled --out "$OUT/gpu8cg"
+  --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
+  --out "$OUT/gpu8cg"
 # 2. One NCCL rank: every method equals its reference (compiled: train.compile=auto), bf16 training,
 #    the overlap, peak memory against the state held at 4 x 1024.
 TAILN=40 step onegpu 170 "$PY" -m pytest -q -rs -s -p no:cacheprovider --timeout 160 \
