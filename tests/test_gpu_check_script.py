@@ -82,7 +82,8 @@ def test_every_command_parses_headline_first(tmp_path):
     assert first.profile == "engine-acco-compiled,plain-bf16-compiled"
     assert set(first.profile.split(",")) <= {name for name, *_ in parse_variants(first.variants)}
     graphs = bench[1]  # CUDA graphs, profiled: what they buy at the size the host may bound
-    assert graphs.compile_mode == "reduce-overhead" and graphs.profile == "engine-acco-compiled,plain-bf16-compiled"
+    assert graphs.compile_mode == "reduce-overhead"
+    assert graphs.profile == "engine-acco-compiled,plain-bf16-compiled"
     assert tests == ["tests/test_cuda_one_gpu.py"]
     assert trainings == ["train=diloco", "train=streaming-diloco"]
     # a lent machine gives back 8 files at most: the logs are one file beside the figures' folders
