@@ -29,7 +29,7 @@ import numpy as np
 
 from acco.config import DEFAULT_CACHE_DIR
 
-from .errors import DataError
+from .errors import DataError, describe
 from .text import corpus_fingerprint, is_hf_dataset
 from .tokenizer import bos_to_prepend, tokenizer_fingerprint
 
@@ -139,14 +139,16 @@ def cache_path(docs, tokenizer, cache_dir: str | os.PathLike, text_column: str =
     return Path(cache_dir).expanduser() / f"{_FORMAT_VERSION}-{key[:32]}.npy"
 
 
-def _encode(texts, tokenizer) -> list[list[int]]:
-    """[bos] tokens eos of every non-empty text; a non-string is a DataError."""
+def _encode(texts, tokenizer, first: int | None = None) -> list[list[int]]:
+    """[bos] tokens eos of every non-empty text; a non-string is a DataError (naming the document
+    by its index where `first`, the index of texts[0], is known)."""
     kept = []
-    for text in texts:
+    for i, text in enumerate(texts):
         if text is None:
             continue
         if not isinstance(text, str):
-            raise DataError(f"a document is a {type(text).__name__}, not a string")
+            which = "a document" if first is None else f"document {first + i}"
+            raise DataError(f"{which} is {describe(text)}, not a string")
         if text.strip():
             kept.append(text)
     if not kept:  # a chunk of blank documents (the tokenizer fails on an empty batch)
@@ -172,7 +174,7 @@ def _encoded_chunks(docs, tokenizer, text_column: str, dtype: np.dtype, num_proc
         yield from _dataset_chunks(docs, tokenizer, text_column, dtype)
         return
     for start in range(0, len(docs), _TOKENIZE_BATCH):
-        rows = _encode(docs[start : start + _TOKENIZE_BATCH], tokenizer)
+        rows = _encode(docs[start : start + _TOKENIZE_BATCH], tokenizer, first=start)
         yield np.fromiter(itertools.chain.from_iterable(rows), dtype, count=sum(map(len, rows)))
 
 
@@ -211,7 +213,7 @@ def _encode_from(start: int) -> np.ndarray:
     texts = docs[start : start + _TOKENIZE_BATCH]
     if is_hf_dataset(docs):  # read from the memory-mapped Arrow table, not copied
         texts = texts[_WORKER["text_column"]]
-    rows = _encode(texts, _WORKER["tokenizer"])
+    rows = _encode(texts, _WORKER["tokenizer"], first=start)
     return np.fromiter(itertools.chain.from_iterable(rows), dtype, count=sum(map(len, rows)))
 
 
