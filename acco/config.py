@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from acco.engine.config import ConfigError, ConfigWarning, EngineConfig, EngineSettings
+from acco.messages import did_you_mean, one_line_error
 from acco.model_config import ARCHS, GPT_NEO_WINDOW, ModelError, check_model_config, gpt_neo_attention_types
 
 __all__ = [
@@ -61,17 +62,6 @@ class InputError(ValueError):
 class AlreadyCompleted(Exception):
     """Not an error: the checkpoint to resume has already consumed train.nb_steps_tot. The message
     is the one line to print; the run then exits 0 without writing anything."""
-
-
-def one_line_error(e: BaseException, limit: int = 1000) -> str:
-    """An exception's message on one line (OmegaConf's trailers "full_key: ..." dropped)."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    text = str(e)
-    if isinstance(e, OmegaConfBaseException):
-        text = text.strip().splitlines()[0] if text.strip() else ""
-    text = " ".join(text.split())
-    return text[:limit] + (" ..." if len(text) > limit else "")
 
 
 # Keys of the seed repository's train configs (the paper's Listing 1) that acco does not need,
@@ -389,10 +379,11 @@ def check_values(cfg: DictConfig, overrides: list[str] = ()) -> None:
             if key not in known:
                 name = f"{group}.{key}" if group else str(key)
                 override = next((a for a in overrides if a.split("=", 1)[0].lstrip("+~") == name), None)
-                keys = ", ".join(sorted(k for k in known - {"hydra"} if k not in SEED_ONLY_KEYS))
+                names = sorted(k for k in known - {"hydra"} if k not in SEED_ONLY_KEYS)
+                close = did_you_mean(str(key), names, f"{group}." if group else "")
                 raise InputError(
-                    f"unknown config key {name!r}{f' in {override!r}' if override else ''}; "
-                    f"keys of {group or 'the top level'}: {keys}"
+                    f"unknown config key {name!r}{f' in {override!r}' if override else ''}{close}; "
+                    f"keys of {group or 'the top level'}: {', '.join(names)}"
                 )
     train = cfg.get("train")
     if isinstance(train, DictConfig) and train.get("eval") is True and train.get("eval_fraction") == 0:
@@ -427,8 +418,10 @@ def hydra_message(e: Exception, argv: list[str]) -> str:
         if isinstance(parent, DictConfig):
             names = [k for k in parent.keys() if k != "hydra" and k not in SEED_ONLY_KEYS]
             where = key.rsplit(".", 1)[0] if "." in key else ""
-            known = f"; keys {'of ' + where if where else 'at the top level'}: {', '.join(map(str, names))}"
-        override = next((a for a in argv if a.split("=", 1)[0].lstrip("+~") == key), key)
+            known = did_you_mean(key.rsplit(".", 1)[-1], list(map(str, names)), f"{where}." if where else "")
+            known += f"; keys {'of ' + where if where else 'at the top level'}: {', '.join(map(str, names))}"
+        named = [a.split("=", 1)[0].lstrip("+~") for a in argv]  # a key, or a group under it ("lanch.nproc")
+        override = next((a for a, k in zip(argv, named) if k == key or k.startswith(key + ".")), key)
         return f"unknown config key {key!r} in {override!r}{known}"
     if isinstance(cause, OmegaConfBaseException) and key:
         return schema_message(cause)
@@ -436,7 +429,8 @@ def hydra_message(e: Exception, argv: list[str]) -> str:
         group, _, option = e.missing_cfg_file.rpartition("/")
         options = getattr(e, "options", None)
         listed = f" (available: {', '.join(options)})" if options else ""
-        return f"unknown {group} {option!r}: no config {group}/{option}.yaml{listed}"
+        close = did_you_mean(option, options or [])
+        return f"unknown {group} {option!r}{close}: no config {group}/{option}.yaml{listed}"
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     keep = []
     for ln in lines:
