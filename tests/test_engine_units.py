@@ -313,7 +313,7 @@ def test_config_from_mapping_accepts_method_name_and_ignores_other_keys():
     assert cfg.method == "dpu" and cfg.learning_rate == 1e-3
 
 
-def test_a_warmup_as_long_as_the_budget_is_said_once_with_the_caller_s_key_names():
+def test_a_warmup_as_long_as_the_budget_is_said_once_with_the_caller_s_key_names(unsaid):
     with pytest.warns(ConfigWarning) as said:
         EngineConfig(method="ddp", nb_steps_tot=37, warmup=37)
         EngineConfig(method="ddp", nb_steps_tot=37, warmup=37)  # rebuilt: not said again
@@ -324,6 +324,28 @@ def test_a_warmup_as_long_as_the_budget_is_said_once_with_the_caller_s_key_names
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigWarning)
         EngineConfig(method="ddp", nb_steps_tot=37, warmup=36)
+
+
+@pytest.fixture
+def unsaid(monkeypatch):
+    """ConfigWarnings are said once per process: each test starts with none said."""
+    import acco.engine.config
+
+    monkeypatch.setattr(acco.engine.config, "_ADVISED", set())
+
+
+@pytest.mark.parametrize("method, updates, budget", [("dpu", 3, 6), ("acco", 2, 8)])
+def test_sequential_updates_that_take_the_whole_budget_are_said(unsaid, method, updates, budget):
+    """n_warmup_steps updates run as ddp: taking the whole budget, the method never overlaps."""
+    k = 2  # micro-batches per round; dpu's update is one round, acco's two
+    said = f"n_warmup_steps={updates} sequential updates take {budget} micro-batches, not fewer than "
+    with pytest.warns(ConfigWarning, match=said + f"nb_steps_tot={budget}: {method} never overlaps"):
+        build_engine(mlp(), EngineConfig(method=method, n_grad_accumulation=k, nb_steps_tot=budget,
+                                         n_warmup_steps=updates)).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        build_engine(mlp(), EngineConfig(method=method, n_grad_accumulation=k, nb_steps_tot=budget + 1,
+                                         n_warmup_steps=updates)).close()
 
 
 def test_a_progress_mark_never_waits_for_the_store(monkeypatch):

@@ -40,7 +40,7 @@ _KEY_PREFIX: contextvars.ContextVar[str] = contextvars.ContextVar("acco_key_pref
 _ADVISED: set[str] = set()
 
 
-def _advise(text: str) -> None:
+def advise(text: str) -> None:
     """A ConfigWarning, once per process (a config is validated again wherever it is rebuilt)."""
     if text not in _ADVISED:
         _ADVISED.add(text)
@@ -213,7 +213,7 @@ class EngineConfig(EngineSettings):
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.warmup >= int(self.nb_steps_tot):  # legal (a short trial run), but rarely meant
             k = _KEY_PREFIX.get()
-            _advise(f"{k}warmup={self.warmup} is not below {k}nb_steps_tot={self.nb_steps_tot} (both count "
+            advise(f"{k}warmup={self.warmup} is not below {k}nb_steps_tot={self.nb_steps_tot} (both count "
                     f"micro-batches over all workers): the learning rate never reaches {k}learning_rate="
                     f"{self.learning_rate}")
         if not 0 < self.bucket_cap_mb < math.inf:

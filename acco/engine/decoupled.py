@@ -39,7 +39,7 @@ from acco.engine.comm import (
     backward_and_count,
     new_stats,
 )
-from acco.engine.config import EngineConfig, UpdateRecord
+from acco.engine.config import EngineConfig, UpdateRecord, advise
 from acco.engine.device import device_ops
 from acco.engine.flat import FlatParams, broadcast_module, world_of
 
@@ -80,6 +80,13 @@ class DecoupledEngine:
         self.split = EstimateSplit(cfg, self.flat.layout.shard_numel, self.flat.params.element_size())
         self.comm = CommRound(self.flat, cfg, group, self.split)
         self.overlapped = cfg.method != "ddp"
+        # n_warmup_steps sequential updates, each of every round's share, on every worker
+        rounds = len(ROUND_SCHEDULE[cfg.method])
+        sequential = cfg.n_warmup_steps * cfg.n_grad_accumulation * rounds * self.world_size
+        if self.overlapped and cfg.n_warmup_steps and sequential >= cfg.nb_steps_tot:
+            advise(f"n_warmup_steps={cfg.n_warmup_steps} sequential updates take {sequential} micro-batches, "
+                   f"not fewer than nb_steps_tot={cfg.nb_steps_tot}: {cfg.method} never overlaps (it "
+                   "trains as ddp)")
         # The gradient accumulator: the flat gradient buffer itself, or in mixed precision with
         # grad_accum_dtype fp32 an fp32 vector that each micro-batch's bf16 gradients are added to
         # (torch-ddp's fp32 gradients sum alike); rounded to bf16 once, when a round takes it.
