@@ -367,7 +367,7 @@ def _prepare_on_rank(rank, world_size, tokenizer_dir, cache):
 
     calls = []
     encode = packing._encode
-    packing._encode = lambda texts, tokenizer: calls.append(len(texts)) or encode(texts, tokenizer)
+    packing._encode = lambda texts, *args, **kw: calls.append(len(texts)) or encode(texts, *args, **kw)
     tokenizer = load_tokenizer(tokenizer_dir)
     model = build_model(SMALL, vocab_size=len(tokenizer), max_length=32)
     trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=synthetic_corpus(200),
