@@ -1,8 +1,9 @@
 """The training step allocates nothing model-sized: once training is steady (from the fourth update),
 no method creates a tensor storage larger than the model's largest parameter, on the training
-thread or on the comm thread. Every method at world size 2 on gloo, in mixed precision with
-clipping, and acco also with its int8 estimate round, the auto split and the fp32 accumulator; on
-the host and under the fake GPU (the engines' device paths).
+thread or on the comm thread; and no method but torch-ddp reads a device value on the training
+thread (`.item()`, `bool()`: on a GPU a wait for every kernel queued). Every method at world size
+2 on gloo, in mixed precision with clipping, and acco also with its int8 estimate round, the auto
+split and the fp32 accumulator; on the host and under the fake GPU (the engines' device paths).
 
 What a step may still allocate: autograd's gradient of each parameter (a parameter's size, then
 added into the flat gradient buffer's view), and torch-ddp's bf16 copy of each bucket, which
@@ -50,6 +51,10 @@ CONFIGS = {
 OVERLAPPED = {"acco", "acco-int8-auto", "dpu", "wp", "diloco", "streaming-diloco"}  # a comm thread
 
 
+# ops that hand a device value to the host: on a GPU each waits for every kernel queued before it
+HOST_READS = ("_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2")
+
+
 class NewStorages(TorchDispatchMode):
     """Notes each op output whose storage is new (none of the op's inputs holds it) and larger
     than `limit` bytes, with the acco frames that called it, while `record["on"]`."""
@@ -64,6 +69,9 @@ class NewStorages(TorchDispatchMode):
             return out
         thread = threading.current_thread().name.split("_")[0]
         self.record["ops"][thread] += 1
+        if func.overloadpacket.__name__ in HOST_READS:
+            frames = [f.name for f in traceback.extract_stack() if "/acco/" in f.filename]
+            self.record["reads"].append((thread, str(func), frames[-3:]))
         inputs = {
             t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         }
@@ -97,7 +105,7 @@ def _audit_one(cfg, world):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     limit = max(p.numel() for p in model.parameters()) * 4  # the largest parameter, in fp32
-    record = {"on": False, "ops": collections.Counter(), "new": []}
+    record = {"on": False, "ops": collections.Counter(), "new": [], "reads": []}
     submit = acco.engine.comm.BackgroundComm.submit
 
     def audited_submit(self, round_fn):
@@ -118,11 +126,11 @@ def _audit_one(cfg, world):
     finally:
         acco.engine.comm.BackgroundComm.submit = submit
     record["on"] = False
-    return {"ops": dict(record["ops"]), "new": record["new"]}
+    return {"ops": dict(record["ops"]), "new": record["new"], "reads": record["reads"]}
 
 
 @pytest.mark.parametrize("device", fake_cuda.DEVICES)
-def test_no_method_allocates_anything_model_sized_in_a_steady_step(device):
+def test_no_method_allocates_anything_model_sized_or_reads_the_device_in_a_steady_step(device):
     for rank, results in enumerate(run_distributed(_audit, 2, device)):
         for name, r in results.items():
             assert r["ops"].get("MainThread", 0) > 0, (name, r["ops"])  # the audit saw the step
@@ -134,3 +142,7 @@ def test_no_method_allocates_anything_model_sized_in_a_steady_step(device):
                 assert len(hook) <= 5, hook  # 5 steady updates
                 new = [n for n in new if n not in hook]
             assert not new, f"rank {rank}, {name}: {new[:3]}"
+            # nor does the training thread wait for the device (torch-ddp reads its record's
+            # statistics and clipped norm there, as a plain PyTorch loop does, once per update)
+            reads = [read for read in r["reads"] if read[0] == "MainThread"]
+            assert name == "torch-ddp" or not reads, f"rank {rank}, {name}: {reads[:3]}"
