@@ -336,6 +336,12 @@ STORE_HOST_GONE = """
     if rank == 0:
         os._exit(0)
     select.select([os.pidfd_open(int((out / "pid0").read_text()))], [], [])  # rank 0 has exited
+    progress.PROBE_EVERY_S = 0  # the publisher looks at every write (at most once a second in a run)
+    progress.mark("update 2")
+    try:
+        progress.publish()  # what the publisher thread does after a mark
+    except ConnectionError as e:
+        (out / "publish.txt").write_text(str(e))
 
     @progress.names_lost_ranks
     def collective():
@@ -350,8 +356,8 @@ STORE_HOST_GONE = """
 
 
 def test_a_rank_whose_store_host_exited_says_so_in_one_line_without_torch_s_trace(tmp_path):
-    """Reading the progress record on a store whose host has gone makes torch's C++ client log a
-    stack trace before it raises; acco finds the host gone first and says so alone."""
+    """Reading or writing the progress record on a store whose host has gone makes torch's C++
+    client log a stack trace before it raises; acco finds the host gone first and says so alone."""
     script = write_script(tmp_path, "gone.py", STORE_HOST_GONE)
     env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, script, str(tmp_path)], stderr=subprocess.PIPE, text=True,
@@ -364,6 +370,7 @@ def test_a_rank_whose_store_host_exited_says_so_in_one_line_without_torch_s_trac
     assert [p.returncode for p in procs] == [0, 0], errs
     assert (tmp_path / "lost.txt").read_text().endswith("the progress record on the rendezvous store "
                                                         "cannot be read, its host has exited)")
+    assert (tmp_path / "publish.txt").read_text() == "the store's host has exited"
     assert "TCPStore" not in errs[1] and "frame #" not in errs[1], errs[1]
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import math
 import os
 import threading
 import time
@@ -53,6 +54,8 @@ _published = 0  # the count the store holds for this rank
 _wake = threading.Event()  # a mark is waiting to be published
 _publisher: threading.Thread | None = None
 _publish_lock = threading.Lock()
+PROBE_EVERY_S = 1.0  # the publisher checks that the store's host is still there this often
+_listening_at = -math.inf  # when it last found it there
 
 # After a failure, how long ranks that are behind get to catch up before they are named: a rank
 # that died makes its neighbours fail at once, while another healthy rank may still be computing.
@@ -137,12 +140,19 @@ def publish() -> None:
     `explain` calls it before comparing ranks)."""
     import torch.distributed as dist
 
-    global _published
+    global _published, _listening_at
     with _publish_lock:  # one writer at a time: an older mark never overwrites a newer one
         with _lock:
             count, label = _count, _label
         if count != _published:
-            dist.distributed_c10d._get_default_store().set(_KEY.format(dist.get_rank()), f"{count} {label}")
+            store = dist.distributed_c10d._get_default_store()
+            # a write to a store whose host has exited fails after torch's C++ client has logged a
+            # stack trace: look first, at most once a PROBE_EVERY_S (a mark comes every round)
+            if time.monotonic() - _listening_at >= PROBE_EVERY_S:
+                if not store_listening(store):
+                    raise ConnectionError("the store's host has exited")
+                _listening_at = time.monotonic()
+            store.set(_KEY.format(dist.get_rank()), f"{count} {label}")
             _published = count
 
 
