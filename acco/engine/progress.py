@@ -56,6 +56,7 @@ _publisher: threading.Thread | None = None
 _publish_lock = threading.Lock()
 PROBE_EVERY_S = 1.0  # the publisher checks that the store's host is still there this often
 _listening_at = -math.inf  # when it last found it there
+_closing = False  # the interpreter is exiting: no more writes
 
 # After a failure, how long ranks that are behind get to catch up before they are named: a rank
 # that died makes its neighbours fail at once, while another healthy rank may still be computing.
@@ -144,7 +145,7 @@ def publish() -> None:
     with _publish_lock:  # one writer at a time: an older mark never overwrites a newer one
         with _lock:
             count, label = _count, _label
-        if count != _published:
+        if count != _published and not _closing:
             store = dist.distributed_c10d._get_default_store()
             # a write to a store whose host has exited fails after torch's C++ client has logged a
             # stack trace: look first, at most once a PROBE_EVERY_S (a mark comes every round)
@@ -160,7 +161,10 @@ def _stop_publishing() -> None:
     """At exit: let a store write on its way finish, and start no other. The publisher is a daemon
     thread, and one still inside the store's C++ client when the interpreter finalises aborts the
     process ("terminate called without an active exception"): its exit code would say SIGABRT."""
-    _publish_lock.acquire(timeout=10)  # kept: a later publish waits in Python, which is safe
+    global _closing
+    _closing = True  # read under the lock: a write that takes it after this one is never made
+    if _publish_lock.acquire(timeout=10):
+        _publish_lock.release()
 
 
 def _publish_forever() -> None:
