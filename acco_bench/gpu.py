@@ -89,6 +89,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--compile-mode", default=None,
                    help="inductor's mode of the -compiled variants (train.compile_mode)")
+    p.add_argument("--compile-scope", default="blocks",
+                   help="what the -compiled variants compile: blocks, or the model's body as one graph "
+                        "(train.compile_scope)")
     p.add_argument(
         "--micro", choices=("auto", "on", "off"), default="auto", help="the micro-benchmark (auto: CUDA)"
     )
@@ -184,10 +187,11 @@ def main(args) -> int:
         names = [name for name, *_ in parse_variants(args.variants)]
         if unknown := [v for v in _profiled(args) if v not in names]:
             raise ValueError(f"--profile {','.join(unknown)}: not among --variants ({', '.join(names)})")
-        if args.compile_mode is not None:  # EngineConfig's own check, before any variant runs
+        if args.compile_mode is not None or args.compile_scope != "blocks":  # EngineConfig's own checks
             from acco.engine import EngineConfig
 
-            EngineConfig(compile=args.compile_backend, compile_mode=args.compile_mode)
+            EngineConfig(compile=args.compile_backend, compile_mode=args.compile_mode,
+                         compile_scope=args.compile_scope)
     except ValueError as e:  # ConfigError is one
         print(f"acco-bench gpu: {e}", file=sys.stderr)
         return 2
@@ -296,6 +300,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         "flops_per_token": fpt,
         "peak_bf16_tflops": peak,
         "compile_mode": args.compile_mode,
+        "compile_scope": args.compile_scope,
         "variants": {},
     }
     say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
@@ -398,7 +403,9 @@ def gpu_markdown(r: dict) -> str:
         f"{r['max_length']} tokens, {r['micro_batches_per_update']} micro-batches per update, "
         f"{fmt(r['flops_per_token'] / 1e6, 1)} MFLOP per token, peak {r['peak_bf16_tflops']} TFLOP/s, "
         f"torch {r['torch']} (CUDA {r['cuda']})"
-        + (f"; -compiled variants in inductor's {r['compile_mode']} mode." if r.get("compile_mode") else "."),
+        + (f"; -compiled variants in inductor's {r['compile_mode']} mode" if r.get("compile_mode") else "")
+        + ("; -compiled variants compile the model's body whole" if r.get("compile_scope") == "model" else "")
+        + ".",
         "",
     ]
     rows = [[k, fmt(v["tokens_per_s"], 0), fmt(100 * v["mfu"], 1, "%") if v.get("mfu") is not None else "-",

@@ -83,7 +83,8 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
                        accumulate_while_waiting=accumulate, accumulate_cap=None,  # the stream check counts
                        scheduler_name="constant", learning_rate=LR,
                        compile=args.compile_backend if compiled else False,
-                       compile_mode=args.compile_mode if compiled else None)
+                       compile_mode=args.compile_mode if compiled else None,
+                       compile_scope=args.compile_scope)
     engine = build_engine(model, cfg)
     if delay is not None:
         engine.comm.delay_hook = delay
@@ -147,7 +148,7 @@ def run_plain(
     dtype = torch.float32 if autocast else torch.bfloat16
     model = _fresh_model(args, vocab, device, dtype, checkpointing)
     options = compile_options(args.compile_backend, device.type, args.compile_mode) if compiled else None
-    compile_module(model, options)  # as build_engine does
+    compile_module(model, options, args.compile_scope)  # as build_engine does
     s = EngineSettings()  # the engine's AdamW, its defaults
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                             weight_decay=s.weight_decay, fused=True)

@@ -94,7 +94,7 @@ del LLAMA["window_size"]
 REPEATED_BLOCKS = {"gpt_neo": lambda m: list(m.transformer.h), "llama": lambda m: list(m.model.layers)}
 
 
-def _run(compile_setting, tmp_path=None, arch=NEO):
+def _run(compile_setting, tmp_path=None, arch=NEO, scope="blocks"):
     torch.manual_seed(0)
     model = build_model(arch, vocab_size=97)
     keys = list(model.state_dict())
@@ -103,6 +103,7 @@ def _run(compile_setting, tmp_path=None, arch=NEO):
         n_grad_accumulation=2,
         nb_steps_tot=6,
         compile=compile_setting,
+        compile_scope=scope,
         accumulate_while_waiting=False,
     )
     engine = build_engine(model, cfg)
@@ -119,14 +120,21 @@ def _run(compile_setting, tmp_path=None, arch=NEO):
 
 
 @pytest.mark.parametrize(
-    "backend, arch",
-    [("aot_eager", NEO), ("aot_eager", LLAMA), pytest.param("inductor", NEO, marks=pytest.mark.slow)],
-    ids=["aot_eager-gpt_neo", "aot_eager-llama", "inductor-gpt_neo"],
+    "backend, arch, scope",
+    [
+        ("aot_eager", NEO, "blocks"),
+        ("aot_eager", LLAMA, "blocks"),
+        ("aot_eager", NEO, "model"),
+        ("aot_eager", LLAMA, "model"),
+        pytest.param("inductor", NEO, "blocks", marks=pytest.mark.slow),
+    ],
+    ids=["aot_eager-gpt_neo", "aot_eager-llama", "aot_eager-gpt_neo-model", "aot_eager-llama-model",
+         "inductor-gpt_neo"],
 )
-def test_the_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend, arch):
-    """GPT-Neo's and Llama's repeated blocks; aot_eager in make test, inductor (C++ code generated
-    for the CPU) in the slow tier. Each compiled function is one graph: a graph break would split a
-    block in two and cost the fusions across it, silently."""
+def test_the_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend, arch, scope):
+    """GPT-Neo's and Llama's repeated blocks, or (compile_scope "model") their whole body; aot_eager
+    in make test, inductor (C++ code generated for the CPU) in the slow tier. Each compiled function
+    is one graph: a graph break would split a block in two and cost the fusions across it, silently."""
     monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 20)
     eager, eager_rec, eager_eval = _run(False, arch=arch)
     assert eager.acco_compile is None
@@ -145,12 +153,17 @@ def test_the_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend
     monkeypatch.setattr(acco.loss, "_compiled_pass", spy)
     torch._dynamo.reset()  # traced anew (an earlier test's cached frames are not), counted from zero
     counters.clear()
-    model, records, evaluation = _run(backend, arch=arch)
+    model, records, evaluation = _run(backend, arch=arch, scope=scope)
     assert not counters["graph_break"], list(counters["graph_break"])
     assert model.acco_compile == {"backend": backend}
-    compiled = blocks(model)
-    assert compiled == REPEATED_BLOCKS[arch["arch"]](model)
-    assert all(block._compiled_call_impl is not None for block in compiled)
+    repeated = blocks(model)
+    assert repeated == REPEATED_BLOCKS[arch["arch"]](model)
+    if scope == "blocks":
+        assert all(block._compiled_call_impl is not None for block in repeated)
+    else:  # the body in one graph (training's and evaluation's), beside the loss's pass (with and
+        # without the gradient): its blocks are traced inside it, not compiled on their own
+        assert model.base_model._compiled_call_impl is not None and counters["stats"]["unique_graphs"] == 4
+        assert all(getattr(block, "_compiled_call_impl", None) is None for block in repeated)
     assert calls.count(True) == 6 * 2 and calls.count(False) == 2  # the per-chunk pass ran compiled
     torch.testing.assert_close([r.loss for r in records], [r.loss for r in eager_rec], rtol=1e-6, atol=0)
     torch.testing.assert_close(
@@ -178,6 +191,9 @@ def test_the_setting():
     for bad in ("", 3, None):
         with pytest.raises(ConfigError, match="compile must be"):
             EngineConfig(compile=bad)
+    assert TrainArgs.from_any({"compile_scope": "model"}).engine_config().compile_scope == "model"
+    with pytest.raises(ConfigError, match="compile_scope must be one of blocks, model, got 'layers'"):
+        EngineConfig(compile_scope="layers")
 
 
 def test_the_compile_mode_reaches_inductor_and_nothing_else(monkeypatch):

@@ -22,6 +22,11 @@ RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
+if "--out" in sys.argv:  # what acco-bench gpu writes
+    out = sys.argv[sys.argv.index("--out") + 1]
+    os.makedirs(out, exist_ok=True)
+    for name in ("gpu.json", "gpu.md"):
+        open(os.path.join(out, name), "w").close()
 """
 
 
@@ -45,7 +50,8 @@ def _run(tmp_path: Path, budget: int) -> tuple[str, list[list[str]]]:
 def test_every_command_parses_headline_first(tmp_path):
     out, calls = _run(tmp_path, budget=10_000)
     steps = [line.split()[1] for line in out.splitlines() if line.startswith("== ") and " rc=0 " in line]
-    assert steps == ["gpu8", "gpu8cg", "onegpu", "gpu24", "e2e-diloco", "e2e-streaming-diloco", "llama3"]
+    assert steps == ["gpu8", "gpu8cg", "gpu8whole", "onegpu", "gpu24", "e2e-diloco", "e2e-streaming-diloco",
+                     "llama3"]
     bench, tests, trainings = [], [], []
     for argv in calls:
         if argv[:2] == ["-m", "acco_bench"]:
@@ -67,6 +73,7 @@ def test_every_command_parses_headline_first(tmp_path):
     assert [(a.model, a.batch_size) for a in bench] == [
         ("gptneo-125m", 8),
         ("gptneo-125m", 8),
+        ("gptneo-125m", 8),
         ("gptneo-125m", 24),
         ("llama3", 4),
     ]
@@ -84,11 +91,16 @@ def test_every_command_parses_headline_first(tmp_path):
     graphs = bench[1]  # CUDA graphs, profiled: what they buy at the size the host may bound
     assert graphs.compile_mode == "reduce-overhead"
     assert graphs.profile == "engine-acco-compiled,plain-bf16-compiled"
+    whole = bench[2]  # the body compiled as one graph, profiled: fewer compiled calls per micro-batch
+    assert whole.compile_scope == "model" and whole.compile_mode is None
+    assert whole.profile == "engine-acco-compiled,plain-bf16-compiled"
     assert tests == ["tests/test_cuda_one_gpu.py"]
     assert trainings == ["train=diloco", "train=streaming-diloco"]
-    # a lent machine gives back 8 files at most: the logs are one file beside the figures' folders
-    logged = [p.name for p in (tmp_path / "out").iterdir()]
-    assert logged == ["check.log"], logged
+    # a lent machine gives back 8 files at most: the logs are one file, and only the first step
+    # keeps its gpu.json beside the gpu.md every acco-bench step writes
+    files = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert files == ["check.log", "gpu-llama/gpu.md", "gpu24/gpu.md", "gpu8/gpu.json", "gpu8/gpu.md",
+                     "gpu8cg/gpu.md", "gpu8whole/gpu.md"], files
     assert [line.split()[1] for line in (tmp_path / "out" / "check.log").read_text().splitlines()
             if line.startswith("== ")] == steps
 
@@ -98,7 +110,7 @@ def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path):
     assert "== gpu8 skipped: 240s asked" in out and "== onegpu skipped: 170s asked" in out
     assert "== gpu24 rc=0" in out and "== e2e-diloco rc=0" in out  # 100 s and 90 s still fit
     assert "== llama3 skipped: 120s asked" in out
-    assert "== gpu8cg rc=0" in out  # 100 s fits
+    assert "== gpu8cg rc=0" in out and "== gpu8whole rc=0" in out  # 100 s fits
     assert [a[2:4] for a in calls if a[:2] == ["-m", "acco_bench"]] == [
-        ["gpu", "--compile-mode"], ["gpu", "--batch-size"]
+        ["gpu", "--compile-mode"], ["gpu", "--compile-scope"], ["gpu", "--batch-size"]
     ]

@@ -133,3 +133,26 @@ def test_a_window_never_started_says_so():
 
     said = gpu_profile.Window(torch.device("cpu")).stop(micro_batches=4)
     assert said == {"micro_batches": 4, "error": "the run ended before the profiled updates"}
+
+
+def test_the_compile_scope_reaches_the_engine_and_the_plain_loop(tmp_path, monkeypatch):
+    """--compile-scope model (train.compile_scope): both compile the model's body, not its blocks;
+    a scope it does not know is refused before anything runs."""
+    import torch
+
+    import acco.loss
+
+    compiled = []  # which modules torch.compile would be handed, without compiling
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **o: compiled.append(type(self).__name__))
+    plain_pass = acco.loss._chunk_pass
+    monkeypatch.setattr(acco.loss, "_compiled_pass", lambda **o: plain_pass)
+    out = tmp_path / "gpu"
+    variants = "engine-acco-compiled,plain-bf16-compiled"
+    argv = [*TINY_ON_CPU, "--micro", "off", "--out", str(out), "--variants", variants]
+    assert main([*argv, "--compile-scope", "model"]) == 0
+    assert compiled == ["GPTNeoModel", "GPTNeoModel"]  # the engine's model's body, then the plain loop's
+    assert "compile the model's body whole" in (out / "gpu.md").read_text()
+    compiled.clear()
+    assert main(argv) == 0  # the default: each block (the tiny model has 2)
+    assert compiled == ["GPTNeoBlock"] * 4
+    assert main([*argv, "--compile-scope", "layers"]) == 2 and not compiled[4:]

@@ -10,7 +10,8 @@
 #
 # BUDGET (seconds, default 450), OUT (default gpu-logs/), PY (default python3), METHODS (the e2e runs).
 # What comes back from a lent machine is at most 8 files: every step's log goes into $OUT/check.log,
-# the figures into $OUT/<step>/gpu.md and, for the two 8 x 1024 steps, gpu.json (at most 7 files).
+# the figures into $OUT/<step>/gpu.md and, for the first step, gpu.json: each other step's gpu.json
+# is removed once it has run (its tables are in its gpu.md), 7 files at most.
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)" || exit 9
 OUT=${OUT:-$PWD/gpu-logs}
 BUDGET=${BUDGET:-450}
@@ -35,6 +36,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run under its limit if the budget stil
   fi
   timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
+  find "$OUT" -name gpu.json ! -path "$OUT/gpu8/*" -delete  # the tables are in gpu.md: 7 files at most
   { echo "== $name rc=$rc $((SECONDS - start))s"; cat "$LOGS/$name.log"; } >> "$OUT/check.log"
   echo "== $name rc=$rc $((SECONDS - start))s"
   tail -n "${TAILN:-30}" "$LOGS/$name.log"
@@ -53,6 +55,11 @@ step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" \
 step gpu8cg 100 "$PY" -m acco_bench gpu --compile-mode reduce-overhead --no-stream-check --micro off \
   --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
   --out "$OUT/gpu8cg"
+# 1c. The model's body compiled whole (train.compile_scope=model) at 8 x 1024: one compiled call per
+#    micro-batch and direction instead of one per block, less host time if the host is the bound.
+step gpu8whole 100 "$PY" -m acco_bench gpu --compile-scope model --no-stream-check --micro off \
+  --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
+  --out "$OUT/gpu8whole"
 # 2. One NCCL rank: every method equals its reference (compiled: train.compile=auto), bf16 training,
 #    the overlap, peak memory against the state held at 4 x 1024.
 TAILN=40 step onegpu 170 "$PY" -m pytest -q -rs -s -p no:cacheprovider --timeout 160 \
@@ -73,5 +80,4 @@ cd "$here" || exit 9
 step llama3 120 "$PY" -m acco_bench gpu --model llama3 --batch-size 4 \
   --variants engine-acco-compiled,plain-bf16-compiled --no-stream-check --micro off --out "$OUT/gpu-llama" \
   --profile engine-acco-compiled,plain-bf16-compiled
-rm -f "$OUT/gpu24/gpu.json" "$OUT/gpu-llama/gpu.json"  # 8 files come back: their tables are in gpu.md
 echo "== done in ${SECONDS}s of ${BUDGET}s; figures in $OUT/*/gpu.md"

@@ -125,5 +125,6 @@ def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
         from acco.engine.decoupled import DecoupledEngine
 
         engine = DecoupledEngine(module, cfg, group)
-    compile_module(module, compile_options(cfg.compile, engine.device.type, cfg.compile_mode))
+    options = compile_options(cfg.compile, engine.device.type, cfg.compile_mode)
+    compile_module(module, options, cfg.compile_scope)
     return engine

@@ -15,6 +15,12 @@ That can pass dynamo's default of 8 entries per function, after which it would r
 a word: `compile_module` raises the limit to RECOMPILE_LIMIT. Training itself compiles in its first
 update and never again (tests/test_compile.py, with ``error_on_recompile``).
 
+With ``compile_scope`` "model" the model's body (``base_model``: embeddings, every block, the
+final norm) is compiled instead, as one graph: one compiled call per micro-batch instead of one per
+block, and fusions across the blocks' boundaries; its first compile takes longer. transformers
+builds the same masks under compile as without (no mask for a batch without padding, tested), so
+the attention kernels are the same.
+
 The options are left on the module as ``acco_compile`` (a dict of torch.compile keywords), so that
 the loss compiles its per-chunk pass alike (acco/loss.py); None when nothing is compiled.
 """
@@ -49,14 +55,21 @@ def blocks(module: nn.Module) -> list[nn.Module]:
     return best or [module]
 
 
-def compile_module(module: nn.Module, options: dict | None) -> int:
-    """Compile `module`'s blocks in place with `options` (torch.compile's keywords; None: nothing);
-    returns how many modules were compiled."""
+def body(module: nn.Module) -> nn.Module:
+    """The transformer body: a transformers model's ``base_model`` (all but the LM head, which the
+    loss computes), else the module itself."""
+    base = getattr(module, "base_model", None)
+    return base if isinstance(base, nn.Module) else module
+
+
+def compile_module(module: nn.Module, options: dict | None, scope: str = "blocks") -> int:
+    """Compile `module` in place with `options` (torch.compile's keywords; None: nothing): its
+    blocks, or with `scope` "model" its body as one graph; returns how many modules were compiled."""
     module.acco_compile = options
     if options is None:
         return 0
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    compiled = blocks(module)
+    compiled = blocks(module) if scope == "blocks" else [body(module)]
     for block in compiled:
         block.compile(**options)
     return len(compiled)

@@ -24,6 +24,7 @@ ACCO_ESTIMATES = ("lean", "paper")
 ESTIMATE_COMMS = ("full", "int8")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # inductor's
+COMPILE_SCOPES = ("blocks", "model")
 SCHEDULERS = ("cosine", "linear", "constant")
 
 
@@ -157,6 +158,12 @@ class EngineSettings:
     """inductor's mode where ``compile`` runs inductor: null (its default), "reduce-overhead" (CUDA
     graphs: less host time per kernel launch, for small micro-batches), "max-autotune" or
     "max-autotune-no-cudagraphs" (GEMM autotuning: longer compiles). Not yet measured on a GPU."""
+    compile_scope: str = "blocks"
+    """What ``compile`` compiles, one of COMPILE_SCOPES: "blocks", each repeated block on its own
+    (short compiles, one graph per kind of block); "model", the model's transformer body (its
+    ``base_model``) as one graph: fewer compiled calls per micro-batch and fusions across blocks,
+    for small micro-batches where the host's time counts, at the cost of a longer first compile.
+    Not yet measured on a GPU."""
 
 
 @dataclass
@@ -235,6 +242,10 @@ class EngineConfig(EngineSettings):
         self._validate_compile_mode()
 
     def _validate_compile_mode(self) -> None:
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ConfigError(
+                f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile_scope!r}"
+            )
         if self.compile_mode is None:
             return
         if self.compile_mode not in COMPILE_MODES:
