@@ -382,9 +382,12 @@ def _beat_with_the_store(rank, world, listening):
     store, key = dist.distributed_c10d._get_default_store(), process_group._ALIVE.format(rank)
     process_group.store_listening = lambda s: listening
     before = store.add(key, 0)
-    process_group.start_heartbeat(30.0)
+    process_group.start_heartbeat(30.0)  # a beat at once, then every 5 s
     _, thread = process_group._heartbeat["stop"]
-    thread.join(timeout=2)  # a beating thread waits 5 s between beats
+    if listening:  # its first beat lands, however busy the machine
+        while store.add(key, 0) == before:
+            thread.join(timeout=0.01)
+    thread.join(timeout=0 if listening else 30)  # one that does not beat ends on its own
     beating = thread.is_alive()
     process_group.stop_heartbeat()
     return store.add(key, 0) - before, beating
