@@ -215,3 +215,30 @@ def test_the_compile_mode_reaches_inductor_and_nothing_else(monkeypatch):
     build_engine(model, config(method="ddp", compile=True, compile_mode="max-autotune-no-cudagraphs")).close()
     assert seen and all(o == {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"} for o in seen)
     assert model.acco_compile == seen[0]  # the loss's per-chunk pass compiles alike
+
+
+def test_the_body_compiled_whole_keeps_the_flash_path(monkeypatch):
+    """Compiled whole (compile_scope "model"), transformers still builds no mask for a batch without
+    padding, as in eager: global layers take SDPA's is_causal (flash on a GPU) and local layers
+    their window's mask; a dense (B, 1, T, T) mask in every layer would give the same loss, slower."""
+    import torch.nn.functional as F
+
+    from acco.engine.compiling import compile_module
+
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        seen.append((attn_mask is None, is_causal))  # recorded while dynamo traces
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    model = build_model(NEO, vocab_size=97)
+    ids = torch.randint(0, 97, (2, 20))  # 20 positions > window 8: the local layer's mask cuts in
+    model.base_model(input_ids=ids)
+    eager, seen[:] = list(seen), []
+    assert eager == [(True, True), (False, False)]  # global: is_causal, no mask; local: its window
+    torch._dynamo.reset()
+    compile_module(model, {"backend": "aot_eager"}, scope="model")
+    model.base_model(input_ids=ids)
+    assert seen == eager
