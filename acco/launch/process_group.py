@@ -211,6 +211,14 @@ def stop_heartbeat() -> None:
         thread.join(timeout=10)
 
 
+def _store_host_alive(store, what: str) -> bool:
+    if not store_listening(store):
+        message = (f"the rendezvous store's host (rank 0, unless torchrun hosts the store) exited while "
+                   f"the workers waited for {what}")
+        raise LostWorkerError(message, lost=[])
+    return True
+
+
 def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) -> None:
     """Wait until every key is set on the default store: up to `slow_timeout_s` while all peers
     are alive, but fail within the collective timeout once one of them stops (LostWorkerError)."""
@@ -226,9 +234,11 @@ def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) ->
     seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
     # Polls with `check`, not a blocking `wait`: the store client holds its lock for the whole of
     # a wait, which would also hold up this rank's own heartbeat. Peers' counters are read once
-    # a second, to stay light on the store with many ranks.
+    # a second, to stay light on the store with many ranks. Each poll first asks whether the
+    # store's host still listens (a connect, ~0.1 ms): a read of a store whose host died makes
+    # torch's C++ client log a stack trace before it raises.
     delay, next_liveness_check = 0.001, start
-    while not store.check(keys):
+    while _store_host_alive(store, what) and not store.check(keys):
         time.sleep(delay)
         delay = min(0.05, delay * 2)
         now = time.monotonic()

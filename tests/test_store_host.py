@@ -1,0 +1,99 @@
+"""When rank 0, the rendezvous store's host, dies, the others say so in one line: a read or write of
+a store whose host has gone makes torch's C++ client log a stack trace before it raises, so acco asks
+first whether anything still listens there (progress.store_listening)."""
+
+import subprocess
+import sys
+
+import pytest
+from distributed import clean_env, free_port, write_script
+
+# Rank 0, the store's host, exits once both ranks have marked; rank 1 then publishes its progress,
+# fails a collective and waits on the store for work of rank 0's.
+STORE_HOST_GONE = """
+    import os, select, sys
+    import torch.distributed as dist
+    from pathlib import Path
+    from acco.engine import progress
+    from acco.launch import init_distributed, wait_on_store
+
+    out = Path(sys.argv[1])
+    rank, _, _, _ = init_distributed(timeout_s=30)  # a beat every 5 s: none while rank 0 exits
+    progress.mark("update 1")
+    (out / f"pid{rank}").write_text(str(os.getpid()))
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    select.select([os.pidfd_open(int((out / "pid0").read_text()))], [], [])  # rank 0 has exited
+    progress.PROBE_EVERY_S = 0  # the publisher looks at every write (at most once a second in a run)
+    progress.mark("update 2")
+    try:
+        progress.publish()  # what the publisher thread does after a mark
+    except ConnectionError as e:
+        (out / "publish.txt").write_text(str(e))
+
+    @progress.names_lost_ranks
+    def collective():
+        raise RuntimeError("Connection reset by peer")
+
+    try:
+        collective()
+    except progress.LostWorkerError as e:
+        (out / "lost.txt").write_text(str(e))
+    try:
+        wait_on_store(["acco/never"], "rank 0's tokenized data")
+    except progress.LostWorkerError as e:
+        (out / "wait.txt").write_text(str(e))
+    os._exit(0)
+"""
+
+
+def test_a_rank_whose_store_host_exited_says_so_in_one_line_without_torch_s_trace(tmp_path):
+    """Reading or writing the progress record on a store whose host has gone makes torch's C++
+    client log a stack trace before it raises; acco finds the host gone first and says so alone."""
+    script = write_script(tmp_path, "gone.py", STORE_HOST_GONE)
+    env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path)], stderr=subprocess.PIPE, text=True,
+                              env=clean_env({**env, "RANK": str(r), "LOCAL_RANK": str(r)})) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert (tmp_path / "lost.txt").read_text().endswith("the progress record on the rendezvous store "
+                                                        "cannot be read, its host has exited)")
+    assert (tmp_path / "publish.txt").read_text() == "the store's host has exited"
+    assert (tmp_path / "wait.txt").read_text() == (
+        "the rendezvous store's host (rank 0, unless torchrun hosts the store) exited while the workers "
+        "waited for rank 0's tokenized data")
+    assert "TCPStore" not in errs[1] and "frame #" not in errs[1], errs[1]
+
+
+def _beat_with_the_store(rank, world, listening):
+    import torch.distributed as dist
+
+    from acco.launch import process_group
+
+    store, key = dist.distributed_c10d._get_default_store(), process_group._ALIVE.format(rank)
+    process_group.store_listening = lambda s: listening
+    before = store.add(key, 0)
+    process_group.start_heartbeat(30.0)  # a beat at once, then every 5 s
+    _, thread = process_group._heartbeat["stop"]
+    if listening:  # its first beat lands, however busy the machine
+        while store.add(key, 0) == before:
+            thread.join(timeout=0.01)
+    thread.join(timeout=0 if listening else 30)  # one that does not beat ends on its own
+    beating = thread.is_alive()
+    process_group.stop_heartbeat()
+    return store.add(key, 0) - before, beating
+
+
+@pytest.mark.parametrize("listening", [True, False])
+def test_the_heartbeat_stops_without_a_word_once_its_store_s_host_has_gone(listening):
+    """A beat sent to a store whose host has exited fails after torch's C++ client has logged a
+    stack trace: the beat asks whether anything still listens there first (store_listening)."""
+    from distributed import run_distributed
+
+    results = run_distributed(_beat_with_the_store, 2, listening)
+    assert results == ([(1, True)] * 2 if listening else [(0, False)] * 2)
