@@ -84,6 +84,8 @@ def speedups(k: Case) -> dict[str, float]:
 # (bf16 mixed precision, fp32); acco-int8 adds two packed int8 buffers (2) and an fp32 shard (4 / W).
 def memory_bytes(method: str, workers: int, elem_bytes: int = 2, fragments: int = 4) -> float:
     f = 1 / fragments
+    # acco's trial-step workspace is counted as 4 per shard element, its most: above 12.6M elements
+    # per shard it is a fixed 48 MiB (docs/algorithm.md, "Memory per worker")
     table = {  # method: ((model bf16, shard bf16), (model fp32, shard fp32))
         "ddp": ((4, 20), (8, 20)), "torch-ddp": ((8, 8), (8, 8)), "dpu": ((6, 20), (12, 20)),
         "wp": ((6, 24), (12, 24)), "acco": ((6, 28), (12, 28)), "acco-int8": ((8, 32), (14, 32)),

