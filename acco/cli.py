@@ -56,6 +56,10 @@ class Role(enum.Enum):
     WORKER = "worker"  # under torchrun or srun, or the one worker of a plain python main.py
 
 
+# A Ctrl-C's line: said once, by the local launcher if there is one
+INTERRUPTED = "acco: interrupted; Ctrl-C saves nothing (a SIGTERM checkpoints first: train.save_on_signal)\n"
+
+
 def process_role(cfg: DictConfig | None) -> tuple[Role, int]:
     """What this process is, and the job's number of workers: decided here only. `cfg` is read
     for a plain ``python main.py`` alone (launch.nproc); a launched worker has none."""
@@ -134,7 +138,7 @@ def launch_workers(cfg: DictConfig, nproc: int) -> int:
             nproc, self_command(), env_extra={**threads, **debug}, check=check, save_signals=save_signals
         )
         if code == 128 + signal.SIGINT:  # Ctrl-C, forwarded: said here, the workers say nothing
-            sys.stderr.write("acco: interrupted\n")
+            sys.stderr.write(INTERRUPTED)
         return code
     except AlreadyCompleted as done:  # the checkpoint to resume has completed the budget
         print(done, flush=True)
@@ -299,7 +303,7 @@ def main() -> None:
             raise
         launched = FAILURE_DIR_ENV in os.environ  # by the local launcher, which says it
         if os.environ.get("RANK") is None or (os.environ["RANK"] == "0" and not launched):
-            sys.stderr.write("acco: interrupted\n")
+            sys.stderr.write(INTERRUPTED)
         code = 128 + signal.SIGINT
     if code:
         sys.exit(code)

@@ -138,12 +138,16 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
             )
     elif out.is_dir() and not resume and not overwrite:
         found = [name for name in RUN_MARKERS if (out / name).exists()]
-        found += sorted(p.name for p in out.glob("checkpoint-*"))[:1]
-        if found:
+        checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))[:1]
+        if found or checkpoints:
+            resumable = list_checkpoints(out)  # else `latest` would fail in turn: not offered
             _fail(
-                f"train.output_dir {str(out)!r} already holds a run ({', '.join(found)}); choose another "
-                "train.output_dir, set train.overwrite_output_dir=true to replace it, or "
-                "train.resume_from_checkpoint=latest to continue it"
+                f"train.output_dir {str(out)!r} already holds a run ({', '.join(found + checkpoints)}); "
+                "choose another train.output_dir"
+                + (", set train.overwrite_output_dir=true to replace it, or train.resume_from_checkpoint="
+                   "latest to continue it" if resumable else
+                   " or set train.overwrite_output_dir=true to replace it (it has no complete checkpoint "
+                   "to continue from)")
             )
     return out
 

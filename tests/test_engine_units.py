@@ -288,6 +288,18 @@ def test_world_of_one_without_process_group():
     assert [r.samples for r in records] == [2, 4, 6] and all(r.micro_batches == [2] for r in records)
 
 
+@pytest.mark.parametrize("method", ["acco", "torch-ddp", "diloco"])
+def test_a_launched_worker_without_a_process_group_is_refused(monkeypatch, method):
+    """Under torchrun (WORLD_SIZE 2) a process that never made its group would train alone, a
+    silent copy of the other workers: build_engine says what to call first."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE=2: .* no process group, .*init_distributed\(\)"):
+        build_engine(mlp(), EngineConfig(method=method, nb_steps_tot=6))
+    if method != "torch-ddp":  # which needs a group at any size (torch's DDP)
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        build_engine(mlp(), EngineConfig(method=method, nb_steps_tot=6)).close()
+
+
 def test_rounds_are_named_as_the_spec_names_them(monkeypatch):
     """acco alternates an estimate round and an update round (after its sequential updates, which
     are update rounds); every other decoupled method runs update rounds only. The progress marks,

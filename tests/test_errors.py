@@ -277,9 +277,17 @@ def test_output_dir_holding_a_run_is_not_overwritten_unless_asked(tmp_path):
     validate_job(config(tmp_path, "train.overwrite_output_dir=true", "train.nb_steps_tot=16"), world_size=2)
     check_output_dir(str(out), resume="latest")
     (out / "summary.json").unlink()
-    (out / "metrics.jsonl").write_text("")
-    assert "already holds a run (metrics.jsonl)" in validation_error(tmp_path)
+    (out / "metrics.jsonl").write_text("")  # a run stopped before its first checkpoint: no `latest`
+    assert validation_error(tmp_path).endswith(
+        "(metrics.jsonl); choose another train.output_dir or set train.overwrite_output_dir=true to replace "
+        "it (it has no complete checkpoint to continue from)")
+    (out / "checkpoint-2").mkdir()
+    (out / "checkpoint-2" / "meta.json").write_text("{}")
+    assert validation_error(tmp_path).endswith(
+        "(metrics.jsonl, checkpoint-2); choose another train.output_dir, set train.overwrite_output_dir=true "
+        "to replace it, or train.resume_from_checkpoint=latest to continue it")
     (out / "metrics.jsonl").unlink()
+    (out / "checkpoint-2").rename(tmp_path / "checkpoint-2")  # out of the way
     (out / "config.yaml").write_text("")  # a run that failed before training may start again
     (out / "tokenizer").mkdir()
     check_output_dir(str(out))

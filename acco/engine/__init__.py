@@ -112,6 +112,7 @@ def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
     the module's blocks are compiled in place once the engine holds its parameters (compiling.py)."""
     from acco.engine.compiling import compile_module, compile_options
 
+    _check_process_group(group)
     if cfg.method == "torch-ddp":
         # Imported here: torch.distributed.optim costs seconds of start-up for every other method.
         from acco.engine.torch_ddp import TorchDDPEngine
@@ -128,3 +129,20 @@ def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
     options = compile_options(cfg.compile, engine.device.type, cfg.compile_mode)
     compile_module(module, options, cfg.compile_scope)
     return engine
+
+
+def _check_process_group(group) -> None:
+    """A launcher's worker (torchrun, SLURM: WORLD_SIZE above 1) with no process group would train
+    alone, a copy of the others that nobody notices: refused."""
+    import os
+
+    import torch.distributed as dist
+
+    world = os.environ.get("WORLD_SIZE", "")
+    grouped = group is not None or (dist.is_available() and dist.is_initialized())
+    if world.isdigit() and int(world) > 1 and not grouped:
+        raise ConfigError(
+            f"WORLD_SIZE={world}: this process is one of {world} workers, but there is no process group, "
+            "so it would train alone; call acco.launch.init_distributed() (or "
+            "torch.distributed.init_process_group) before build_engine"
+        )
