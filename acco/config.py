@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from acco.engine.config import ConfigError, ConfigWarning, EngineConfig, EngineSettings
+from acco.engine.config import ConfigError, ConfigWarning, EngineConfig, EngineSettings, unheard
 from acco.messages import did_you_mean, one_line_error
 from acco.model_config import ARCHS, GPT_NEO_WINDOW, ModelError, check_model_config, gpt_neo_attention_types
 
@@ -397,8 +397,7 @@ def check_values(cfg: DictConfig, overrides: list[str] = ()) -> None:
         try:
             if not isinstance(node, DictConfig) or OmegaConf.missing_keys(node):
                 continue
-            with warnings.catch_warnings():  # the seed keys' warning: once, where the values are used
-                warnings.simplefilter("ignore")
+            with unheard():  # the warnings: once, where the values are used
                 OmegaConf.to_object(node)
         except ConfigError as e:
             raise InputError(one_line_error(e)) from e

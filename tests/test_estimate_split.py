@@ -6,19 +6,23 @@ only where the committed batch stays 2k."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from distributed import run_distributed
 from engine_helpers import Reference, assert_close, config, loss_fn, make_model, stream
+from omegaconf import OmegaConf
 
+import acco.engine.config
 from acco.config import InputError, TrainArgs, compose
-from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine import ConfigError, ConfigWarning, EngineConfig, build_engine
 from acco.engine.comm import RoundKind
 
 K, WORLD, UPDATES = 2, 2, 4
 
 
-def test_config():
+def test_config(monkeypatch):
     assert EngineConfig().estimate_micro_batches is None and TrainArgs().estimate_micro_batches is None
     for e in (1, 2, 3):
         EngineConfig(method="acco", n_grad_accumulation=K, estimate_micro_batches=e)
@@ -29,8 +33,8 @@ def test_config():
     for bad in (0, 4, -1, 1.5, True, "Auto", "even"):
         with pytest.raises(
             ConfigError,
-            match=r"estimate_micro_batches must be an integer in \[1, 2 n_grad_accumulation "
-            r"- 1 = 3\], auto, or null",
+            match=r"estimate_micro_batches must be auto, null \(the even split\) or an integer in \[1, "
+            r"2 n_grad_accumulation - 1 = 3\], got",
         ):
             EngineConfig(method="acco", n_grad_accumulation=K, estimate_micro_batches=bad)
     with pytest.raises(ConfigError, match="acco's estimate round only; method dpu has none"):
@@ -40,11 +44,21 @@ def test_config():
         compose(["train=acco", "train.n_grad_accumulation=2", "train.estimate_micro_batches=4"])
     message = str(info.value)
     assert "\n" not in message and message.startswith(
-        "train.estimate_micro_batches must be an integer in [1, "
+        "train.estimate_micro_batches must be auto, null (the even split) or an integer in [1, "
     ), message
     assert compose(["train=acco", "train.n_grad_accumulation=2", "train.estimate_micro_batches=1"]).train \
         .estimate_micro_batches == 1
-    assert compose(["train=acco", "train.estimate_micro_batches=auto"]).train.estimate_micro_batches == "auto"
+    # auto at one micro-batch per round (train=acco's default) has nothing to split: said in one line,
+    # where the values are used (composing validates quietly, and does not count it as said)
+    monkeypatch.setattr(acco.engine.config, "_ADVISED", set())
+    cfg = compose(["train=acco", "train.estimate_micro_batches=auto"])
+    assert cfg.train.estimate_micro_batches == "auto"
+    with pytest.warns(ConfigWarning, match=r"^train.estimate_micro_batches=auto has no split to choose at "
+                      r"train.n_grad_accumulation=1: "):
+        OmegaConf.to_object(cfg.train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        compose(["train=acco", "train.n_grad_accumulation=2", "train.estimate_micro_batches=auto"])
 
 
 def _train(rank, world, kind, cfgs):

@@ -10,6 +10,7 @@ all workers; ``n_warmup_steps`` counts optimizer updates.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import math
@@ -46,6 +47,19 @@ def advise(text: str) -> None:
     if text not in _ADVISED:
         _ADVISED.add(text)
         warnings.warn(text, ConfigWarning, stacklevel=5)
+
+
+@contextlib.contextmanager
+def unheard():
+    """Validate without a word: warnings are ignored inside, and advice given inside is not taken
+    as said (it is said where the values are used, by the same process)."""
+    before = set(_ADVISED)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        _ADVISED.intersection_update(before)
 
 
 class CheckpointError(ValueError):
@@ -264,9 +278,13 @@ class EngineConfig(EngineSettings):
             )
         if e not in (None, "auto") and (isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= most):
             raise ConfigError(
-                f"estimate_micro_batches must be an integer in [1, 2 n_grad_accumulation - 1 = {most}], "
-                f"auto, or null (n_grad_accumulation), got {e!r}"
+                f"estimate_micro_batches must be auto, null (the even split) or an integer in [1, "
+                f"2 n_grad_accumulation - 1 = {most}], got {e!r}"
             )
+        if e == "auto" and most == 1:  # legal, but there is nothing to split
+            k = _KEY_PREFIX.get()
+            advise(f"{k}estimate_micro_batches=auto has no split to choose at {k}n_grad_accumulation=1: "
+                   "an update's 2 micro-batches per worker go one to each round (set 2 or more per round)")
 
     def _validate_local_sgd(self) -> None:
         for name in ("sync_every", "num_fragments"):
