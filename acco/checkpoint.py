@@ -7,13 +7,13 @@
                              its gradient accumulator only with a fixed batch
         model/               the committed model in save_pretrained form, for users
 
-Each distinct tensor is written once: no rank file holds the parameter vector (a resume gathers
-the committed parameters from the master shards, as an update round does). An accumulator is
-per-worker state that an exact resume needs only with a fixed batch
-(accumulate_while_waiting=false); with accumulate_while_waiting (the default) micro-batch counts
-follow timing, so a resume restarts the overlapped regime from its warm start and the data
-position goes back by the micro-batches the accumulator held. GPT-Neo 125M on 4 workers, fp32:
-20 bytes per parameter (2.49 GB), 36 with a fixed batch (BENCHMARKS.md, "Scale").
+Each distinct tensor is written once: no rank file holds the parameter vector (a resume gathers the
+committed parameters from the master shards, as an update round does). An accumulator is per-worker
+state that an exact resume needs only with a fixed batch (accumulate_while_waiting=false); with
+accumulate_while_waiting (the default) micro-batch counts follow timing, so a resume restarts the
+overlapped regime from its warm start and the data position goes back by the micro-batches the
+accumulator held. GPT-Neo 125M on 4 workers, fp32: 20 bytes per parameter (2.49 GB), 36 with a fixed
+batch (BENCHMARKS.md, "Scale").
 
 Resume and checkpoint metadata live here too: `check_resumable` (run once per job, by the
 validation pass: it reads every file once for its CRC), `save_run` and `resume_run` (the
@@ -57,6 +57,7 @@ from acco.engine import CheckpointError
 from acco.engine.comm import MICRO_BATCHES
 from acco.engine.device import device_ops
 from acco.launch.process_group import after_rank0, wait_on_store
+from acco.messages import size_text
 
 # How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
 SAVE_TIMEOUT_S = 3600.0
@@ -194,9 +195,8 @@ def save(
         if keep:  # None: keep all (TrainArgs checks that it is None or >= 1)
             for old in list_checkpoints(out)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        # Where the time goes: rank 0's own shard, waiting for the slowest rank's, the model.
-        print(
-            f"{final.name}: {size / 1e9:.2f} GB ({size / meta['numel']:.1f} bytes per parameter) in "
+        print(  # where the time goes: rank 0's own shard, waiting for the slowest rank's, the model
+            f"{final.name}: {size_text(size)} ({size / meta['numel']:.1f} bytes per parameter) in "
             f"{time.perf_counter() - start:.1f} s: own shard {shard_s:.1f} s, every shard {shards_s:.1f} s, "
             f"model {model_s:.1f} s",
             flush=True,

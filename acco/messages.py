@@ -1,4 +1,4 @@
-"""Messages in one line: an exception's text, and the closest name to a misspelt one."""
+"""Messages in one line: an exception's text, the closest name to a misspelt one, a size."""
 
 from __future__ import annotations
 
@@ -20,3 +20,8 @@ def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
     """' (did you mean 'PREFIX.x'?)' for the closest of `names` to a mistyped `name`, else ''."""
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
     return f" (did you mean {prefix + close[0]!r}?)" if close else ""
+
+
+def size_text(n_bytes: float) -> str:
+    """A file size for a person: GB from 0.1 GB, else MB (a tiny model's checkpoint is not 0.00 GB)."""
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.1f} MB"

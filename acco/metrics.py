@@ -29,6 +29,7 @@ class RunLog:
         self.log_every = log_every
         self.records: list[UpdateRecord] = []
         self.evals: list[dict] = []
+        self._unprinted: tuple | None = None  # the last update, if log_every left its line out
         workers = self.dir / "workers"
         workers.mkdir(parents=True, exist_ok=True)
         # A resumed run continues its files from the checkpoint's update (a crash may have left
@@ -100,14 +101,20 @@ class RunLog:
             self._bar.update(record.samples - self._bar.n)
             self._bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         elif record.step % self.log_every == 0 or record.step == 1:
-            print(
-                f"step {record.step:>6}  samples {record.samples:>8}  loss {record.loss:.4f}  "
-                f"lr {record.lr:.2e}  "
-                + (f"grad_norm {record.grad_norm:.3f}  " if line["grad_norm"] is not None else "")
-                + f"tokens/s {tokens_per_s:,.0f}",
-                flush=True,
-            )
+            self._print(record, tokens_per_s)
+        else:
+            self._unprinted = (record, tokens_per_s)  # printed at the end if it stays the last
         return line
+
+    def _print(self, record: UpdateRecord, tokens_per_s: float) -> None:
+        self._unprinted = None
+        print(
+            f"step {record.step:>6}  samples {record.samples:>8}  loss {record.loss:.4f}  "
+            f"lr {record.lr:.2e}  "
+            + (f"grad_norm {record.grad_norm:.3f}  " if math.isfinite(record.grad_norm) else "")
+            + f"tokens/s {tokens_per_s:,.0f}",
+            flush=True,
+        )
 
     def evaluation(self, step: int, samples: int, eval_loss: float, eval_s: float | None = None) -> None:
         """``eval_s``: the evaluation's own seconds, inside the wall_time of later updates."""
@@ -129,6 +136,8 @@ class RunLog:
     # ---- end of run ----------------------------------------------------------------------
 
     def summary(self, method: str, device, extra: dict | None = None) -> dict:
+        if self._unprinted is not None:  # the last update's line, whatever log_step
+            self._print(*self._unprinted)
         recs = self.records
         wall = recs[-1].wall_time if recs else 0.0
         samples = recs[-1].samples if recs else 0

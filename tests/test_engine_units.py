@@ -367,6 +367,20 @@ def unsaid(monkeypatch):
     monkeypatch.setattr(acco.engine.config, "_ADVISED", set())
 
 
+@pytest.mark.parametrize("method, k, budget, said", [
+    ("ddp", 4, 3, "nb_steps_tot=3 is below one update, 4 micro-batches over 1 worker(s)"),
+    ("acco", 2, 3, "nb_steps_tot=3 is below one update, 4 micro-batches over 1 worker(s)"),
+    ("acco", 2, 4, None),
+    ("diloco", 3, 2, "nb_steps_tot=2 is below one update, 3 micro-batches over 1 worker(s)")])
+def test_a_budget_below_one_update_is_said(unsaid, method, k, budget, said):
+    """The budget is checked between updates: one below an update still trains a whole one."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_engine(mlp(), EngineConfig(method=method, n_grad_accumulation=k, nb_steps_tot=budget)).close()
+    said_now = [str(w.message).split(":")[0] for w in caught if w.category is ConfigWarning]
+    assert said_now == ([said] if said else [])
+
+
 @pytest.mark.parametrize("method, updates, budget", [("dpu", 3, 6), ("acco", 2, 8)])
 def test_sequential_updates_that_take_the_whole_budget_are_said(unsaid, method, updates, budget):
     """n_warmup_steps updates run as ddp: taking the whole budget, the method never overlaps."""

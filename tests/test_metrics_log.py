@@ -1,6 +1,7 @@
 """metrics.jsonl and loss.png (acco/metrics.py): a log that a kill or a full disk cut short mid-line
 still resumes and plots; a run's eval losses are drawn where they are, also a single one (a short
-run's only evaluation), which a dashed line alone would not show."""
+run's only evaluation), which a dashed line alone would not show; the console prints the last
+update whatever log_step."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 
 import matplotlib.figure
 import pytest
+import torch
 
-from acco.metrics import _truncate_after, plot_runs, read_metrics
+from acco.engine import UpdateRecord
+from acco.messages import size_text
+from acco.metrics import RunLog, _truncate_after, plot_runs, read_metrics
 
 
 def test_a_log_cut_short_mid_line_resumes_and_reads(tmp_path):
@@ -40,3 +44,15 @@ def test_a_single_evaluation_is_drawn_as_a_point(tmp_path, monkeypatch):
         (evals,) = [line for line in ax.get_lines() if line.get_label() == "acco eval"]
         assert list(evals.get_xdata()) == [x] and list(evals.get_ydata()) == [2.7]
         assert evals.get_marker() not in (None, "None", "", " ")  # a point, not an invisible line
+
+
+@pytest.mark.parametrize("updates, printed", [(7, [1, 3, 6, 7]), (6, [1, 3, 6])])
+def test_the_console_prints_every_log_step_and_the_last_update(tmp_path, capsys, updates, printed):
+    log = RunLog(str(tmp_path), rank=0, world_size=1, tokens_per_micro_batch=8, log_every=3)
+    for step in range(1, updates + 1):
+        log.update(UpdateRecord(step=step, samples=2 * step, loss=1.0, lr=1e-3, micro_batches=[2],
+                                wall_time=float(step)))
+    log.close(log.summary("ddp", torch.device("cpu")))
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert [int(words[1]) for words in lines] == printed
+    assert (size_text(2.49e9), size_text(0.07e9), size_text(3.2e6)) == ("2.49 GB", "70.0 MB", "3.2 MB")

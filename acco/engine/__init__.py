@@ -126,6 +126,7 @@ def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
         from acco.engine.decoupled import DecoupledEngine
 
         engine = DecoupledEngine(module, cfg, group)
+    _check_budget(cfg, engine.world_size)
     options = compile_options(cfg.compile, engine.device.type, cfg.compile_mode)
     compile_module(module, options, cfg.compile_scope)
     return engine
@@ -146,3 +147,14 @@ def _check_process_group(group) -> None:
             "so it would train alone; call acco.launch.init_distributed() (or "
             "torch.distributed.init_process_group) before build_engine"
         )
+
+
+def _check_budget(cfg: EngineConfig, world: int) -> None:
+    """A budget below one update still trains one whole update (the budget is checked between
+    updates): legal, said in one line."""
+    from acco.engine.config import advise
+
+    per_update = cfg.n_grad_accumulation * (2 if cfg.method == "acco" else 1) * world
+    if cfg.nb_steps_tot < per_update:
+        advise(f"nb_steps_tot={cfg.nb_steps_tot} is below one update, {per_update} micro-batches over "
+               f"{world} worker(s): training stops after the first update, which takes {per_update}")
