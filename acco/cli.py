@@ -42,7 +42,7 @@ from acco.config import (
     one_line_error,
 )
 from acco.data.errors import DataError
-from acco.engine.config import ConfigWarning
+from acco.engine.config import ConfigWarning, advised, take_as_advised
 from acco.engine.progress import FAILURE_DIR_ENV, launcher_is_stopping
 from acco.job import Job, job_of
 from acco.launch.env import dist_env, self_command
@@ -128,6 +128,7 @@ def launch_workers(cfg: DictConfig, nproc: int) -> int:
         if kind == "error":
             raise InputError(line)
         job.loaded = None  # what the pass loaded stays here: each worker loads its own
+        job.advised = advised()  # said here, once: not again by the workers
         return pickle.dumps(job)
 
     # As torchrun does: workers sharing a machine must not each spin up a thread per core. A
@@ -157,6 +158,7 @@ def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
 
     # the launcher's validated job (or a quiet exit if its pass failed), else this config's
     job: Job = pickle.loads(wait_for_go()) if role is Role.LAUNCHED else job_of(cfg, world_size)
+    take_as_advised(job.advised)
     catch_early(job.args.save_on_signal)  # a preemption notice during start-up: stop after update 1
     try:
         return _train(job, role, world_size)
@@ -285,6 +287,7 @@ def main() -> None:
     logging.getLogger("acco").addHandler(handler)
     logging.getLogger("acco").setLevel(logging.INFO)
     if any(a.startswith("-") for a in argv):  # Hydra's own flags (--help, --cfg job, -m ...)
+        _refuse_other_flags(argv)
         return _hydra_app()
     debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in argv]
     try:  # nested: a Ctrl-C that lands while an error is being reported is still a Ctrl-C
@@ -307,6 +310,27 @@ def main() -> None:
         code = 128 + signal.SIGINT
     if code:
         sys.exit(code)
+
+
+HYDRA_FLAGS = {"-h", "--help", "-hc", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p",
+               "--package", "-i", "--info", "-r", "--run", "-m", "--multirun", "-sc", "--shell-completion",
+               "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun"}
+
+
+def _refuse_other_flags(argv: list[str]) -> None:
+    """`--nproc 4` is not an override: one line naming the key=value meant, not Hydra's usage."""
+    for i, arg in enumerate(argv):
+        flag = arg.split("=", 1)[0]
+        if not arg.startswith("-") or flag in HYDRA_FLAGS:
+            continue
+        name = flag.lstrip("-").replace("-", "_")
+        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "...")
+        cfg = compose([])
+        keys = [f"{g}.{name}" for g in cfg if isinstance(cfg[g], DictConfig) and name in cfg[g]]
+        meant = f" (did you mean '{keys[0]}={value}'?)" if keys else ""
+        sys.stderr.write(f"acco: error: unknown option {flag!r}{meant}: settings are key=value overrides, "
+                         "e.g. launch.nproc=2 train=acco\n")
+        sys.exit(2)
 
 
 def _hydra_app() -> None:

@@ -418,6 +418,10 @@ def hydra_message(e: Exception, argv: list[str]) -> str:
             names = [k for k in parent.keys() if k != "hydra" and k not in SEED_ONLY_KEYS]
             where = key.rsplit(".", 1)[0] if "." in key else ""
             known = did_you_mean(key.rsplit(".", 1)[-1], list(map(str, names)), f"{where}." if where else "")
+            if not where and not known:  # a group's key given at the top level (nproc=4)
+                groups = [(g, parent.get(g)) for g in names]
+                known = next((hit for g, node in groups if isinstance(node, DictConfig)
+                              and (hit := did_you_mean(key, list(map(str, node.keys())), f"{g}."))), "")
             known += f"; keys {'of ' + where if where else 'at the top level'}: {', '.join(map(str, names))}"
         named = [a.split("=", 1)[0].lstrip("+~") for a in argv]  # a key, or a group under it ("lanch.nproc")
         override = next((a for a, k in zip(argv, named) if k == key or k.startswith(key + ".")), key)

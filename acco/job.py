@@ -47,6 +47,9 @@ class Job:
     world_size: int
     config: DictConfig  # the whole config, resolved: output_dir/config.yaml, and what reads a config
     loaded: Loaded | None = None
+    # the configuration warnings said by the process that validated the job (the local launcher):
+    # its workers do not say them again
+    advised: frozenset = frozenset()
 
     def take_loaded(self) -> Loaded:
         """What the validation pass of this process loaded (empty if none), handed over once."""

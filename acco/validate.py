@@ -307,7 +307,9 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
     try:
         found = checkpoint.check_resumable(args, job.world_size, numel, label)
     except CheckpointError as e:
-        _fail(f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {one_line_error(e)}", e)
+        spec = args.resume_from_checkpoint
+        text = one_line_error(e).removeprefix(f"{os.path.expanduser(str(spec))}: ")  # named once
+        _fail(f"train.resume_from_checkpoint={spec}: {text}", e)
     if found is None:
         return
     folder = found[0]

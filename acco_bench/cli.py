@@ -4,9 +4,10 @@
     acco-bench sweep       [--bandwidths 50mbit,200mbit,1000mbit,unshaped ...]
     acco-bench convergence --data ../shared/data/tinystories/TinyStories-valid-head.txt [--seeds 0,1 ...]
                            [--batch-sizes 1,2,4,8: small per-worker batches at the same samples]
-    acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco --bandwidth
-    100mbit] acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH
-    ...] acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
+    acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco
+                           --bandwidth 100mbit]
+    acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
+    acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
     acco-bench map         [--compute-s C --comm-s M --workers W ...]  (where each method wins; runs nothing)
     acco-bench faults      [--workers 2 --faults 10 --save-step 2 --seed 0]  (a fault drill under torchrun)
     acco-bench report DIR                      (re-render a finished run's tables and plots)

@@ -289,7 +289,7 @@ def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
     rank1.unlink()
     assert "missing rank1-of-2.pt" in validation_error(run, "train.resume_from_checkpoint=latest")
     line = validation_error(run, f"train.resume_from_checkpoint={tmp_path / 'nowhere'}")
-    assert "nowhere: no such checkpoint folder" in line
+    assert line == f"train.resume_from_checkpoint={tmp_path / 'nowhere'}: no such checkpoint folder"
     nothing_written()
 
 

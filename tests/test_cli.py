@@ -155,3 +155,25 @@ def test_help_names_acco_its_choices_and_where_every_key_is_documented():
     assert "train: acco, acco-ft" in text and "nb_steps_tot:" in text
     docs = re.findall(r"docs/\w+\.md", text)
     assert docs and all((root / d).is_file() for d in docs), docs
+
+
+def test_a_group_s_key_at_the_top_level_or_as_a_flag_names_the_override_meant():
+    """`nproc=4` and `--nproc 4` (torchrun's and argparse's habits) get the key=value acco takes, in
+    one line: not only the top-level keys, nor Hydra's usage block."""
+    from pathlib import Path
+
+    from acco.config import InputError
+
+    with pytest.raises(InputError, match=r"^unknown config key 'nproc' in 'nproc=4' \(did you mean "
+                                         r"'launch\.nproc'\?\); keys at the top level: "):
+        compose(["nproc=4"])
+    main = Path(__file__).resolve().parents[1] / "main.py"
+    cases = ((["--nproc", "4"], " (did you mean 'launch.nproc=4'?)"),
+             (["--learning-rate=1e-3"], " (did you mean 'train.learning_rate=1e-3'?)"), (["--nothing"], ""))
+    for args, meant in cases:
+        out = subprocess.run([sys.executable, str(main), *args], capture_output=True, text=True,
+                             env=clean_env(), timeout=120)  # fmt: skip
+        flag = args[0].split("=")[0]
+        assert (out.returncode, out.stdout) == (2, ""), out
+        assert out.stderr == (f"acco: error: unknown option '{flag}'{meant}: settings are key=value "
+                              "overrides, e.g. launch.nproc=2 train=acco\n"), out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 import warnings
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from torch import nn
 
+import acco.engine.config
 from acco.engine import ConfigError, EngineConfig, build_engine, optim
 from acco.engine.config import ConfigWarning
 from acco.engine.flat import FlatParams, ShardLayout
@@ -379,6 +381,11 @@ def test_a_budget_below_one_update_is_said(unsaid, method, k, budget, said):
         build_engine(mlp(), EngineConfig(method=method, n_grad_accumulation=k, nb_steps_tot=budget)).close()
     said_now = [str(w.message).split(":")[0] for w in caught if w.category is ConfigWarning]
     assert said_now == ([said] if said else [])
+    if said:  # the trainer's config: the keys as the user wrote them
+        acco.engine.config._ADVISED.clear()
+        values = {"method_name": method, "n_grad_accumulation": k, "nb_steps_tot": budget}
+        with pytest.warns(ConfigWarning, match="^train." + re.escape(said)):
+            build_engine(mlp(), EngineConfig.from_mapping(values, key_prefix="train.")).close()
 
 
 @pytest.mark.parametrize("method, updates, budget", [("dpu", 3, 6), ("acco", 2, 8)])

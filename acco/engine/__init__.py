@@ -156,5 +156,6 @@ def _check_budget(cfg: EngineConfig, world: int) -> None:
 
     per_update = cfg.n_grad_accumulation * (2 if cfg.method == "acco" else 1) * world
     if cfg.nb_steps_tot < per_update:
-        advise(f"nb_steps_tot={cfg.nb_steps_tot} is below one update, {per_update} micro-batches over "
+        k = getattr(cfg, "key_prefix", "")
+        advise(f"{k}nb_steps_tot={cfg.nb_steps_tot} is below one update, {per_update} micro-batches over "
                f"{world} worker(s): training stops after the first update, which takes {per_update}")

@@ -49,6 +49,16 @@ def advise(text: str) -> None:
         warnings.warn(text, ConfigWarning, stacklevel=5)
 
 
+def advised() -> frozenset:
+    """The advice said so far by this process."""
+    return frozenset(_ADVISED)
+
+
+def take_as_advised(texts) -> None:
+    """Advice said by another process for the same job (the local launcher): not said again here."""
+    _ADVISED.update(texts)
+
+
 @contextlib.contextmanager
 def unheard():
     """Validate without a word: warnings are ignored inside, and advice given inside is not taken
@@ -326,7 +336,9 @@ class EngineConfig(EngineSettings):
         names = {f.name for f in dataclasses.fields(cls)}
         prefix = _KEY_PREFIX.set(key_prefix)  # warnings name the keys alike
         try:
-            return cls(**{k: v for k, v in values.items() if k in names})
+            cfg = cls(**{k: v for k, v in values.items() if k in names})
+            cfg.key_prefix = key_prefix  # what the engine's own warnings name the keys with
+            return cfg
         except ConfigError as e:
             if not key_prefix and method_key == "method":
                 raise

@@ -84,9 +84,10 @@ class DecoupledEngine:
         rounds = len(ROUND_SCHEDULE[cfg.method])
         sequential = cfg.n_warmup_steps * cfg.n_grad_accumulation * rounds * self.world_size
         if self.overlapped and cfg.n_warmup_steps and sequential >= cfg.nb_steps_tot:
-            advise(f"n_warmup_steps={cfg.n_warmup_steps} sequential updates take {sequential} micro-batches, "
-                   f"not fewer than nb_steps_tot={cfg.nb_steps_tot}: {cfg.method} never overlaps (it "
-                   "trains as ddp)")
+            k = getattr(cfg, "key_prefix", "")
+            advise(f"{k}n_warmup_steps={cfg.n_warmup_steps} sequential updates take {sequential} "
+                   f"micro-batches, not fewer than {k}nb_steps_tot={cfg.nb_steps_tot}: {cfg.method} never "
+                   "overlaps (it trains as ddp)")
         # The gradient accumulator: the flat gradient buffer itself, or in mixed precision with
         # grad_accum_dtype fp32 an fp32 vector that each micro-batch's bf16 gradients are added to
         # (torch-ddp's fp32 gradients sum alike); rounded to bf16 once, when a round takes it.
