@@ -138,17 +138,12 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
             )
     elif out.is_dir() and not resume and not overwrite:
         found = [name for name in RUN_MARKERS if (out / name).exists()]
-        checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))[:1]
-        if found or checkpoints:
-            resumable = list_checkpoints(out)  # else `latest` would fail in turn: not offered
-            _fail(
-                f"train.output_dir {str(out)!r} already holds a run ({', '.join(found + checkpoints)}); "
-                "choose another train.output_dir"
-                + (", set train.overwrite_output_dir=true to replace it, or train.resume_from_checkpoint="
-                   "latest to continue it" if resumable else
-                   " or set train.overwrite_output_dir=true to replace it (it has no complete checkpoint "
-                   "to continue from)")
-            )
+        found += sorted(p.name for p in out.glob("checkpoint-*"))[:1]
+        if found:  # `latest` offered only where it can continue
+            tail = (", or train.resume_from_checkpoint=latest to continue it" if list_checkpoints(out)
+                    else " (it has no complete checkpoint to continue from)")
+            _fail(f"train.output_dir {str(out)!r} already holds a run ({', '.join(found)}); choose another "
+                  f"train.output_dir or set train.overwrite_output_dir=true to replace it{tail}")
     return out
 
 
@@ -307,9 +302,8 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
     try:
         found = checkpoint.check_resumable(args, job.world_size, numel, label)
     except CheckpointError as e:
-        spec = args.resume_from_checkpoint
-        text = one_line_error(e).removeprefix(f"{os.path.expanduser(str(spec))}: ")  # named once
-        _fail(f"train.resume_from_checkpoint={spec}: {text}", e)
+        text = one_line_error(e).removeprefix(f"{os.path.expanduser(str(args.resume_from_checkpoint))}: ")
+        _fail(f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {text}", e)  # the path once
     if found is None:
         return
     folder = found[0]

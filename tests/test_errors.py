@@ -29,7 +29,7 @@ ALPACA = {"instruction": "Say hello.", "input": "", "output": "Hello there!"}
 def cli(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
-        f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=16", *overrides,
+        f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=16", "train.warmup=0", *overrides,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ACCO_DEBUG": "", **(env or {})}
     env.pop("ACCO_DEBUG")
@@ -284,8 +284,8 @@ def test_output_dir_holding_a_run_is_not_overwritten_unless_asked(tmp_path):
     (out / "checkpoint-2").mkdir()
     (out / "checkpoint-2" / "meta.json").write_text("{}")
     assert validation_error(tmp_path).endswith(
-        "(metrics.jsonl, checkpoint-2); choose another train.output_dir, set train.overwrite_output_dir=true "
-        "to replace it, or train.resume_from_checkpoint=latest to continue it")
+        "(metrics.jsonl, checkpoint-2); choose another train.output_dir or set train.overwrite_output_dir="
+        "true to replace it, or train.resume_from_checkpoint=latest to continue it")
     (out / "metrics.jsonl").unlink()
     (out / "checkpoint-2").rename(tmp_path / "checkpoint-2")  # out of the way
     (out / "config.yaml").write_text("")  # a run that failed before training may start again
