@@ -248,8 +248,11 @@ def _build_model(job: Job, tokenizer, device, announce: bool):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if announce:
-        print(f"attention: {attention_of(model)} (model.attn_implementation=... to choose)", flush=True)
+    if announce:  # what is trained: the vocabulary is the tokenizer's (a small corpus's BPE may be short)
+        n = sum(p.numel() for p in model.parameters())
+        print(f"model: {model_cfg.get('name') or model_cfg.get('pretrained') or model_cfg.get('arch')}, "
+              f"{n:,} parameters, vocabulary {len(tokenizer):,}; attention: {attention_of(model)} "
+              "(model.attn_implementation=... to choose)", flush=True)
     return model
 
 

@@ -133,6 +133,11 @@ def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     assert proc.stderr.count("acco: warning: train.warmup=16 is not below train.nb_steps_tot=16") == 1
     assert "launcher validated [2]" in proc.stdout  # once, for two workers
     assert "done: acco " in proc.stdout  # the workers trained
+    # what is trained, said once: the model's size and the vocabulary of the BPE trained for it
+    out = proc.stdout
+    assert re.search(r"^BPE tokenizer trained on the data \(\d+ tokens of the 2048 asked\)", out, re.M), out
+    model = re.findall(r"^model: tiny, ([\d,]+) parameters, vocabulary ([\d,]+); attention: ", out, re.M)
+    assert len(model) == 1 and int(model[0][0].replace(",", "")) > 1000, proc.stdout
     # what became of the token cache is said once: rank 1, which maps the file rank 0 wrote or
     # found, says nothing of it
     cache_lines = [line for line in proc.stdout.splitlines() if line.startswith("token stream")]

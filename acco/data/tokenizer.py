@@ -133,6 +133,8 @@ def _cached_bpe(texts, vocab_size: int, cache_dir, text_column: str) -> PreTrain
         os.rename(tmp, folder)  # atomic: a reader sees no folder or a complete one
     except OSError:  # another process cached the same tokenizer first; theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
+    log.info("BPE tokenizer trained on the data (%d tokens of the %d asked), cached in %s", len(tokenizer),
+             vocab_size, folder)
     return tokenizer
 
 
