@@ -112,7 +112,8 @@ def run_until_undisturbed(run: Callable[[], dict], method: str, earlier: list[fl
         if why is None or attempts >= retries:
             break
         attempts += 1
-        log(f"[acco-bench] {method}: {why}; running it again ({attempts}/{retries}) after {pause_s:.0f} s")
+        log(f"[acco-bench] {method}: {why}; running it again ({attempts}/{retries}) after {pause_s:.0f} s "
+            "(--retry-disturbed 0: never)")
         time.sleep(pause_s)
     if why:
         log(f"[acco-bench] {method}: WARNING: {why} (kept: no retry left)")
