@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from acco.engine.config import ConfigError, ConfigWarning, EngineConfig, EngineSettings, unheard
-from acco.messages import did_you_mean, one_line_error
+from acco.messages import did_you_mean, meant_train_key, one_line_error
 from acco.model_config import ARCHS, GPT_NEO_WINDOW, ModelError, check_model_config, gpt_neo_attention_types
 
 __all__ = [
@@ -231,8 +231,10 @@ def as_object(values: Any, schema: type, group: str):
         from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
         if isinstance(e, ConfigKeyError | ConfigAttributeError):
-            known = ", ".join(f.name for f in dataclasses.fields(schema) if f.name not in SEED_ONLY_KEYS)
-            raise ConfigError(f"unknown {group} key {getattr(e, 'key', '?')!r} (known: {known})") from None
+            known = [f.name for f in dataclasses.fields(schema) if f.name not in SEED_ONLY_KEYS]
+            key = str(getattr(e, "key", "?"))
+            meant = meant_train_key(key, known) if group == "train" else did_you_mean(key, known)
+            raise ConfigError(f"unknown {group} key {key!r}{meant} (known: {', '.join(known)})") from None
         if isinstance(e, OmegaConfBaseException):
             raise ConfigError(schema_message(e, prefix=f"{group}.")) from None
         raise
@@ -417,7 +419,8 @@ def hydra_message(e: Exception, argv: list[str]) -> str:
         if isinstance(parent, DictConfig):
             names = [k for k in parent.keys() if k != "hydra" and k not in SEED_ONLY_KEYS]
             where = key.rsplit(".", 1)[0] if "." in key else ""
-            known = did_you_mean(key.rsplit(".", 1)[-1], list(map(str, names)), f"{where}." if where else "")
+            meant = meant_train_key if where == "train" else did_you_mean
+            known = meant(key.rsplit(".", 1)[-1], list(map(str, names)), f"{where}." if where else "")
             if not where and not known:  # a group's key given at the top level (nproc=4)
                 groups = [(g, parent.get(g)) for g in names]
                 known = next((hit for g, node in groups if isinstance(node, DictConfig)

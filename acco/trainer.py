@@ -1,4 +1,5 @@
-"""DecoupledTrainer: a drop-in for transformers.Trainer that trains with acco (or a baseline).
+"""DecoupledTrainer: transformers.Trainer's shape (model, tokenizer, datasets; train, evaluate,
+save_model) with acco's train keys for its args, training with acco (or a baseline).
 
     trainer = DecoupledTrainer(model=model, tokenizer=tokenizer,
                                train_dataset=ds["train"], eval_dataset=ds["validation"],

@@ -172,6 +172,15 @@ def test_a_group_s_key_at_the_top_level_or_as_a_flag_names_the_override_meant():
     with pytest.raises(InputError, match=r"^unknown config key 'nproc' in 'nproc=4' \(did you mean "
                                          r"'launch\.nproc'\?\); keys at the top level: "):
         compose(["nproc=4"])
+    # a transformers.Trainer user's names: acco's key, where its unit is said
+    with pytest.raises(InputError, match=r"^unknown config key 'train\.per_device_train_batch_size' in .* "
+                                         r"\(transformers' name: acco's key is 'train\.batch_size'; docs/"):
+        compose(["train.per_device_train_batch_size=4"])
+    from acco.config import ConfigError, TrainArgs
+
+    said = r"^unknown train key 'max_steps' \(transformers' name: acco's key is 'nb_steps_tot'; docs/training"
+    with pytest.raises(ConfigError, match=said + r"\.md, 'Glossary', gives its unit\)"):
+        TrainArgs.from_any({"max_steps": 100})  # DecoupledTrainer(args=...)
     main = Path(__file__).resolve().parents[1] / "main.py"
     cases = ((["--nproc", "4"], " (did you mean 'launch.nproc=4'?)"),
              (["--learning-rate=1e-3"], " (did you mean 'train.learning_rate=1e-3'?)"), (["--nothing"], ""))

@@ -241,7 +241,10 @@ def test_demo_on_loopback_says_it_cannot_show_the_gain(tmp_path, capsys, monkeyp
     assert s.methods == ("ddp", DEMO_ACCO) and s.loopback and s.bandwidth is None and s.comm_share is None
     assert s.accumulate_while_waiting is False and s.grad_accum == 6  # the same fixed batch for both
     assert s.nb_steps_tot == 240 and s.probe_updates == 5  # 2.5 minutes with the calibration, 2 cores
-    assert s.extra == ("train.max_length=32",)
+    # half the recipe's LR over 6 warm-up updates (smooth curves), then the user's overrides
+    assert s.extra == ("train.learning_rate=1.5e-3", "train.warmup=72", "train.max_length=32")
+    demo.main(["--loopback", "--out", str(tmp_path / "demo"), "train.learning_rate=3e-3"])
+    assert seen["settings"].extra == ("train.warmup=72", "train.learning_rate=3e-3")  # the user's wins
     out = capsys.readouterr().out
     assert "on loopback (--loopback)" in out and "cannot show the gain" in out
     assert f"{DEMO_ACCO} reached ddp's final eval loss in 0.90x ddp's training time" in out

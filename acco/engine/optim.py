@@ -109,7 +109,7 @@ class ShardedAdamW:
         torch's fused AdamW kernel, commit's own, runs on copies of the master and the moments one
         chunk at a time, so the result is bit for bit a commit's. Three kernels a chunk (copy in,
         AdamW, copy out) move about 58 bytes an element with a bf16 `out`, where AdamW written as
-        eight tensor operations moved 96; on the CPU it is 2.6x faster. `out` may be `grad`
+        eight tensor operations moved 96 (2.2x faster on one CPU thread). `out` may be `grad`
         itself (each chunk is written after the kernel has read it).
         """
         self._trial_step.fill_(self._steps + 1)  # the kernel reads the step it takes
