@@ -52,8 +52,15 @@ class RunLog:
     # ---- per update / per evaluation -------------------------------------------------------
 
     def start_progress(self, total_samples: int, initial_samples: int = 0) -> None:
-        """A tqdm bar on rank 0 in a terminal; plain log lines every `log_every` updates otherwise."""
-        if self.rank != 0 or not sys.stderr.isatty():
+        """A tqdm bar on rank 0 in a terminal; plain log lines every `log_every` updates otherwise,
+        after one saying that training has begun (a first update may take minutes on a CPU)."""
+        if self.rank != 0:
+            return
+        if not sys.stderr.isatty():
+            since = f" from {initial_samples:,}" if initial_samples else ""
+            print(f"training: {self.world_size} worker(s), {self.tokens_per_micro_batch:,} tokens per "
+                  f"micro-batch, a budget of {total_samples:,} micro-batches{since}; a line every "
+                  f"{self.log_every} updates", flush=True)
             return
         from tqdm.auto import tqdm
 

@@ -49,10 +49,14 @@ def test_a_single_evaluation_is_drawn_as_a_point(tmp_path, monkeypatch):
 @pytest.mark.parametrize("updates, printed", [(7, [1, 3, 6, 7]), (6, [1, 3, 6])])
 def test_the_console_prints_every_log_step_and_the_last_update(tmp_path, capsys, updates, printed):
     log = RunLog(str(tmp_path), rank=0, world_size=1, tokens_per_micro_batch=8, log_every=3)
+    log.start_progress(2 * updates)  # not a terminal (captured): a line first, then plain lines
     for step in range(1, updates + 1):
         log.update(UpdateRecord(step=step, samples=2 * step, loss=1.0, lr=1e-3, micro_batches=[2],
                                 wall_time=float(step)))
     log.close(log.summary("ddp", torch.device("cpu")))
-    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    out = capsys.readouterr().out
+    assert out.startswith(f"training: 1 worker(s), 8 tokens per micro-batch, a budget of {2 * updates} "
+                          "micro-batches; a line every 3 updates\n")
+    lines = [line.split() for line in out.splitlines() if line.startswith("step")]
     assert [int(words[1]) for words in lines] == printed
     assert (size_text(2.49e9), size_text(0.07e9), size_text(3.2e6)) == ("2.49 GB", "70.0 MB", "3.2 MB")
