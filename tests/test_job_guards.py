@@ -89,7 +89,7 @@ def test_a_notice_during_start_up_checkpoints_the_first_update(tmp_path):
     cmd = [sys.executable, "-m", "acco.cli", "launch.nproc=2", f"train.cache_dir={tmp_path / 'cache'}",
            f"train.output_dir={tmp_path / 'out'}", "train.nb_steps_tot=32", "train.eval=false",
            "train.resume_from_checkpoint=auto"]  # fmt: skip
-    proc, out, err = _signal_job(cmd, "attention:", signal.SIGTERM)  # rank 0 built its model, not the trainer
+    proc, out, err = _signal_job(cmd, "model:", signal.SIGTERM)  # rank 0 built its model, not the trainer
     assert proc.returncode == EXIT_SAVED_ON_SIGNAL, err[-2000:]
     assert "acco: stopped on SIGTERM after update 1 " in out, out[-2000:]
     assert (tmp_path / "out" / "checkpoint-1").is_dir()
