@@ -125,18 +125,18 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
         _fail("train.output_dir is empty; give the folder the run writes to")
     out = Path(os.path.expanduser(str(output_dir)))
     check_writable_dir(out, "train.output_dir")
+    if not out.is_dir():  # a new run's folder: nothing in it to keep (and torch not imported for it)
+        return out
     from acco.checkpoint import list_checkpoints
 
-    if out.is_dir() and resume == "auto" and not overwrite and not list_checkpoints(out):
-        # auto with nothing to resume starts afresh: a restart before the first checkpoint, never
-        # over a finished run
-        if (out / "summary.json").exists():
+    if resume == "auto" and not overwrite and not list_checkpoints(out):
+        if (out / "summary.json").exists():  # auto starts afresh before a first checkpoint, not over an end
             _fail(
                 f"train.output_dir {str(out)!r} holds a finished run (summary.json) and no checkpoint "
                 "for train.resume_from_checkpoint=auto to continue; choose another train.output_dir "
                 "or set train.overwrite_output_dir=true to replace it"
             )
-    elif out.is_dir() and not resume and not overwrite:
+    elif not resume and not overwrite:
         found = [name for name in RUN_MARKERS if (out / name).exists()]
         found += sorted(p.name for p in out.glob("checkpoint-*"))[:1]
         if found:  # `latest` offered only where it can continue

@@ -1,3 +1,4 @@
+import glob
 import json
 import os
 import signal
@@ -363,3 +364,15 @@ def test_an_exit_waits_for_the_store_write_on_its_way(tmp_path, which):
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert (tmp_path / "done").read_text() == ("acco/alive/0" if which == "beat" else "acco/progress/0")
+
+
+
+@pytest.mark.skipif(bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd"), reason="a GPU device")
+def test_auto_nproc_on_a_machine_without_gpus_imports_no_torch():
+    """launch.nproc=auto: one worker per GPU, else 2; where no GPU device exists the launcher knows
+    it without importing torch (seconds on a small machine, before it can report a bad input)."""
+    code = ("import sys; from acco.launch.local import local_nproc as n; "
+            "print(n('auto'), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(),
+                         timeout=60)  # fmt: skip
+    assert out.stdout.split() == ["2", "False"], out

@@ -324,17 +324,21 @@ def test_launch_local_rejects_bad_nproc():
 # FIFO shared by both, the test's buffered readline could take both lines in one read and drop the
 # second with the file it closed; its next open then met a writer that had already written: "".
 GATED = """
-    import os, sys
+    import os, signal, sys
     from acco.launch import wait_for_go
+    signal.signal(signal.SIGTERM, lambda *_: None)  # as catch_early: a notice at start-up is noted
     rank = os.environ["RANK"]
     with open(os.path.join(sys.argv[1], f"started-{rank}"), "w") as fifo:  # tell the test this worker runs
         fifo.write(f"{rank} {os.getpid()}\\n")
+    if len(sys.argv) > 2:  # still importing (torch takes seconds) when the check fails
+        import time
+        time.sleep(float(sys.argv[2]))
     wait_for_go()
     open(os.path.join(sys.argv[1], f"went-{rank}"), "w").close()
 """
 
 
-def gated_launch(tmp_path, check_passes: bool):
+def gated_launch(tmp_path, check_passes: bool, grace_s: float = 5.0, busy_s: float | None = None):
     script = write_script(tmp_path, "gated.py", GATED)
     for rank in range(2):
         os.mkfifo(tmp_path / f"started-{rank}")
@@ -350,7 +354,8 @@ def gated_launch(tmp_path, check_passes: bool):
             raise ValueError("bad input")
 
     code = launch_local(
-        2, [sys.executable, script, str(tmp_path)], env_extra={"PYTHONPATH": REPO}, check=check
+        2, [sys.executable, script, str(tmp_path), *([] if busy_s is None else [str(busy_s)])],
+        env_extra={"PYTHONPATH": REPO}, check=check, grace_s=grace_s,
     )
     return code, pids
 
@@ -362,8 +367,12 @@ def test_workers_start_while_the_launcher_checks_and_go_once_it_passes(tmp_path)
 
 
 def test_a_failed_check_stops_the_workers_before_they_go(tmp_path):
+    """At once: they have only started (and note a SIGTERM, as preemption.catch_early makes them),
+    so the error is said without the grace a running job gets (5 s before each refusal, before)."""
+    start = time.monotonic()
     with pytest.raises(ValueError, match="bad input"):
-        gated_launch(tmp_path, check_passes=False)
+        gated_launch(tmp_path, check_passes=False, grace_s=120, busy_s=120)
+    assert time.monotonic() - start < 60  # neither the workers' 120 s nor the 120 s grace
     assert not list(tmp_path.glob("went-*"))
 
 

@@ -18,6 +18,7 @@ a second, one line naming the rank, whole process trees killed, signals forwarde
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -88,6 +89,8 @@ def local_nproc(setting) -> int:
     """The number of local workers for ``launch.nproc`` (checked by LaunchConfig): "auto" is one
     per GPU, else 2."""
     if setting in (None, "auto"):
+        if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+            return 2  # no GPU device here: known without importing torch (2 s on a small VM)
         import torch
 
         return torch.cuda.device_count() or 2
@@ -194,7 +197,7 @@ def launch_local(
                 signalled.add(p.pid)
 
     previous = {}
-    result, forwarded = 0, False
+    result, forwarded, checked = 0, False, check is None
 
     def forward_signals(which=(signal.SIGINT, signal.SIGTERM, *save_signals)) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -233,6 +236,7 @@ def launch_local(
             handed = b"go" + (
                 check() or b""
             )  # a Ctrl-C here is a KeyboardInterrupt: the finally stops the workers
+            checked = True
             forward_signals()
             while gates:  # closed once written: the worker reads to the end
                 fd = gates.pop()
@@ -298,7 +302,9 @@ def launch_local(
     finally:
         for fd in gates:
             os.close(fd)
-        _stop(procs, grace_s, terminate=not forwarded)
+        # A job refused by its check: its workers have only imported (and note SIGTERM as a
+        # preemption notice while they start): killed at once, the error said without a wait.
+        _stop(procs, grace_s if checked else 0.0, terminate=not forwarded)
         shutil.rmtree(report_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
