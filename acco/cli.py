@@ -172,7 +172,7 @@ def _train(job: Job, role: Role, world_size: int) -> int:
     import torch.distributed as dist
 
     from acco.data.prepare import prepare_data
-    from acco.launch.process_group import decided_by_rank0, init_distributed, stop_heartbeat
+    from acco.launch.process_group import decided_by_rank0, init_distributed, leave_the_store, stop_heartbeat
     from acco.trainer import DecoupledTrainer
 
     rank, world_size, _, device = init_distributed(job.args.timeout_s)
@@ -180,6 +180,7 @@ def _train(job: Job, role: Role, world_size: int) -> int:
         kind, _, line = decided_by_rank0(lambda: validated(job), key="validation").partition(" ")
         if kind != "ok":
             stop_heartbeat()
+            leave_the_store()
             dist.destroy_process_group()
             if kind == "done":
                 if rank == 0:
@@ -226,6 +227,7 @@ def _train(job: Job, role: Role, world_size: int) -> int:
     del trainer, model
     gc.collect()
     stop_heartbeat()  # before the store's host (rank 0) may exit
+    leave_the_store()  # rank 0, its host, leaves last
     dist.destroy_process_group()
     return code
 

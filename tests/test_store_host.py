@@ -1,6 +1,7 @@
 """When rank 0, the rendezvous store's host, dies, the others say so in one line: a read or write of
 a store whose host has gone makes torch's C++ client log a stack trace before it raises, so acco asks
-first whether anything still listens there (progress.store_listening)."""
+first whether anything still listens there (progress.store_listening). At the end of a run rank 0
+leaves last (process_group.leave_the_store)."""
 
 import subprocess
 import sys
@@ -97,3 +98,25 @@ def test_the_heartbeat_stops_without_a_word_once_its_store_s_host_has_gone(liste
 
     results = run_distributed(_beat_with_the_store, 2, listening)
     assert results == ([(1, True)] * 2 if listening else [(0, False)] * 2)
+
+
+def _leave(rank, world):
+    import time
+
+    from acco.launch import process_group
+
+    if rank == 1:
+        time.sleep(1.5)  # a rank slower to finish its run (freeing its model, say)
+    start = time.monotonic()
+    process_group.leave_the_store()
+    return time.monotonic() - start
+
+
+def test_rank0_the_store_s_host_leaves_after_every_other_rank():
+    """A successful 4-worker run at 125M ended with exit 1 and torch's trace: rank 0 had saved the
+    model and exited while the others still polled the store for it. Rank 0 now waits for every
+    rank's last store operation before it may exit; the others do not wait."""
+    from distributed import run_distributed
+
+    waited = run_distributed(_leave, 2)
+    assert waited[0] >= 1.0 and waited[1] < 1.0, waited

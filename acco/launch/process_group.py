@@ -331,3 +331,23 @@ def decided_by_rank0(work, key: str, slow_timeout_s: float = 3600.0) -> str:
         return value
     wait_on_store([key], f"rank 0's {key.rsplit('/', 1)[-1]}", slow_timeout_s)
     return dist.distributed_c10d._get_default_store().get(key).decode()
+
+
+def leave_the_store(timeout_s: float | None = None) -> None:
+    """At the end of a run, before the process group goes: every rank but 0 says it is done with
+    the rendezvous store (its last store operation), and rank 0, the store's host unless torchrun
+    hosts it, waits for all of them before it may exit. Else a rank still polling for rank 0's
+    last one-off work (the model it saves) found the store gone: a C++ stack trace and exit 1 on
+    a run that had finished (seen at 125M on 4 workers). A rank that died is waited for at most
+    `timeout_s` (the collective timeout)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, world, key = dist.distributed_c10d._get_default_store(), dist.get_world_size(), _unique("left", "")
+    if dist.get_rank() != 0:
+        store.add(key, 1)
+        return
+    deadline = time.monotonic() + (timeout_s or _heartbeat.get("timeout_s") or 60.0)
+    while store.add(key, 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # a poll: the others leave within moments of rank 0
