@@ -108,7 +108,8 @@ def test_a_drifted_method_runs_again_and_one_that_stays_drifted_is_flagged(tmp_p
     assert json.loads((tmp_path / "bench.json").read_text())["methods"]["diloco"]["drifted"] is True
     warning = [x for x in (tmp_path / "race.md").read_text().splitlines() if "WARNING" in x]
     assert len(warning) == 1 and "diloco" in warning[0] and "acco" not in warning[0]
-    assert any("running it again (1/1)" in x and x.startswith("[acco-bench] acco") for x in logs)
+    assert any("running it again (1/1)" in x and x.startswith("[acco-bench] acco")
+               and x.endswith("(--retry-disturbed 0: never)") for x in logs)
     # a race from before the check: `acco-bench report` finds the figures in the run folders
     from acco_bench.rerender import rerender_dir
 

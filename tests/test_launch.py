@@ -367,7 +367,10 @@ def test_an_exit_waits_for_the_store_write_on_its_way(tmp_path, which):
 
 
 
-@pytest.mark.skipif(bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd"), reason="a GPU device")
+GPU_NODES = glob.glob("/dev/nvidia[0-9]*") + [p for p in ("/dev/kfd", "/dev/dxg") if os.path.exists(p)]
+
+
+@pytest.mark.skipif(bool(GPU_NODES), reason="a GPU device")
 def test_auto_nproc_on_a_machine_without_gpus_imports_no_torch():
     """launch.nproc=auto: one worker per GPU, else 2; where no GPU device exists the launcher knows
     it without importing torch (seconds on a small machine, before it can report a bad input)."""

@@ -89,8 +89,8 @@ def local_nproc(setting) -> int:
     """The number of local workers for ``launch.nproc`` (checked by LaunchConfig): "auto" is one
     per GPU, else 2."""
     if setting in (None, "auto"):
-        if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
-            return 2  # no GPU device here: known without importing torch (2 s on a small VM)
+        if not glob.glob("/dev/nvidia[0-9]*") and not any(map(os.path.exists, ("/dev/kfd", "/dev/dxg"))):
+            return 2  # no GPU device node (NVIDIA, ROCm, WSL): known without importing torch (2 s)
         import torch
 
         return torch.cuda.device_count() or 2
