@@ -14,7 +14,11 @@ after a warm-up that also compiles), milliseconds, or the error a piece raised:
   and built once beforehand, compiled (on CUDA; the CPU runs its forward only, eagerly: torch 2.13
   has no flex backward there);
 - ``loss``: the loss acco computed before (checkpointed head, fp32 cross-entropy per chunk) against
-  the fused one, eager and compiled.
+  the fused one, eager and compiled;
+- ``optimizer``: the comm round's optimizer on a shard of the whole model (world size 1): the
+  commit (torch's fused AdamW, the gradient divided inside it) and acco's trial step at several
+  chunk sizes (acco/engine/optim.py's TRIAL_CHUNKS: the workspace small enough to stay in the
+  cache, or the launches few), timed alone, not beside a micro-batch.
 
 ``--device cpu`` runs the same code at tiny shapes: a check of the code path, not a measurement.
 """
@@ -82,8 +86,10 @@ def run(
     window: int,
     backend: str | None,
     repeats: int = 20,
+    shard: int = 0,
 ) -> dict:
-    """The four breakdowns above; `backend` compiles flex attention and the fused loss (None: eager)."""
+    """The breakdowns above; `backend` compiles flex attention and the fused loss (None: eager);
+    `shard`: the optimizer's elements (0: no optimizer times)."""
     import torch
     import torch.nn.functional as F
     from transformers.activations import GELUTanh, NewGELUActivation
@@ -134,7 +140,36 @@ def run(
             lambda: linear_cross_entropy(hg, wg, None, targets, compile_options=options).backward()
         )
     out["loss"] = loss
+    if shard:
+        out["optimizer"] = _optimizer(measure, device, shard)
     return out
+
+
+TRIAL_CHUNKS = (1 << 18, 1 << 20, 1 << 21, 1 << 22)
+
+
+def _optimizer(measure, device, numel: int) -> dict:
+    """The commit and the trial step (into a bf16 output, as the estimate round writes it) on an
+    fp32 shard of `numel` elements, ms: ``trial_2^k`` with chunks of 2^k elements."""
+    import torch
+
+    from acco.engine.config import EngineConfig
+    from acco.engine.optim import ShardedAdamW
+
+    cfg = EngineConfig(learning_rate=1e-4, weight_decay=0.1)
+    gen = torch.Generator(device=device).manual_seed(0)
+    master = torch.randn(numel, device=device, generator=gen)
+    grad = torch.randn(numel, device=device, generator=gen)
+    out = torch.empty(numel, device=device, dtype=torch.bfloat16)
+    times = {"elements": numel}
+    for chunk in TRIAL_CHUNKS:
+        opt = ShardedAdamW(master, cfg, decayed=numel - numel // 100, chunk=chunk)
+        trial = lambda opt=opt: opt.trial(grad, 1e-4, 4.0, out=out)  # noqa: E731
+        times[f"trial_2^{chunk.bit_length() - 1}"] = measure(trial)
+        if chunk == TRIAL_CHUNKS[-1]:
+            times["commit"] = measure(lambda opt=opt: opt.commit(grad, 1e-4, 1.0 + 1e-7))
+        del opt
+    return times
 
 
 def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> dict:
@@ -164,10 +199,15 @@ def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> dic
 def from_args(args, device) -> dict:
     """`run` at acco-bench gpu's shapes: --model's width, heads, window and vocabulary, --batch-size
     x --max-length rows; compiled with --compile-backend on CUDA."""
+    import torch
+
     from acco.config import GPT_NEO_WINDOW
+    from acco.models import build_model, count_parameters
     from acco_bench.settings import model_settings
 
     m = model_settings(args.model)
+    with torch.device("meta"):  # its size only: nothing allocated
+        numel = count_parameters(build_model(m, vocab_size=int(m.get("vocab_size") or 50257)))
     return run(
         device,
         args.batch_size * args.max_length,
@@ -177,6 +217,7 @@ def from_args(args, device) -> dict:
         int(m.get("vocab_size") or 50257),
         int(m.get("window_size") or GPT_NEO_WINDOW),
         args.compile_backend if device.type == "cuda" else None,
+        shard=numel if device.type == "cuda" else min(numel, 1 << 20),  # the CPU: a path check
     )
 
 
@@ -187,7 +228,9 @@ def markdown(m: dict) -> list[str]:
         f"{m['backend'] or 'nothing'}):",
         "",
     ]
-    for group in ("head_gemm", "gelu", "local_attention", "loss"):
+    for group in ("head_gemm", "gelu", "local_attention", "loss", "optimizer"):
+        if group not in m:
+            continue
         parts = ", ".join(
             f"{name} {ms:.3f}" if isinstance(ms, float) else f"{name} {ms}" for name, ms in m[group].items()
         )

@@ -374,7 +374,8 @@ def test_native_collectives_path_as_on_nccl():
     patching uses_ring. The estimate round must then issue one all-to-all of int8 with equal splits
     (contiguous, send and receive apart: nccl has no in-place all-to-all), the statistics'
     all-gather and one int8 all-gather whose input is this rank's own row of the output (nccl's
-    in-place all-gather), nothing else; and train as the ring does."""
+    in-place all-gather), nothing else; the update round's all-gather is in place too (the new
+    shard is written into its own slice of the output); and train as the ring does."""
     world, updates = 2, 3
     cfg = _configs(updates, world)[0]
     results = run_distributed(_native_path, world, cfg, BLOCK)
@@ -388,7 +389,7 @@ def test_native_collectives_path_as_on_nccl():
     stats = (gather, ((f64, world * N_SENT, True), (f64, N_SENT, True)), None, False, None)
     estimate = [a2a, stats, (gather, ((i8, world * row, True), (i8, row, True)), None, True, None)]
     update = [(scatter, ((f32, shard, True), (f32, world * shard, True)), None, None, None), stats,
-              (gather, ((f32, world * shard, True), (f32, shard, True)), None, False, None)]
+              (gather, ((f32, world * shard, True), (f32, shard, True)), None, True, None)]
     for rank, ((ring_params, ring_rounds), (params, rounds)) in enumerate(results):
         assert [kind for kind, _ in rounds] == [RoundKind.ESTIMATE, RoundKind.UPDATE] * updates
         for t, (kind, calls) in enumerate(rounds):

@@ -40,12 +40,16 @@ def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
         "sdpa_masked", "sdpa_is_causal", "flex_sliding_window", "flex_prebuilt_mask"
     }
     assert set(micro["loss"]) == {"todays", "fused"}  # compiled on CUDA only
+    # the tiny model's whole shard, at its config's vocabulary of 2048 (on the CPU at most 2^20 elements)
+    assert micro["optimizer"].pop("elements") == 247_168
+    assert set(micro["optimizer"]) == {"commit", "trial_2^18", "trial_2^20", "trial_2^21", "trial_2^22"}
     assert all(
         isinstance(ms, float) and ms > 0  # not an error's text
-        for group in ("head_gemm", "gelu", "local_attention", "loss")
+        for group in ("head_gemm", "gelu", "local_attention", "loss", "optimizer")
         for ms in micro[group].values()
     )
-    assert "- local_attention: sdpa_masked" in (out / "gpu.md").read_text()
+    md = (out / "gpu.md").read_text()
+    assert "- local_attention: sdpa_masked" in md and "- optimizer: elements 247168, trial_2^18" in md
 
 
 def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
@@ -59,8 +63,10 @@ def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
         window=4,
         backend="aot_eager",
         repeats=1,
+        shard=3000,
     )
     assert set(m["head_gemm"]) == {"vocab_203", "vocab_256"}
+    assert m["optimizer"]["elements"] == 3000 and isinstance(m["optimizer"]["trial_2^18"], float), m
     assert set(m["loss"]) == {"todays", "fused", "fused_compiled"}
     assert all(isinstance(ms, float) for group in ("head_gemm", "loss") for ms in m[group].values()), m
 

@@ -75,28 +75,19 @@ def test_wp_prediction_is_taken_on_the_fp32_master_in_bf16():
 def test_state_bytes_counts_each_buffer_once():
     p = sum(q.numel() for q in mlp().parameters())  # world size 1: no padding, the shard is everything
     bf16 = build_engine(mlp(), cfg("wp", bf16=True))
-    # model-dtype params, grads, payload, summed gradient and sent shard; fp32 master, moments,
-    # gradient shard, wp's previous master (the trial workspace is acco's only); no fp32
-    # gradient accumulator (grad_accum_dtype bf16, the default: test_grad_accum_dtype_... has fp32)
+    # model-dtype params, grads, payload; fp32 master, moments, gradient shard, wp's previous
+    # master (the trial workspace is acco's only); no fp32 gradient accumulator (grad_accum_dtype
+    # bf16, the default: test_grad_accum_dtype_... has fp32); no received or sent shard: both
+    # collectives run in place on the round's vectors
     assert bf16.state_bytes() == {
         "params": 2 * p, "grads": 2 * p, "payload": 2 * p,
         "master": 4 * p, "exp_avg": 4 * p, "exp_avg_sq": 4 * p,
-        "grad_shard": 4 * p, "summed_grad_shard": 2 * p, "new_param_shard": 2 * p,
-        "wp_previous_master": 4 * p}  # fmt: skip
+        "grad_shard": 4 * p, "wp_previous_master": 4 * p}  # fmt: skip
     bf16.close()
     fp32 = build_engine(mlp(), cfg("ddp", bf16=False))
     got = fp32.state_bytes()  # ddp: no payload; the reduce-scatter lands in the fp32 gradient shard itself
-    assert "payload" not in got and "summed_grad_shard" not in got and "wp_previous_master" not in got
-    assert sorted(got) == [
-        "exp_avg",
-        "exp_avg_sq",
-        "grad_shard",
-        "grads",
-        "master",
-        "new_param_shard",
-        "params",
-    ]
-    assert sum(got.values()) == 4 * p * 7
+    assert sorted(got) == ["exp_avg", "exp_avg_sq", "grad_shard", "grads", "master", "params"]
+    assert sum(got.values()) == 4 * p * 6
     fp32.close()
     acco = build_engine(mlp(), cfg("acco", bf16=False))
     assert acco.state_bytes()["trial_workspace"] == 4 * 3 * -(-p // 3)  # the trial: 3 chunks

@@ -173,7 +173,6 @@ class CommRound:
         self.group = group
         self.layout = flat.layout
         self.world_size = flat.layout.world_size
-        shard = flat.params[flat.shard]
         device = flat.params.device
         self.master = flat.master_shard  # fp32, from the weights before any cast
         # weight decay applies to the first `decayed` elements of this shard (FlatParams' order)
@@ -181,10 +180,13 @@ class CommRound:
         self.optimizer = ShardedAdamW(self.master, cfg, decayed, trial=cfg.method == "acco")
         # Preallocated shard-sized buffers: nothing model-sized is allocated per round.
         self.grad_shard = torch.empty_like(self.master)  # fp32 gradient the optimizer reads
-        lowp = flat.dtype != torch.float32
-        # This worker's slice of the payloads' sum, as the reduce-scatter delivers it (model dtype).
-        self.summed_grad_shard = torch.empty_like(shard) if lowp else self.grad_shard
-        self.new_param_shard = torch.empty_like(shard)  # what the all-gather sends, model dtype
+        # Both collectives run in place on this worker's own slice of the round's vectors
+        # (`_own`): the reduce-scatter leaves the summed shard in the payload's slice (in mixed
+        # precision; in fp32 it lands in grad_shard itself), the all-gather sends the new shard from
+        # new_params' slice. No received or sent shard of their own (2 bytes per shard element
+        # each), and at world size 1 neither collective copies anything.
+        self.in_place_reduce = flat.dtype != torch.float32
+        self.shard = flat.shard
         self.stats_sent = torch.zeros(N_SENT, dtype=torch.float64, device=device)
         self.stats_all = torch.zeros(self.world_size * N_SENT, dtype=torch.float64, device=device)
         self.shard_norm = torch.zeros((), dtype=torch.float32, device=device)
@@ -229,12 +231,19 @@ class CommRound:
         int8 = self.int8 is not None and kind is RoundKind.ESTIMATE  # the update round stays exact
         self._reduce(payload, int8)
         result = self._statistics(stats, kind)
-        estimate = self._step(result, predict, int8)
+        # The new shard is written into new_params' own slice, where the all-gather sends it from
+        # (after the summed shard, which may be the same memory, was read).
+        sent = self._own(new_params)
+        estimate = self._step(result, predict, int8, sent)
         self.samples, self.step = result.samples, result.step
         if self.delay_hook is not None:
             self.delay_hook()
-        self._gather(new_params, estimate, int8)
+        self._gather(new_params, sent, estimate, int8)
         return result
+
+    def _own(self, vector: torch.Tensor) -> torch.Tensor:
+        """This worker's slice of a full (padded) flat vector: where its shard lives in place."""
+        return vector[self.shard]
 
     def _reduce(self, payload: torch.Tensor, int8: bool) -> None:
         """grad_shard = this worker's shard of every worker's payload, summed (fp32). The ring
@@ -242,10 +251,12 @@ class CommRound:
         collective is issued at world size 1 too (NCCL runs a one-rank communicator)."""
         if int8:  # straight into the fp32 shard
             self.int8.reduce_scatter(payload, self.grad_shard)
-            return
-        collectives.reduce_scatter(self.summed_grad_shard, payload, group=self.group)
-        if self.summed_grad_shard is not self.grad_shard:
-            self.grad_shard.copy_(self.summed_grad_shard)
+        elif not self.in_place_reduce:  # fp32: straight into the fp32 shard
+            collectives.reduce_scatter(self.grad_shard, payload, group=self.group)
+        else:  # into the payload's own slice, then widened
+            summed = self._own(payload)
+            collectives.reduce_scatter(summed, payload, group=self.group)
+            self.grad_shard.copy_(summed)
 
     def _statistics(self, stats: torch.Tensor, kind: RoundKind) -> RoundResult:
         """Every worker's statistics, this shard's norm and (auto split) its proposal, all-gathered
@@ -256,7 +267,8 @@ class CommRound:
         if self.split.auto:
             self.stats_sent[SPLIT_PROPOSAL] = self.split.proposal
         if self.max_grad_norm:  # one pass over the shard; padding is zero, so the shards' squared
-            # norms add up to the whole gradient's squared norm
+            # norms add up to the whole gradient's squared norm. (Read from the fp32 copy: a norm
+            # of the bf16 shard summed in fp32 read half the bytes but took 10x as long on a CPU.)
             torch.linalg.vector_norm(self.grad_shard, out=self.shard_norm)
             self.stats_sent[SHARD_NORM].copy_(self.shard_norm)
         collectives.all_gather_small(self.stats_all, self.stats_sent, group=self.group)
@@ -293,62 +305,62 @@ class CommRound:
             else None,
         )
 
-    def _step(self, result: RoundResult, predict: bool, int8: bool) -> torch.Tensor | None:
+    def _step(
+        self, result: RoundResult, predict: bool, int8: bool, sent: torch.Tensor
+    ) -> torch.Tensor | None:
         """The optimizer on this worker's shard: committed (update round) or a trial (estimate
-        round); the new shard lands in new_param_shard, or for the int8 gather its fp32 form is
-        returned."""
+        round); the new shard lands in `sent`, or for the int8 gather its fp32 form is returned."""
         if not result.weight > 0:  # nobody had data: nothing to apply
-            self.new_param_shard.copy_(self.master)
+            sent.copy_(self.master)
             return self.master
-        # Divide by the global weight and clip in one pass (torch's clip_grad_norm_ formula).
-        scale = 1.0 / result.weight
+        # The gradient is divided by the global weight and clipped (torch's clip_grad_norm_
+        # formula) inside the AdamW kernel itself (its grad_scale divisor): no pass of its own.
+        divisor = result.weight
         if self.max_grad_norm:
-            scale *= min(1.0, self.max_grad_norm / (result.grad_norm + 1e-6))
-        self.grad_shard.mul_(scale)
+            divisor /= min(1.0, self.max_grad_norm / (result.grad_norm + 1e-6))
         if result.kind is RoundKind.UPDATE:
-            self._commit(result.lr, predict)
+            self._commit(result.lr, divisor, predict, sent)
             return None
-        return self._estimate(result.lr, int8)
+        return self._estimate(result.lr, divisor, int8, sent)
 
-    def _commit(self, lr: float, predict: bool) -> None:
-        """theta_{t+1} = Opt(theta_t, g) into the master shard; wp's `predict`: the shard sent is
-        2 theta_{t+1} - theta_t, in fp32 (2x is exact: one rounding), grad_shard as scratch."""
+    def _commit(self, lr: float, divisor: float, predict: bool, sent: torch.Tensor) -> None:
+        """theta_{t+1} = Opt(theta_t, g / divisor) into the master shard; wp's `predict`: the shard
+        sent is 2 theta_{t+1} - theta_t, in fp32 (2x is exact: one rounding), grad_shard as scratch."""
         if predict:
             self.previous_master.copy_(self.master)
-        self.optimizer.commit(self.grad_shard, lr)
+        self.optimizer.commit(self.grad_shard, lr, divisor)
         if predict:
-            self.new_param_shard.copy_(
-                torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master)
-            )
+            sent.copy_(torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master))
         else:
-            self.new_param_shard.copy_(self.master)
+            sent.copy_(self.master)
         if self.lean and self.estimate_pending:  # e_{t+1} = theta~_{t+1} - theta_{t+1}
             self.estimate_error.sub_(self.master)
             self.estimate_pending = False
 
-    def _estimate(self, lr: float, int8: bool) -> torch.Tensor | None:
+    def _estimate(self, lr: float, divisor: float, int8: bool, sent: torch.Tensor) -> torch.Tensor | None:
         """acco's theta~_{t+1}, nothing committed; returns its fp32 shard where the int8 gather needs it."""
         if self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
-            self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
+            self.optimizer.trial(self.grad_shard, lr, divisor, out=self.grad_shard)
             torch.add(self.grad_shard, self.estimate_error, alpha=0.5, out=self.estimate_error)
             self.estimate_pending = True
             if not int8:
-                self.new_param_shard.copy_(self.estimate_error)
+                sent.copy_(self.estimate_error)
             return self.estimate_error
         if int8:  # the paper's estimate, kept in fp32 for its delta
-            self.optimizer.trial(self.grad_shard, lr, out=self.grad_shard)
+            self.optimizer.trial(self.grad_shard, lr, divisor, out=self.grad_shard)
             return self.grad_shard
         # theta~_{t+1} = Opt_trial(theta_t, g~_t), the paper's estimate
-        self.optimizer.trial(self.grad_shard, lr, out=self.new_param_shard)
+        self.optimizer.trial(self.grad_shard, lr, divisor, out=sent)
         return None
 
-    def _gather(self, new_params: torch.Tensor, estimate: torch.Tensor | None, int8: bool) -> None:
-        """new_params = every worker's new shard, all-gathered (int8: the estimate's delta to the
-        theta_t every worker holds, added to it)."""
+    def _gather(self, new_params: torch.Tensor, sent: torch.Tensor, estimate: torch.Tensor | None,
+                int8: bool) -> None:
+        """new_params = every worker's new shard (`sent`, its own slice), all-gathered in place
+        (int8: the estimate's delta to the theta_t every worker holds, added to it)."""
         if int8:
             self.int8.all_gather_delta(new_params, estimate, self.params)
         else:
-            collectives.all_gather(new_params, self.new_param_shard, group=self.group)
+            collectives.all_gather(new_params, sent, group=self.group)
 
 
 @dataclass

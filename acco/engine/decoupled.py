@@ -323,8 +323,9 @@ class DecoupledEngine:
 
     def _gather(self, shard: torch.Tensor, out: torch.Tensor) -> None:
         """`out` (full, padded, model dtype) = every worker's `shard`, gathered as the update round does."""
-        self.comm.new_param_shard.copy_(shard)
-        collectives.all_gather(out, self.comm.new_param_shard, group=self.group)
+        sent = out[self.flat.shard]  # in place, as the round gathers
+        sent.copy_(shard)
+        collectives.all_gather(out, sent, group=self.group)
 
     def _prediction(self) -> torch.Tensor:
         """wp: the full vector of the predicted parameters, wherever it is now."""

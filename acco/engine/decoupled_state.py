@@ -133,8 +133,6 @@ def state_bytes(engine) -> dict[str, int]:
         "exp_avg": opt.exp_avg,
         "exp_avg_sq": opt.exp_avg_sq,
         "grad_shard": comm.grad_shard,
-        "summed_grad_shard": comm.summed_grad_shard,
-        "new_param_shard": comm.new_param_shard,
         "trial_workspace": opt._work,
         "estimate_error": comm.estimate_error,
         "wp_previous_master": comm.previous_master,

@@ -15,9 +15,17 @@ import torch
 
 from acco.engine.config import EngineConfig
 
-# Elements per chunk of the trial step: its workspace is three fp32 chunks (the master's and the
-# moments' copies), 48 MiB at most, and never more than 4 bytes per shard element.
-TRIAL_CHUNK = 1 << 22
+# Elements per chunk of the trial step, by device type (others: "cuda"'s). Its workspace is three
+# fp32 chunks (the master's and the moments' copies), never more than 4 bytes per shard element.
+# Small enough, the workspace stays in the cache from the copy in through the kernel to the copy
+# out: on a 2-core EPYC (32 MiB L3), on a 29.4M-element shard, 2^18 (3 MiB) took 78-87 ms where
+# 2^22 (48 MiB) took 115-131. On a GPU each chunk is three kernel launches: 2^22 until acco-bench
+# gpu's micro-benchmark (its "trial_step" times) has weighed the sizes on one.
+TRIAL_CHUNKS = {"cpu": 1 << 18, "cuda": 1 << 22}
+
+
+def trial_chunk(device: torch.device) -> int:
+    return TRIAL_CHUNKS.get(device.type, TRIAL_CHUNKS["cuda"])
 
 
 def learning_rate(cfg: EngineConfig, samples_before: int, batch: int) -> float:
@@ -46,7 +54,8 @@ class ShardedAdamW:
     matrices and embeddings, FlatParams puts them first), none on the rest (biases, norms)."""
 
     def __init__(
-        self, master: torch.Tensor, cfg: EngineConfig, decayed: int | None = None, trial: bool = True
+        self, master: torch.Tensor, cfg: EngineConfig, decayed: int | None = None, trial: bool = True,
+        chunk: int | None = None,
     ):
         self.master = master
         self.beta1, self.beta2 = cfg.adam_beta1, cfg.adam_beta2
@@ -76,10 +85,16 @@ class ShardedAdamW:
                 "exp_avg_sq": self.exp_avg_sq[r],
             }
         # trial-step workspace, allocated once, for acco only (the one method with trial steps):
-        # one chunk of the master and of each moment, and the step count the kernel reads
-        self._chunk = max(1, min(TRIAL_CHUNK, -(-master.numel() // 3)))
+        # one chunk (`chunk` elements, else the device's) of the master and of each moment, and the
+        # step count the kernel reads
+        chunk = chunk or trial_chunk(master.device)
+        self._chunk = max(1, min(chunk, -(-master.numel() // 3)))
         self._work = master.new_empty(3 * self._chunk) if trial else None
         self._trial_step = master.new_zeros(()) if trial else None
+        # What the gradient is divided by inside the kernel (torch's AMP grad_scale argument, which
+        # the kernel divides by and writes the quotient back to the gradient): the round's global
+        # weight and clipping, applied without a pass over the shard of their own.
+        self._divisor = master.new_ones(())
         self._steps = 0  # host copy of the step count: a trial step reads it without a device sync
 
     @property
@@ -92,8 +107,10 @@ class ShardedAdamW:
             self.opt.state[group["params"][0]]["step"].fill_(step)
         self._steps = step
 
-    def commit(self, grad: torch.Tensor, lr: float) -> None:
-        """One real AdamW step: master, moments and step count advance."""
+    def commit(self, grad: torch.Tensor, lr: float, divisor: float = 1.0) -> None:
+        """One real AdamW step on the gradient `grad / divisor` (left in `grad`): master, moments
+        and step count advance."""
+        self.opt.grad_scale = self._divide_by(divisor)  # read by torch's fused step, as AMP sets it
         for view, r in self.views:
             view.grad = grad[r]
         for group in self.opt.param_groups:
@@ -103,16 +120,20 @@ class ShardedAdamW:
             view.grad = None
         self._steps += 1
 
-    def trial(self, grad: torch.Tensor, lr: float, out: torch.Tensor) -> None:
-        """Write what commit(grad, lr) would make of the master shard into `out`; change no state.
+    def trial(self, grad: torch.Tensor, lr: float, divisor: float = 1.0, *, out: torch.Tensor) -> None:
+        """Write what commit(grad, lr, divisor) would make of the master shard into `out`; change
+        no state but `grad`, which is left divided as commit leaves it.
 
         torch's fused AdamW kernel, commit's own, runs on copies of the master and the moments one
         chunk at a time, so the result is bit for bit a commit's. Three kernels a chunk (copy in,
-        AdamW, copy out) move about 58 bytes an element with a bf16 `out`, where AdamW written as
-        eight tensor operations moved 96 (2.2x faster on one CPU thread). `out` may be `grad`
-        itself (each chunk is written after the kernel has read it).
+        AdamW, copy out) move at most 62 bytes an element with a bf16 `out` (the kernel writes the
+        divided gradient back; the division then needs no pass of its own), where AdamW written
+        as eight tensor operations moved 96 (2.2x faster on one CPU thread); a workspace that stays
+        in the cache saves most of the copies' share. `out` may be `grad` itself (each chunk is
+        written after the kernel has read it).
         """
         self._trial_step.fill_(self._steps + 1)  # the kernel reads the step it takes
+        grad_scale = self._divide_by(divisor)
         n = self._chunk
         p, m, v = self._work.view(3, n)
         for (_, r), group in zip(self.views, self.opt.param_groups):
@@ -124,9 +145,16 @@ class ShardedAdamW:
                 torch._fused_adamw_(
                     [p[:k]], [grad[c]], [m[:k]], [v[:k]], [], [self._trial_step], lr=lr, beta1=self.beta1,
                     beta2=self.beta2, weight_decay=group["weight_decay"], eps=self.eps, amsgrad=False,
-                    maximize=False,
+                    maximize=False, grad_scale=grad_scale,
                 )
                 out[c].copy_(p[:k])
+
+    def _divide_by(self, divisor: float) -> torch.Tensor | None:
+        """The kernel's grad_scale for `divisor`: None for 1 (then it writes nothing back)."""
+        if divisor == 1.0:
+            return None
+        self._divisor.fill_(divisor)
+        return self._divisor
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {
