@@ -380,7 +380,7 @@ def _write(out: Path, result: dict) -> None:
 
 def memory_accounting(variants: dict) -> dict:
     """The engine's peak memory over the plain loop's, against the state it holds beyond the plain
-    loop's (docs/algorithm.md's bytes per parameter: acco 6 + 28/W in bf16, the plain loop 8): the
+    loop's (docs/algorithm.md's bytes per parameter: acco 6 + 24/W in bf16, the plain loop 8): the
     two should agree within 10%; activations, the batches and the loss are the same in both."""
     out = {}
     for a, b in (("engine-acco", "plain-bf16"), ("engine-acco-compiled", "plain-bf16-compiled")):

@@ -17,7 +17,7 @@ after a warm-up that also compiles), milliseconds, or the error a piece raised:
   the fused one, eager and compiled;
 - ``optimizer``: the comm round's optimizer on a shard of the whole model (world size 1): the
   commit (torch's fused AdamW, the gradient divided inside it) and acco's trial step at several
-  chunk sizes (acco/engine/optim.py's TRIAL_CHUNKS: the workspace small enough to stay in the
+  chunk sizes (acco/engine/optim.py's TRIAL_CHUNK: the workspace small enough to stay in the
   cache, or the launches few), timed alone, not beside a micro-batch.
 
 ``--device cpu`` runs the same code at tiny shapes: a check of the code path, not a measurement.

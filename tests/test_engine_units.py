@@ -13,9 +13,12 @@ import torch
 import torch.nn.functional as F
 from distributed import run_distributed
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import acco.engine.config
 from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine.comm import RoundKind
 from acco.engine.config import ConfigWarning
 from acco.engine.flat import FlatParams, ShardLayout
 
@@ -116,6 +119,51 @@ def test_the_round_s_collectives_run_in_place():
             assert {name for name, _ in calls} == {"reduce_scatter", "all_gather"}, (method, calls)
             assert all(in_place for _, in_place in calls), (rank, method, calls)
             assert all(math.isfinite(x) for x in losses), (method, losses)
+
+
+class _ShardPasses(TorchDispatchMode):
+    """Notes each op, views aside, that reads or writes a tensor of at least `numel` elements."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not func.is_view and any(t.numel() >= self.numel for t in tensors):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("estimate", ["paper", "lean"])
+def test_a_round_makes_only_its_passes_over_the_shard(estimate):
+    """The passes over the shard that the memory traffic of docs/gpu.md counts, one worker, bf16,
+    clipping on: the widening of the summed shard (the reduce-scatter in place: no copy), its norm,
+    AdamW (the weight and the clipping divided inside it: no pass), the cast into the sent shard
+    (the all-gather in place: no copy); the trial's kernels a chunk; lean's error terms, its estimate's
+    chunk by chunk."""
+    torch.manual_seed(0)
+    cfg = EngineConfig(method="acco", use_mixed_precision=True, max_grad_norm=1.0, nb_steps_tot=100,
+                       acco_estimate=estimate)
+    engine = build_engine(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)), cfg)
+    # a shard of 33,088: the 32,768 decayed in 3 chunks of ceil(33,088 / 3), the 320 others in one
+    # chunk too small to count here
+    comm, chunks = engine.comm, 3
+    engine.payload.normal_()
+    engine.payload_stats[:3] = torch.tensor([2.0, 1.0, 2.0], dtype=torch.float64)  # weight, loss, count
+    passes = {}
+    for kind in (RoundKind.ESTIMATE, RoundKind.UPDATE):
+        with _ShardPasses(comm.optimizer._chunk // 2) as seen:
+            comm.run(engine.payload, engine.payload_stats, engine.gathered_params, kind)
+        passes[kind] = seen.ops
+    engine.close()
+    lean = estimate == "lean"
+    head = ["copy_", "linalg_vector_norm"]
+    # the trial's chunks: copy in, AdamW, and the new values cast into the sent shard, or for lean
+    # half the last error added to them and that cast (while the chunk is in the cache)
+    trial = ["_foreach_copy_", "_fused_adamw_", *(["add", "copy_"] if lean else ["copy_"])] * chunks
+    assert passes[RoundKind.ESTIMATE] == head + trial
+    assert passes[RoundKind.UPDATE] == head + ["_fused_adamw_", "copy_"] + (["sub_"] if lean else [])
 
 
 def regression_batches(seed=0):

@@ -42,7 +42,7 @@ def test_a_trial_step_in_chunks_is_a_commit_bit_for_bit(monkeypatch, out_is_grad
     """The trial runs AdamW's kernel on copies one workspace chunk at a time: chunks that end inside
     a range, at the decayed range's end, and a last short one; into the gradient itself too (the
     lean and int8 estimates), and into a bf16 output rounded once."""
-    monkeypatch.setitem(optim.TRIAL_CHUNKS, "cpu", 7)
+    monkeypatch.setattr(optim, "TRIAL_CHUNK", 7)
     torch.manual_seed(0)
     master = torch.randn(50)
     opt = ShardedAdamW(master, _adamw_cfg(), decayed=31)

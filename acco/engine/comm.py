@@ -12,6 +12,8 @@ micro-batch count, data-exhausted flag) and, on every worker:
   4. runs AdamW on its fp32 master shard: committed in an update round, as a trial step
      (Opt_trial, nothing committed) in acco's estimate round (`RoundKind`),
   5. all-gathers the new parameter shard into the `new_params` vector.
+Both collectives run in place: 1 leaves the summed shard in this worker's own slice of the payload,
+5 gathers from the new shard written into its own slice of `new_params`.
 `CommRound.run` is these steps by name: `_reduce` (1), `_statistics` (2, and the norm of 3),
 `_step` (3-4) and `_gather` (5).
 
@@ -340,12 +342,16 @@ class CommRound:
     def _estimate(self, lr: float, divisor: float, int8: bool, sent: torch.Tensor) -> torch.Tensor | None:
         """acco's theta~_{t+1}, nothing committed; returns its fp32 shard where the int8 gather needs it."""
         if self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
-            self.optimizer.trial(self.grad_shard, lr, divisor, out=self.grad_shard)
-            torch.add(self.grad_shard, self.estimate_error, alpha=0.5, out=self.estimate_error)
+            error = self.estimate_error
+
+            def add_half_the_error(c: slice, trial: torch.Tensor) -> None:  # chunk by chunk: in cache
+                torch.add(trial, error[c], alpha=0.5, out=error[c])
+                if not int8:
+                    sent[c].copy_(error[c])
+
+            self.optimizer.trial(self.grad_shard, lr, divisor, each=add_half_the_error)
             self.estimate_pending = True
-            if not int8:
-                sent.copy_(self.estimate_error)
-            return self.estimate_error
+            return error
         if int8:  # the paper's estimate, kept in fp32 for its delta
             self.optimizer.trial(self.grad_shard, lr, divisor, out=self.grad_shard)
             return self.grad_shard

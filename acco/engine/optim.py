@@ -10,22 +10,19 @@ is bit for bit what a commit would make.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from acco.engine.config import EngineConfig
 
-# Elements per chunk of the trial step, by device type (others: "cuda"'s). Its workspace is three
-# fp32 chunks (the master's and the moments' copies), never more than 4 bytes per shard element.
-# Small enough, the workspace stays in the cache from the copy in through the kernel to the copy
-# out: on a 2-core EPYC (32 MiB L3), on a 29.4M-element shard, 2^18 (3 MiB) took 78-87 ms where
-# 2^22 (48 MiB) took 115-131. On a GPU each chunk is three kernel launches: 2^22 until acco-bench
-# gpu's micro-benchmark (its "trial_step" times) has weighed the sizes on one.
-TRIAL_CHUNKS = {"cpu": 1 << 18, "cuda": 1 << 22}
-
-
-def trial_chunk(device: torch.device) -> int:
-    return TRIAL_CHUNKS.get(device.type, TRIAL_CHUNKS["cuda"])
+# Elements per chunk of the trial step: its workspace is three fp32 chunks (the master's and the
+# moments' copies), 48 MiB at most, and never more than 4 bytes per shard element. A smaller chunk
+# keeps the workspace in the cache: alone on a 2-core EPYC (32 MiB L3), on a 29.4M-element shard,
+# 2^18 took 78-87 ms against 115-131, but in training (4 workers on its 2 cores, the comm thread
+# beside the compute) no faster (BENCHMARKS.md, History, "From 10: the round's bytes"). On a GPU
+# each chunk is three kernel launches: acco-bench gpu's micro-benchmark times 2^18 to 2^22.
+TRIAL_CHUNK = 1 << 22
 
 
 def learning_rate(cfg: EngineConfig, samples_before: int, batch: int) -> float:
@@ -85,10 +82,9 @@ class ShardedAdamW:
                 "exp_avg_sq": self.exp_avg_sq[r],
             }
         # trial-step workspace, allocated once, for acco only (the one method with trial steps):
-        # one chunk (`chunk` elements, else the device's) of the master and of each moment, and the
+        # one chunk (`chunk` elements, else TRIAL_CHUNK) of the master and of each moment, and the
         # step count the kernel reads
-        chunk = chunk or trial_chunk(master.device)
-        self._chunk = max(1, min(chunk, -(-master.numel() // 3)))
+        self._chunk = max(1, min(chunk or TRIAL_CHUNK, -(-master.numel() // 3)))
         self._work = master.new_empty(3 * self._chunk) if trial else None
         self._trial_step = master.new_zeros(()) if trial else None
         # What the gradient is divided by inside the kernel (torch's AMP grad_scale argument, which
@@ -120,9 +116,12 @@ class ShardedAdamW:
             view.grad = None
         self._steps += 1
 
-    def trial(self, grad: torch.Tensor, lr: float, divisor: float = 1.0, *, out: torch.Tensor) -> None:
-        """Write what commit(grad, lr, divisor) would make of the master shard into `out`; change
-        no state but `grad`, which is left divided as commit leaves it.
+    def trial(self, grad: torch.Tensor, lr: float, divisor: float = 1.0, *, out: torch.Tensor | None = None,
+              each: Callable[[slice, torch.Tensor], None] | None = None) -> None:
+        """Write what commit(grad, lr, divisor) would make of the master shard into `out`, or hand
+        it chunk by chunk to `each(chunk's slice of the shard, its new values)` while they are
+        still in the workspace (and in the cache); change no state but `grad`, which is left
+        divided as commit leaves it.
 
         torch's fused AdamW kernel, commit's own, runs on copies of the master and the moments one
         chunk at a time, so the result is bit for bit a commit's. Three kernels a chunk (copy in,
@@ -147,7 +146,10 @@ class ShardedAdamW:
                     beta2=self.beta2, weight_decay=group["weight_decay"], eps=self.eps, amsgrad=False,
                     maximize=False, grad_scale=grad_scale,
                 )
-                out[c].copy_(p[:k])
+                if each is None:
+                    out[c].copy_(p[:k])
+                else:
+                    each(c, p[:k])
 
     def _divide_by(self, divisor: float) -> torch.Tensor | None:
         """The kernel's grad_scale for `divisor`: None for 1 (then it writes nothing back)."""
