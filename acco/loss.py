@@ -140,14 +140,16 @@ def _forward(hidden, weight, bias, targets, chunk, pass_fn, needs):
     vocab = weight.shape[0]
     pad = -vocab % VOCAB_MULTIPLE
     with torch.autocast(hidden.device.type, enabled=False):
-        w = F.pad(weight.to(dtype), (0, 0, 0, pad))
-        b = None if bias is None else F.pad(bias.to(dtype), (0, pad))
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        if pad:  # F.pad copies even when it pads nothing (Llama's 128256 rows: 0.5 GB)
+            w, b = F.pad(w, (0, 0, 0, pad)), None if b is None else F.pad(b, (0, pad))
         h = hidden.to(dtype)
         grad = any(needs)
         loss = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)
         dh = torch.empty_like(h) if needs[0] else None
-        # dW sums over chunks: in fp32 (a bf16 sum rounds once per chunk, its error growing with them)
-        dw = torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) if needs[1] else None
+        # dW sums over chunks: in fp32 (a bf16 sum rounds once per chunk, its error growing with them);
+        # the first chunk's product is written, not added, so dW is never zeroed
+        dw = torch.empty_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) if needs[1] else None
         db = torch.zeros(w.shape[0], dtype=loss.dtype, device=w.device) if needs[2] else None
         for start in range(0, h.shape[0], chunk):
             h_c, t_c = h[start : start + chunk], targets[start : start + chunk]
@@ -156,7 +158,7 @@ def _forward(hidden, weight, bias, targets, chunk, pass_fn, needs):
             if dh is not None:
                 torch.mm(g, w, out=dh[start : start + chunk])
             if dw is not None:
-                _add_product(dw, g.t(), h_c)
+                _add_product(dw, g.t(), h_c, first=start == 0)
             if db is not None:
                 db += g.sum(0, dtype=db.dtype)
     return loss, dh, None if dw is None else dw[:vocab], None if db is None else db[:vocab]
@@ -170,24 +172,26 @@ def _has_fp32_addmm() -> bool:
 _FP32_ADDMM = _has_fp32_addmm()  # addmm(..., out_dtype=): CUDA's, and meta's shape rules
 
 
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, with acc wider than a and b (fp32 against bf16): one GEMM that accumulates
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """acc += a @ b (`first`: acc = a @ b, acc's contents ignored, NaN included: addmm's beta 0),
+    with acc wider than a and b (fp32 against bf16): one GEMM that accumulates
     into fp32 where the device has it (CUDA's addmm with out_dtype), else a and b widened first
     (the CPU). dW's error in bf16 then stays that of one GEMM whatever the number of chunks; summed
     in bf16 it was 2x at 8 chunks and 3.8x at 32, and the bf16 product added to fp32 1.4x
     (tests/test_loss_fused.py)."""
     global _FP32_ADDMM
+    beta = 0 if first else 1
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
         return
     if _FP32_ADDMM and acc.device.type in ("cuda", "meta"):
         try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
             return
         except (RuntimeError, NotImplementedError) as e:  # a build without it for these dtypes
             _FP32_ADDMM = False
             warnings.warn(f"addmm with out_dtype failed ({e}); the loss widens its inputs", stacklevel=2)
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -207,5 +211,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grads = []
         for g, dtype in zip(ctx.saved_tensors, ctx.dtypes):
-            grads.append(None if g is None else (g * grad_loss.to(g.dtype)).to(dtype))
+            if g is not None and torch.is_grad_enabled():  # create_graph: out= has no autograd
+                g = (g * grad_loss.to(g.dtype)).to(dtype)
+            elif g is not None:  # scaled and cast in one pass (fp32 dW into bf16: read 4 bytes, write 2)
+                g = torch.mul(g, grad_loss.to(g.dtype), out=torch.empty_like(g, dtype=dtype))
+            grads.append(g)
         return *grads, None, None, None

@@ -19,6 +19,7 @@ from acco.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy
 from acco.models import build_model
 
 MATMULS = {"mm", "addmm", "addmm_", "bmm", "matmul"}
+NO_PASS = {"empty", "empty_like", "empty_strided", "detach", "t", "slice", "view", "alias", "transpose"}
 
 
 class OpCounter(TorchDispatchMode):
@@ -90,6 +91,60 @@ def test_no_gradient_work_without_grad_and_none_in_backward():
         linear_cross_entropy(hidden, frozen, None, targets, chunk=8).backward()
     assert forward.matmuls() == 2 * chunks and weight.grad is None and hidden.grad is not None
 
+
+
+def test_the_head_gradient_is_written_by_the_first_chunk_not_added_to_zeros(monkeypatch):
+    """dW is allocated, never zeroed: the first chunk's product overwrites whatever the memory
+    held (NaN here), and the gradients stay exact."""
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real(*a, **k).fill_(float("nan")))
+    hidden, weight, _, targets = _problem(203, False)
+    got = _grads(linear_cross_entropy(hidden, weight, None, targets, chunk=8), [hidden, weight])
+    monkeypatch.setattr(torch, "empty_like", real)
+    want = _grads(F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum"),
+                  [hidden, weight])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("vocab", [203, 256])
+def test_the_head_s_passes_over_its_weights(vocab):
+    """Per micro-batch, on tensors of the head's size: no pad copy where the vocabulary needs none,
+    no zeroing of dW, and in the backward pass one op per gradient (scaled and cast to bf16 at once)."""
+    hidden, weight, _, targets = _problem(vocab, False, dtype=torch.bfloat16, rows=24)
+    head_sized = 200 * 16
+
+    class HeadOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            big = any(isinstance(t, torch.Tensor) and t.numel() >= head_sized for t in (*args, out))
+            if big and func.overloadpacket.__name__ not in NO_PASS:
+                self.ops.append(func.overloadpacket.__name__)
+            return out
+
+    with HeadOps() as forward:
+        loss = linear_cross_entropy(hidden, weight, None, targets, chunk=8)
+    with HeadOps() as backward:
+        loss.backward()
+    pad = ["constant_pad_nd"] if vocab % 128 else []
+    assert forward.ops == pad + ["mm", "mm", "addmm_"] * 3, forward.ops  # logits, d hidden, d head
+    assert backward.ops == ["mul"], backward.ops
+    assert weight.grad.dtype == torch.bfloat16
+
+
+def test_a_backward_that_creates_a_graph_still_works():
+    hidden, weight, _, targets = _problem(203, False)
+    loss = linear_cross_entropy(hidden, weight, None, targets, chunk=8)
+    scale = torch.tensor(0.37, dtype=torch.float64, requires_grad=True)
+    (g_hidden,) = torch.autograd.grad(scale * loss, [hidden], create_graph=True)
+    assert g_hidden.requires_grad  # through the scale
+    want = _grads(F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum"),
+                  [hidden])[0]
+    torch.testing.assert_close(g_hidden.detach(), want, rtol=1e-12, atol=1e-14)
 
 def _batch(vocab: int = 97):
     gen = torch.Generator().manual_seed(3)
@@ -217,9 +272,11 @@ def test_the_fp32_accumulating_gemm_takes_bf16_inputs(monkeypatch):
     monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(k) or real(*a, **k))
     acc = torch.zeros(8, 4, device="meta")
     a, b = (torch.zeros(*shape, device="meta", dtype=torch.bfloat16) for shape in ((8, 16), (16, 4)))
+    acco.loss._add_product(acc, a, b, first=True)
     acco.loss._add_product(acc, a, b)
     assert acc.dtype == torch.float32 and acc.shape == (8, 4)
-    assert [k.get("out_dtype") for k in calls] == [torch.float32] and calls[0]["out"] is acc  # that branch
+    assert [k.get("out_dtype") for k in calls] == [torch.float32] * 2 and calls[0]["out"] is acc  # that branch
+    assert [k["beta"] for k in calls] == [0, 1]  # the first chunk's product is written, the others added
 
 
 def test_a_torch_whose_fp32_accumulating_gemm_fails_widens_instead(monkeypatch):
