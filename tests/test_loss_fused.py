@@ -275,7 +275,7 @@ def test_the_fp32_accumulating_gemm_takes_bf16_inputs(monkeypatch):
     acco.loss._add_product(acc, a, b, first=True)
     acco.loss._add_product(acc, a, b)
     assert acc.dtype == torch.float32 and acc.shape == (8, 4)
-    assert [k.get("out_dtype") for k in calls] == [torch.float32] * 2 and calls[0]["out"] is acc  # that branch
+    assert [k.get("out_dtype") for k in calls] == [torch.float32] * 2 and calls[0]["out"] is acc  # CUDA's
     assert [k["beta"] for k in calls] == [0, 1]  # the first chunk's product is written, the others added
 
 
