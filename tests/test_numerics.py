@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from acco.engine import EngineConfig, build_engine
+from acco.engine.config import ConfigWarning
 
 
 def mlp() -> nn.Module:
@@ -141,3 +144,30 @@ def test_grad_accum_dtype_sums_micro_batches_in_fp32_or_in_bf16():
     assert torch.equal(payload, in_bf16)
     assert "grad_accumulator_fp32" not in state
     assert not torch.equal(in_bf16, in_fp32.to(torch.bfloat16))  # the two differ here
+
+
+@pytest.mark.parametrize("kernels, bf16, said", [(False, True, True), (True, True, False), (False, False, False)])
+def test_bf16_on_a_cpu_without_its_matrix_kernels_is_said(monkeypatch, kernels, bf16, said):
+    """Mixed precision on an AVX2 CPU trains right but 25-300x slower: one line says so and how to
+    train in fp32; not said where the CPU has the kernels, nor in fp32."""
+    import acco.engine
+    import acco.engine.config
+
+    monkeypatch.setattr(acco.engine.config, "_ADVISED", set())
+    monkeypatch.setattr(acco.engine, "cpu_has_bf16_matmul", lambda: kernels)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_engine(mlp(), cfg("ddp", bf16)).close()
+    lines = [str(w.message) for w in caught if w.category is ConfigWarning]
+    assert lines == (["use_mixed_precision=true trains in bf16, which this CPU has no matrix kernels for (no "
+                      "AVX512 or AMX): its matrix products run 25-300x slower than fp32; "
+                      "use_mixed_precision=false trains in fp32"] if said else [])
+
+
+def test_the_cpu_s_bf16_kernels_are_torch_s_answer(monkeypatch):
+    """The check is oneDNN's (torch's own choice of kernel), and a torch without it says nothing."""
+    from acco.engine import cpu_has_bf16_matmul
+
+    assert cpu_has_bf16_matmul() is torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    monkeypatch.setattr(torch.ops, "mkldnn", None)
+    assert cpu_has_bf16_matmul() is True
