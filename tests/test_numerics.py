@@ -146,8 +146,10 @@ def test_grad_accum_dtype_sums_micro_batches_in_fp32_or_in_bf16():
     assert not torch.equal(in_bf16, in_fp32.to(torch.bfloat16))  # the two differ here
 
 
-@pytest.mark.parametrize("kernels, bf16, said", [(False, True, True), (True, True, False), (False, False, False)],
-                         ids=["avx2-bf16", "avx512-bf16", "avx2-fp32"])
+@pytest.mark.parametrize(
+    "kernels, bf16, said", [(False, True, True), (True, True, False), (False, False, False)],
+    ids=["avx2-bf16", "avx512-bf16", "avx2-fp32"],
+)
 def test_bf16_on_a_cpu_without_its_matrix_kernels_is_said(monkeypatch, kernels, bf16, said):
     """Mixed precision on an AVX2 CPU trains right but 25-300x slower: one line says so and how to
     train in fp32; not said where the CPU has the kernels, nor in fp32."""
