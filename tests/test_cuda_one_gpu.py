@@ -223,13 +223,18 @@ def expected(cfg) -> tuple[torch.Tensor, list[float]]:
 
 @needs_gpu
 def test_the_loss_sums_the_heads_bf16_products_in_fp32_on_the_gpu():
-    """acco/loss.py's _add_product on CUDA: one GEMM accumulating into fp32, onto what it holds."""
+    """acco/loss.py's _add_product on CUDA: one GEMM accumulating into fp32, onto what it holds, or
+    for a first chunk overwriting it."""
     g = torch.Generator(device="cuda").manual_seed(0)
     acc = torch.randn(256, 64, device="cuda", generator=g)
     a, b = (torch.randn(*shape, device="cuda", generator=g).bfloat16() for shape in ((256, 512), (512, 64)))
     want = acc.double() + a.double() @ b.double()
     acco.loss._add_product(acc, a, b)
     torch.testing.assert_close(acc.double(), want, rtol=1e-5, atol=1e-4)  # exact bf16 products, fp32 sums
+    assert acco.loss._FP32_ADDMM, "this torch refused addmm with out_dtype: the loss widened instead"
+    acc.fill_(float("nan"))  # the first chunk's product: written (beta 0), whatever acc held
+    acco.loss._add_product(acc, a, b, first=True)
+    torch.testing.assert_close(acc.double(), a.double() @ b.double(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("on", ON)
