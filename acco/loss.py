@@ -148,8 +148,9 @@ def _forward(hidden, weight, bias, targets, chunk, pass_fn, needs):
         loss = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)
         dh = torch.empty_like(h) if needs[0] else None
         # dW sums over chunks: in fp32 (a bf16 sum rounds once per chunk, its error growing with them);
-        # the first chunk's product is written, not added, so dW is never zeroed
-        dw = torch.empty_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) if needs[1] else None
+        # the first chunk's product is written, not added, so dW is zeroed only when there is none
+        fresh = torch.empty_like if h.shape[0] else torch.zeros_like
+        dw = fresh(w, dtype=torch.promote_types(w.dtype, torch.float32)) if needs[1] else None
         db = torch.zeros(w.shape[0], dtype=loss.dtype, device=w.device) if needs[2] else None
         for start in range(0, h.shape[0], chunk):
             h_c, t_c = h[start : start + chunk], targets[start : start + chunk]
