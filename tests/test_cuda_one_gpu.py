@@ -223,8 +223,7 @@ def expected(cfg) -> tuple[torch.Tensor, list[float]]:
 
 @needs_gpu
 def test_the_loss_sums_the_heads_bf16_products_in_fp32_on_the_gpu():
-    """acco/loss.py's _add_product on CUDA: one GEMM accumulating into fp32, onto what it holds, or
-    for a first chunk overwriting it."""
+    """acco/loss.py's _add_product on CUDA: one fp32 GEMM onto what acc holds (first chunk: over it)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     acc = torch.randn(256, 64, device="cuda", generator=g)
     a, b = (torch.randn(*shape, device="cuda", generator=g).bfloat16() for shape in ((256, 512), (512, 64)))
