@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_distributed
+from op_passes import Passes
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import acco.engine.config
 from acco.engine import ConfigError, EngineConfig, build_engine
@@ -121,20 +120,6 @@ def test_the_round_s_collectives_run_in_place():
             assert all(math.isfinite(x) for x in losses), (method, losses)
 
 
-class _ShardPasses(TorchDispatchMode):
-    """Notes each op, views aside, that reads or writes a tensor of at least `numel` elements."""
-
-    def __init__(self, numel: int):
-        super().__init__()
-        self.numel, self.ops = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if not func.is_view and any(t.numel() >= self.numel for t in tensors):
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("estimate", ["paper", "lean"])
 def test_a_round_makes_only_its_passes_over_the_shard(estimate):
     """The passes over the shard that the memory traffic of docs/gpu.md counts, one worker, bf16,
@@ -153,7 +138,7 @@ def test_a_round_makes_only_its_passes_over_the_shard(estimate):
     engine.payload_stats[:3] = torch.tensor([2.0, 1.0, 2.0], dtype=torch.float64)  # weight, loss, count
     passes = {}
     for kind in (RoundKind.ESTIMATE, RoundKind.UPDATE):
-        with _ShardPasses(comm.optimizer._chunk // 2) as seen:
+        with Passes(comm.optimizer._chunk // 2) as seen:
             comm.run(engine.payload, engine.payload_stats, engine.gathered_params, kind)
         passes[kind] = seen.ops
     engine.close()

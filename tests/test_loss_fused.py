@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from op_passes import Passes
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from trainer_helpers import loss_test_config
@@ -19,7 +20,6 @@ from acco.loss import IGNORE_INDEX, causal_lm_loss, linear_cross_entropy
 from acco.models import build_model
 
 MATMULS = {"mm", "addmm", "addmm_", "bmm", "matmul"}
-NO_PASS = {"empty", "empty_like", "empty_strided", "detach", "t", "slice", "view", "alias", "transpose"}
 
 
 class OpCounter(TorchDispatchMode):
@@ -117,21 +117,9 @@ def test_the_head_s_passes_over_its_weights(vocab):
     hidden, weight, _, targets = _problem(vocab, False, dtype=torch.bfloat16, rows=24)
     head_sized = 200 * 16
 
-    class HeadOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            big = any(isinstance(t, torch.Tensor) and t.numel() >= head_sized for t in (*args, out))
-            if big and func.overloadpacket.__name__ not in NO_PASS:
-                self.ops.append(func.overloadpacket.__name__)
-            return out
-
-    with HeadOps() as forward:
+    with Passes(head_sized) as forward:
         loss = linear_cross_entropy(hidden, weight, None, targets, chunk=8)
-    with HeadOps() as backward:
+    with Passes(head_sized) as backward:
         loss.backward()
     pad = ["constant_pad_nd"] if vocab % 128 else []
     assert forward.ops == pad + ["mm", "mm", "addmm_"] * 3, forward.ops  # logits, d hidden, d head
