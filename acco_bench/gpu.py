@@ -13,6 +13,8 @@
      (the side-stream check below runs compiled where ``engine-acco-compiled`` is asked);
      ``-compiled-flex``: the same with GPT-Neo's local layers through flex_attention, which acco
      leaves off (acco/attention.py), to weigh it in the whole model;
+   - ``nanogpt`` and ``nanogpt-compiled``: the anchor, GPT-2 as nanoGPT writes and trains it at
+     ``--model``'s width, layers and heads (gpu_nanogpt.py), its MFU from its own FLOPs per token;
    Every variant does ``2 * grad_accum`` micro-batches of ``batch_size x max_length`` tokens per
    update (acco: ``grad_accum`` per round, two per update), timed over ``--steps`` after ``--warmup``
    (the runners: gpu_variants.py).
@@ -29,8 +31,8 @@ the device's dense bf16 peak (a table of known devices, or ``--peak-tflops``).
 ``--nproc 2`` (or more) runs the engine variants and the side-stream check on that many processes,
 one GPU each, joined on NCCL through acco's own ``init_distributed`` (its NCCL timeout, error
 handling and ``device_id``): tokens/s are over all workers, the comm rounds really cross GPUs. The
-plain variants are single-process and are left out. Fewer GPUs than ``--nproc``: skipped, with why
-(``--device cpu --nproc 2``: the same processes on gloo, to check the code path).
+plain and nanogpt variants are single-process and are left out. Fewer GPUs than ``--nproc``:
+skipped, with why (``--device cpu --nproc 2``: the same processes on gloo, to check the code path).
 
 Without CUDA it says so and exits 0 (``--require-cuda``: exit 3), the reason in ``gpu.json``.
 ``--device cpu``: the throughput part on the CPU, a check of the code path (no MFU, no stream check).
@@ -42,6 +44,7 @@ import json
 import sys
 from pathlib import Path
 
+from acco_bench.gpu_nanogpt import run_nanogpt
 from acco_bench.gpu_variants import random_batches, run_engine, run_plain
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
@@ -51,7 +54,7 @@ PEAK_BF16_TFLOPS = [
     ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("A6000", 154.8),
 ]
 
-BASE_VARIANTS = ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast")
+BASE_VARIANTS = ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast", "nanogpt")
 RATIOS = (  # (a, b): a's tokens/s over b's, where both ran
     ("engine-acco", "plain-bf16"),
     ("engine-acco", "plain-autocast"),
@@ -60,6 +63,8 @@ RATIOS = (  # (a, b): a's tokens/s over b's, where both ran
     ("engine-acco-compiled", "plain-bf16-compiled"),
     ("engine-acco-compiled", "engine-acco"),
     ("engine-acco-compiled-flex", "engine-acco-compiled"),
+    ("plain-bf16-compiled", "nanogpt-compiled"),
+    ("engine-acco-compiled", "nanogpt-compiled"),
 )
 
 SKIP_EXIT = 0
@@ -263,9 +268,9 @@ def parse_variants(text: str) -> list[tuple[str, str, bool, bool, bool]]:
         gc = base != variant
         flex, base = base.endswith("-flex"), base.removesuffix("-flex")
         compiled, base = base.endswith("-compiled"), base.removesuffix("-compiled")
-        if base not in BASE_VARIANTS or (flex and not compiled):
+        if base not in BASE_VARIANTS or (flex and not compiled) or (base == "nanogpt" and (gc or flex)):
             raise ValueError(f"unknown variant {variant!r} (known: {', '.join(BASE_VARIANTS)}, "
-                             "each with -compiled, -compiled-flex and/or -gc)")
+                             "each with -compiled, -compiled-flex and/or -gc; nanogpt with -compiled only)")
         parsed.append((variant, base, gc, compiled, flex))
     return parsed
 
@@ -309,7 +314,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
 
     flex_default = acco.attention.FLEX_LOCAL
     for variant, base, gc, compiled, flex in variants:
-        if world > 1 and base.startswith("plain-"):
+        if world > 1 and not base.startswith("engine-"):
             continue  # single-process loops
         if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
             torch.cuda.reset_peak_memory_stats(device)
@@ -318,6 +323,8 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
             if base.startswith("engine-"):
                 r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, **kw)
+            elif base == "nanogpt":
+                r = run_nanogpt(args, device, vocab, pool, compiled=compiled, profile=kw["profile"])
             else:
                 r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", **kw)
         except Exception as e:  # noqa: BLE001
@@ -329,7 +336,8 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
             acco.attention.FLEX_LOCAL = flex_default
         if "profile" in r:
             result.setdefault("profiles", {})[variant] = {"variant": variant} | r.pop("profile")
-        r["mfu"] = r["tokens_per_s"] * fpt / (peak * 1e12 * world) if peak else None  # per GPU
+        own_fpt = r.get("flops_per_token", fpt)  # the anchor's model is not --model's
+        r["mfu"] = r["tokens_per_s"] * own_fpt / (peak * 1e12 * world) if peak else None  # per GPU
         if device.type == "cuda":
             r["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         result["variants"][variant] = r

@@ -6,7 +6,8 @@ tokens/s and timings.
   gpu.py spawns), optionally with gradient checkpointing, compiled, or with a delay hook on the
   comm round (the side-stream check);
 - ``run_plain``: a plain loop on the same model and data, fused AdamW with the engine's settings,
-  bf16 parameters or fp32 under bf16 autocast.
+  bf16 parameters or fp32 under bf16 autocast (``time_plain_loop``, which the nanoGPT anchor of
+  gpu_nanogpt.py runs too).
 """
 
 from __future__ import annotations
@@ -136,23 +137,34 @@ def run_plain(
     args, device, vocab: int, pool, autocast: bool, checkpointing: bool = False, compiled: bool = False,
     profile: bool = False,
 ) -> dict:
-    """A plain loop: forward/backward 2k micro-batches, fused AdamW step (CUDA, and the CPU since
-    torch 2.4), zero_grad; `profile`: gpu_profile.UPDATES more updates, profiled."""
-    import contextlib
-
+    """A plain loop on acco's model and loss: forward/backward 2k micro-batches, fused AdamW step
+    (CUDA, and the CPU since torch 2.4), zero_grad; `profile`: gpu_profile.UPDATES more updates,
+    profiled."""
     import torch
 
     from acco.engine.compiling import compile_module, compile_options
-    from acco.engine.config import EngineSettings
+    from acco.loss import causal_lm_loss
 
     dtype = torch.float32 if autocast else torch.bfloat16
     model = _fresh_model(args, vocab, device, dtype, checkpointing)
     options = compile_options(args.compile_backend, device.type, args.compile_mode) if compiled else None
     compile_module(model, options, args.compile_scope)  # as build_engine does
+    return time_plain_loop(args, device, model, pool, causal_lm_loss, autocast, profile)
+
+
+def time_plain_loop(args, device, model, pool, loss_fn, autocast: bool, profile: bool = False) -> dict:
+    """`model` trained by a plain loop on `pool` (``loss_fn(model, batch)`` -> (loss sum, tokens)),
+    bf16 autocast or not, fused AdamW with the engine's settings: tokens/s over ``--steps`` updates
+    after ``--warmup``, then (`profile`) gpu_profile.UPDATES more, profiled."""
+    import contextlib
+
+    import torch
+
+    from acco.engine.config import EngineSettings
+
     s = EngineSettings()  # the engine's AdamW, its defaults
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                             weight_decay=s.weight_decay, fused=True)
-    from acco.loss import causal_lm_loss as loss_fn
     per_update = 2 * args.grad_accum
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     it = _cycle(pool)

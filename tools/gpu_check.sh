@@ -43,14 +43,14 @@ step() {  # step NAME LIMIT_S COMMAND...: run under its limit if the budget stil
 }
 
 # 1. GPT-Neo 125M, bf16, 8 x 1024: compiled and eager engine against the compiled and eager plain
-#    loop (MFU, the 0.97 ratio, eager against the 140k tokens/s of the first H200 run), the
-#    side-stream check (compiled, since engine-acco-compiled runs), the one-minute micro-benchmark,
-#    flex_attention for the local layers (off in acco: not faster on an H200), and profiles of the
-#    compiled engine and plain loop: is the GPU busy (8 x 1024 lost ~15 ms per micro-batch that
-#    24 x 1024 did not), and which kernels make the engine's ~1 ms more per micro-batch?
+#    loop (MFU, the 0.97 ratio, eager against the 140k tokens/s of the first H200 run), nanoGPT's
+#    GPT-2 compiled on the same machine (the anchor the 34% comes from), the side-stream check
+#    (compiled, since engine-acco-compiled runs), the one-minute micro-benchmark, and profiles of
+#    the compiled engine, plain loop and nanoGPT: is the GPU busy (8 x 1024 lost ~15 ms per
+#    micro-batch that 24 x 1024 did not; does nanoGPT's?), and which kernels make the difference?
 step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" \
-  --profile engine-acco-compiled,plain-bf16-compiled \
-  --variants engine-acco-compiled,plain-bf16-compiled,engine-acco,plain-bf16,engine-acco-compiled-flex
+  --profile engine-acco-compiled,plain-bf16-compiled,nanogpt-compiled \
+  --variants engine-acco-compiled,plain-bf16-compiled,nanogpt-compiled,engine-acco,plain-bf16
 # 1b. CUDA graphs (train.compile_mode=reduce-overhead) at 8 x 1024: what they buy if the host is the bound.
 step gpu8cg 100 "$PY" -m acco_bench gpu --compile-mode reduce-overhead --no-stream-check --micro off \
   --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
