@@ -1,8 +1,8 @@
 """``acco-bench gpu``'s ``nanogpt`` variants: GPT-2 as nanoGPT writes and trains it, at the geometry of
 ``--model`` (its width, layers and heads: GPT-2 124M at gptneo-125m's), in the same run as acco's
 variants. The 34% MFU acco is held to at 8 x 1024 is nanoGPT's figure on an H200 on another day, and
-the machines lent differ (BENCHMARKS.md, 10.0: its second H200 ran everything slower): this anchor, measured beside
-acco on the same machine, says what that machine allows.
+the machines lent differ (BENCHMARKS.md, 10.0: its second H200 ran everything slower): this anchor,
+measured beside acco on the same machine, says what that machine allows.
 
 The model: learned positions; pre-LN blocks, each with one q/k/v projection, biases everywhere
 (GPT-2's); SDPA with ``is_causal`` (a flash kernel, no mask); the tanh GELU; no dropout; the head
