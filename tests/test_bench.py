@@ -198,18 +198,12 @@ def test_gpu_variants_and_plain_fused_adamw_loop_on_the_cpu(tmp_path):
     """acco-bench gpu's code path with --device cpu and the tiny model: the engine against the
     plain fused-AdamW loop (bf16 parameters, and fp32 under bf16 autocast), each also with gradient
     checkpointing (-gc), which recomputes the same arithmetic: the same losses."""
-    import torch
+    from bench_helpers import TINY_ON_CPU, one_thread
 
     out = tmp_path / "gpu"
     variants = ["engine-acco", "plain-bf16", "plain-autocast", "engine-acco-gc", "plain-bf16-gc"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # intra-op threads waiting on each other on shared cores cost 10x
-    try:
-        assert main(["gpu", "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--max-length", "16",
-                     "--steps", "2", "--warmup", "1", "--variants", ",".join(variants),
-                     "--out", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread():
+        assert main([*TINY_ON_CPU, "--variants", ",".join(variants), "--out", str(out)]) == 0
     result = json.loads((out / "gpu.json").read_text())
     assert result["device"] == "cpu" and list(result["variants"]) == variants
     for name, r in result["variants"].items():

@@ -9,25 +9,19 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from bench_helpers import TINY_ON_CPU, one_thread
 
 from acco_bench import gpu_micro
 from acco_bench.cli import main
-
-# acco-bench gpu on the CPU at the tiny model's shapes: 2 timed updates after 1 of warm-up
-TINY_ON_CPU = "gpu --device cpu --model tiny --batch-size 2 --max-length 16 --steps 2 --warmup 1".split()
 
 
 @pytest.mark.slow  # an acco-bench run (20 s on the loaded 2-core VM); the pieces below stay in make test
 def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
     out = tmp_path / "gpu"
     variants = ["engine-acco-compiled", "plain-bf16-compiled", "engine-acco"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        argv = [*TINY_ON_CPU, "--variants", ",".join(variants), "--micro", "on", "--out", str(out)]
+    argv = [*TINY_ON_CPU, "--variants", ",".join(variants), "--micro", "on", "--out", str(out)]
+    with one_thread():
         assert main([*argv, "--compile-backend", "aot_eager"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     result = json.loads((out / "gpu.json").read_text())
     v = result["variants"]
     assert list(v) == variants and all(r["tokens_per_s"] > 0 for r in v.values())

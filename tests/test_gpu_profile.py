@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from bench_helpers import TINY_ON_CPU
 
 from acco_bench.cli import main
 from acco_bench.gpu_profile import busy_us, summarise
-
-TINY_ON_CPU = "gpu --device cpu --model tiny --batch-size 2 --max-length 16 --steps 2 --warmup 1".split()
 
 
 def test_busy_is_the_union_of_the_streams_intervals():
