@@ -92,7 +92,6 @@ def test_no_gradient_work_without_grad_and_none_in_backward():
     assert forward.matmuls() == 2 * chunks and weight.grad is None and hidden.grad is not None
 
 
-
 def test_the_head_gradient_is_written_by_the_first_chunk_not_added_to_zeros(monkeypatch):
     """dW is allocated, never zeroed: the first chunk's product overwrites whatever the memory
     held (NaN here), and the gradients stay exact."""
@@ -136,6 +135,7 @@ def test_a_backward_that_creates_a_graph_still_works():
     want = _grads(F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum"),
                   [hidden])[0]
     torch.testing.assert_close(g_hidden.detach(), want, rtol=1e-12, atol=1e-14)
+
 
 def _batch(vocab: int = 97):
     gen = torch.Generator().manual_seed(3)
