@@ -191,3 +191,40 @@ def test_a_group_s_key_at_the_top_level_or_as_a_flag_names_the_override_meant():
         assert (out.returncode, out.stdout) == (2, ""), out
         assert out.stderr == (f"acco: error: unknown option '{flag}'{meant}: settings are key=value "
                               "overrides, e.g. launch.nproc=2 train=acco\n"), out.stderr
+
+
+EXIT = """
+    import atexit, sys, threading
+    import acco.cli
+
+    class SaidAtTeardown:  # a module global's __del__ runs only when Python finalizes its modules
+        def __del__(self):
+            sys.stdout.write("finalized\\n")
+
+    kept = SaidAtTeardown()
+
+    def main():
+        print("buffered", end="")  # to a pipe: block-buffered, unflushed when main returns
+        atexit.register(lambda: print(" atexit", end=""))
+        threading.Timer(0.2, lambda: print(" thread", end="")).start()  # still running when main ends
+        raise SystemExit(int(sys.argv[1]))
+
+    acco.cli.main = main
+    acco.cli.entry()
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_entry_exits_with_main_s_code_after_threads_and_atexit_hooks_without_finalizing(tmp_path, code):
+    """acco-train's entry: what a normal exit does that outputs depend on (the other threads joined,
+    the atexit hooks run, stdout flushed), but not the seconds of tearing torch's modules down."""
+    script = write_script(tmp_path, "exit.py", EXIT)
+    proc = subprocess.run([sys.executable, script, str(code)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "buffered thread atexit", proc.stdout
+
+
+def test_main_s_exits_with_a_message_are_python_s_to_say(tmp_path):
+    script = write_script(tmp_path, "exit.py", EXIT.replace("int(sys.argv[1])", "'acco: a message'"))
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == "acco: a message", proc.stderr
