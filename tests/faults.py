@@ -52,6 +52,6 @@ def install(spec: str) -> None:
 
 if __name__ == "__main__":
     install(sys.argv.pop(1))
-    from acco.cli import main
+    from acco.cli import entry
 
-    main()
+    entry()
