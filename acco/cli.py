@@ -355,10 +355,10 @@ def _hydra_app() -> None:
 
 def entry() -> None:
     """The command line's entry point (``acco-train``, ``python -m acco.cli``, main.py): `main`,
-    then out without Python's finalization. A worker that imported torch and transformers spends
-    about 2 s on this 2-core VM tearing their modules down after its run has ended, and a job waits
-    for its slowest worker (BENCHMARKS.md, "Test suite"). Only the
-    process's own exit is skipped: its other threads finish and its atexit hooks run (logging's
+    then, after a run that ended its own way, out without Python's finalization. A worker that
+    imported torch and transformers spends about 2 s on this 2-core VM tearing their modules down,
+    and a job waits for its slowest worker (BENCHMARKS.md, History, "From the test suite"). Only
+    the process's own exit is skipped: its other threads finish and its atexit hooks run (logging's
     flush, the heartbeat's stop) as at a normal exit. `main` itself, which tests call in process,
     exits as any function does."""
     try:
@@ -368,6 +368,12 @@ def entry() -> None:
         if not (e.code is None or isinstance(e.code, int)):
             raise
         code = e.code or 0
+    if code not in (0, EXIT_SAVED_ON_SIGNAL):
+        # A failed rank 0 hosts the rendezvous store, which its peers may be reading: gone at
+        # once, it would cut them off mid-read (a C++ trace and a second error line, seen on a
+        # 2-core VM), where a normal exit gives them the moments to say their own error first.
+        # A run that ended its own way has left the store in order (leave_the_store).
+        sys.exit(code)
     exit_without_finalizing(code)
 
 

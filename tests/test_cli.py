@@ -13,7 +13,7 @@ import pytest
 from distributed import clean_env, write_script
 
 from acco import cli
-from acco.config import compose
+from acco.config import EXIT_SAVED_ON_SIGNAL, compose
 from acco.data.loader import Rows
 from acco.launch.local import GO_FD_ENV
 
@@ -214,14 +214,24 @@ EXIT = """
 """
 
 
-@pytest.mark.parametrize("code", [0, 3])
+@pytest.mark.parametrize("code", [0, EXIT_SAVED_ON_SIGNAL])
 def test_the_entry_exits_with_main_s_code_after_threads_and_atexit_hooks_without_finalizing(tmp_path, code):
-    """acco-train's entry: what a normal exit does that outputs depend on (the other threads joined,
-    the atexit hooks run, stdout flushed), but not the seconds of tearing torch's modules down."""
+    """acco-train's entry after a run that ended its own way: what a normal exit does that outputs
+    depend on (the other threads joined, the atexit hooks run, stdout flushed), but not the
+    seconds of tearing torch's modules down."""
     script = write_script(tmp_path, "exit.py", EXIT)
     proc = subprocess.run([sys.executable, script, str(code)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stderr
     assert proc.stdout == "buffered thread atexit", proc.stdout
+
+
+def test_after_a_failure_the_entry_exits_as_python_does(tmp_path):
+    """A failed rank 0 keeps the rendezvous store it hosts up while it finalizes: its peers then
+    say their own error rather than lose the store mid-read."""
+    script = write_script(tmp_path, "exit.py", EXIT)
+    proc = subprocess.run([sys.executable, script, "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == "buffered thread atexitfinalized\n", proc.stdout
 
 
 def test_main_s_exits_with_a_message_are_python_s_to_say(tmp_path):
