@@ -384,7 +384,7 @@ def exit_without_finalizing(code: int) -> None:
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
-    atexit._run_exitfuncs()  # noqa: SLF001 (no public call runs them; multiprocessing's workers do alike)
+    atexit._run_exitfuncs()  # CPython's own run of them (there is no public call)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
