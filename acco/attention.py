@@ -6,7 +6,9 @@ scaled_dot_product_attention`` computes the same result in tiles on CPU and GPU 
 keep O(T) per row), so `use_sdpa` swaps it into a built model: each layer's attention module
 becomes a :class:`GPTNeoSDPAttention`, the same module (same parameters and buffers, same state
 dict) whose ``_attn`` calls SDPA with GPT-Neo's conventions: no 1/sqrt(head_dim) scaling, and the
-local layers' sliding window. It returns no attention weights (``output_attentions``).
+local layers' sliding window. It returns no attention weights (``output_attentions``). Its
+forward computes the query, key and value projections as one GEMM on their stacked weights where
+they are plain ``nn.Linear`` (no adapter, no hook): fewer and larger kernels, the same values.
 
 Where attention is plain causal (no padding, and a global layer or a local one whose keys all fit
 in its window) SDPA gets ``is_causal=True`` and no mask, which lets it take its flash kernel on
@@ -80,6 +82,27 @@ def _use_flex(query, dropout: float) -> bool:
 
 
 class GPTNeoSDPAttention(GPTNeoSelfAttention):
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        """transformers' forward, with the three projections as one GEMM where they are plain."""
+        if not _plain_projections(self):
+            return super().forward(
+                hidden_states, attention_mask, layer_past, use_cache, output_attentions, **kwargs
+            )
+        # One product against the weights stacked (a copy of 3 x H x H, small beside the
+        # activations): a third of the projections' kernels forward, and in backward one GEMM for
+        # the input's gradient (no sum of three) and one for the weights'.
+        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        query, key, value = F.linear(hidden_states, weight).split(self.embed_dim, dim=-1)
+        query = self._split_heads(query, self.num_heads, self.head_dim)
+        key = self._split_heads(key, self.num_heads, self.head_dim)
+        value = self._split_heads(value, self.num_heads, self.head_dim)
+        if layer_past is not None:
+            key, value = layer_past.update(key, value, self.layer_id)
+        attn_output, attn_weights = self._attn(query, key, value, attention_mask)
+        attn_output = self._merge_heads(attn_output, self.num_heads, self.head_dim)
+        return self.resid_dropout(self.out_proj(attn_output)), attn_weights
+
     def _attn(self, query, key, value, attention_mask=None):
         q_len, k_len = query.size(-2), key.size(-2)
         dropout = self.attn_dropout.p if self.training else 0.0
@@ -104,6 +127,18 @@ class GPTNeoSDPAttention(GPTNeoSelfAttention):
             mask = attention_mask.to(query.dtype).masked_fill(~allowed, low)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=1.0)
         return out, None
+
+
+def _plain_projections(attention: GPTNeoSelfAttention) -> bool:
+    """q, k and v are bare nn.Linear without bias or hooks (not adapters, say LoRA's, nor hooked
+    for inspection), their weights alike: then one GEMM computes what their three calls would."""
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    weight = attention.q_proj.weight
+    return all(
+        type(p) is nn.Linear and p.bias is None and not (p._forward_hooks or p._forward_pre_hooks)
+        and p.weight.dtype == weight.dtype and p.weight.device == weight.device
+        for p in projections
+    )
 
 
 def use_sdpa(model: nn.Module) -> int:

@@ -6,6 +6,9 @@ after a warm-up that also compiles), milliseconds, or the error a piece raised:
 - ``head_gemm``: the LM head's three GEMMs (logits, d hidden, d head) at the model's vocabulary
   and at it padded to a multiple of 128 (50257 -> 50304 for GPT-Neo): what the fused loss's padding
   buys;
+- ``projections``: GPT-Neo's query, key and value projections as transformers calls them (three
+  GEMMs forward, six backward and a sum of three input gradients) against acco's one GEMM on the
+  weights stacked (acco/attention.py): fewer, larger kernels;
 - ``gelu``: ``gelu_new`` (eight ops) against ``gelu_pytorch_tanh`` (one kernel) on the MLP's
   activations;
 - ``local_attention``: a local layer (sliding window) through SDPA with an explicit mask (what runs
@@ -110,6 +113,7 @@ def run(
         w, g = randn(v, hidden), randn(rows, v)
         head[f"vocab_{v}"] = measure(lambda w=w, g=g: (h @ w.t(), g @ w, g.t() @ h))
     out["head_gemm"] = head
+    out["projections"] = _projections(measure, randn, rows, hidden)
     x, dy = randn(rows, 4 * hidden, grad=True), randn(rows, 4 * hidden)
     out["gelu"] = {
         name: measure(lambda act=act: act(x).backward(dy))
@@ -143,6 +147,23 @@ def run(
     if shard:
         out["optimizer"] = _optimizer(measure, device, shard)
     return out
+
+
+def _projections(measure, randn, rows: int, hidden: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    x = randn(rows, hidden, grad=True)
+    weights = [randn(hidden, hidden, grad=True) for _ in range(3)]
+    grads = [randn(rows, hidden) for _ in range(3)]
+
+    def three():
+        torch.autograd.backward([F.linear(x, w) for w in weights], grads)
+
+    def stacked():
+        torch.autograd.backward(list(F.linear(x, torch.cat(weights)).split(hidden, dim=-1)), grads)
+
+    return {"three_gemms": measure(three), "stacked": measure(stacked)}
 
 
 TRIAL_CHUNKS = (1 << 18, 1 << 20, 1 << 21, 1 << 22)
@@ -232,7 +253,7 @@ def markdown(m: dict) -> list[str]:
         f"{m['backend'] or 'nothing'}):",
         "",
     ]
-    for group in ("head_gemm", "gelu", "local_attention", "loss", "optimizer"):
+    for group in ("head_gemm", "projections", "gelu", "local_attention", "loss", "optimizer"):
         if group not in m:
             continue
         parts = ", ".join(

@@ -1,6 +1,7 @@
 """GPT-Neo through SDPA (acco/attention.py) equals transformers' eager attention, global and local
 layers, sequences longer than the local window and not, with and without padding, in value and
-gradients, and with a KV cache; unpadded global layers take SDPA's mask-free causal path."""
+gradients, and with a KV cache; unpadded global layers take SDPA's mask-free causal path, and the
+query, key and value projections run as one GEMM."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from acco.attention import GPTNeoSDPAttention, use_sdpa
 from acco.models import build_model
@@ -57,6 +59,54 @@ def test_sdpa_equals_eager_for_gpt_neo(window, padded):
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
     for g_sdpa, g_eager in zip(outs[1][1], outs[0][1]):
         torch.testing.assert_close(g_sdpa, g_eager, rtol=1e-4, atol=1e-6)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _layer_pass(layer, x, dy):
+    """One forward and backward of an attention layer: (output, the gradients of x and of the
+    projections' weights, the ops run)."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    with _Ops() as ops:
+        out = layer(x)[0]
+        out.backward(dy)
+    weights = [p.weight.grad for p in (layer.q_proj, layer.k_proj, layer.v_proj)]
+    return out.detach(), [x.grad, *weights], ops.names
+
+
+def test_the_projections_run_as_one_gemm_equal_to_three_and_hooked_ones_as_transformers_calls_them():
+    """q, k and v come out of one GEMM on the stacked weights (forward: that and out_proj's addmm;
+    backward: one GEMM for the input's gradient, one for the weights'), equal in fp64 to
+    transformers' three calls; a projection an adapter or a hook holds keeps those calls."""
+    from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+
+    _, sdpa = _models(16)
+    layer = sdpa.transformer.h[0].attn.attention.double()
+    x = torch.randn(3, LENGTH, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn_like(x)
+    got, got_grads, ops = _layer_pass(layer, x, dy)
+    assert ops.count("mm") + ops.count("addmm") == 1 + 1 + 2 + 2  # fwd qkv, out_proj; bwd of each
+    layer.forward = GPTNeoSelfAttention.forward.__get__(layer)  # transformers' own forward
+    want, want_grads, reference_ops = _layer_pass(layer, x, dy)
+    assert reference_ops.count("mm") + reference_ops.count("addmm") == 3 + 1 + 6 + 2
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    del layer.forward
+    seen = []
+    layer.k_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    hooked, hooked_grads, hooked_ops = _layer_pass(layer, x, dy)
+    assert seen == [x.shape] and hooked_ops.count("mm") + hooked_ops.count("addmm") == 12
+    torch.testing.assert_close(hooked, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("step", [1, 3])  # decoding one token, and a chunk: q_len < k_len

@@ -30,6 +30,7 @@ def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
     micro = result["micro"]
     assert set(micro["head_gemm"]) == {"vocab_2048"}  # already a multiple of 128
     assert set(micro["gelu"]) == {"gelu_new", "gelu_pytorch_tanh"}
+    assert set(micro["projections"]) == {"three_gemms", "stacked"}
     assert set(micro["local_attention"]) == {
         "sdpa_masked", "sdpa_is_causal", "flex_sliding_window", "flex_prebuilt_mask"
     }
@@ -39,7 +40,7 @@ def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
     assert set(micro["optimizer"]) == {"commit", "trial_2^18", "trial_2^20", "trial_2^21", "trial_2^22"}
     assert all(
         isinstance(ms, float) and ms > 0  # not an error's text
-        for group in ("head_gemm", "gelu", "local_attention", "loss", "optimizer")
+        for group in ("head_gemm", "projections", "gelu", "local_attention", "loss", "optimizer")
         for ms in micro[group].values()
     )
     md = (out / "gpu.md").read_text()
@@ -62,7 +63,8 @@ def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
     assert set(m["head_gemm"]) == {"vocab_203", "vocab_256"}
     assert m["optimizer"]["elements"] == 3000 and isinstance(m["optimizer"]["trial_2^18"], float), m
     assert set(m["loss"]) == {"todays", "fused", "fused_compiled"}
-    assert all(isinstance(ms, float) for group in ("head_gemm", "loss") for ms in m[group].values()), m
+    assert set(m["projections"]) == {"three_gemms", "stacked"}
+    assert all(isinstance(ms, float) for g in ("head_gemm", "projections", "loss") for ms in m[g].values()), m
 
 
 @pytest.mark.parametrize("window", [4, 16])
