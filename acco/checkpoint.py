@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import zipfile
@@ -58,6 +57,7 @@ from acco.engine.comm import MICRO_BATCHES
 from acco.engine.device import device_ops
 from acco.launch.process_group import after_rank0, wait_on_store
 from acco.messages import size_text
+from acco.run_folder import CHECKPOINT_NAME, list_checkpoints
 
 # How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
 SAVE_TIMEOUT_S = 3600.0
@@ -69,24 +69,8 @@ RESUME_KEYS = ("n_grad_accumulation", "estimate_micro_batches", "learning_rate",
 # (batch_size may change only with the world size, where the position is converted by samples).
 DATA_KEYS = ("seed", "max_length", "batch_size")
 
-_NAME = re.compile(r"^checkpoint-(\d+)$")
-
-
 def rank_file(folder: Path, rank: int, world_size: int) -> Path:
     return folder / f"rank{rank}-of-{world_size}.pt"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (with meta.json), oldest first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in out.iterdir()
-        if (m := _NAME.match(p.name)) and (p / "meta.json").exists()
-    ]
-    return [p for _, p in sorted(found)]
 
 
 def resolve(spec: str | bool, output_dir: str | Path) -> Path | None:
@@ -327,7 +311,7 @@ def check_resumable(
     meta = load_meta(folder)
     check_files(folder, meta)
     newer = [p.name for p in list_checkpoints(os.path.expanduser(str(args.output_dir)))
-             if int(_NAME.match(p.name).group(1)) > int(meta["step"])]  # fmt: skip
+             if int(CHECKPOINT_NAME.match(p.name).group(1)) > int(meta["step"])]  # fmt: skip
     if newer:
         raise CheckpointError(
             f"train.output_dir holds checkpoints newer than {folder.name} ({', '.join(newer)}), of the run "

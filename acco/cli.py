@@ -7,8 +7,9 @@ The path of a job, in the order it runs:
 2. ``run``: ``process_role`` decides, in one place, what this process is (``Role``):
 
    - a plain ``python main.py`` with ``launch.nproc`` > 1 is the local launcher
-     (acco/launch/local.py): it starts that many workers of the same command at once and, while
-     they import torch, runs the job's one validation pass (``validated``, acco/validate.py);
+     (acco/launch/local.py): it checks the job's folders (``check_folders``: a refused run starts
+     no worker), starts that many workers of the same command and, while they import torch, runs
+     the rest of the job's one validation pass (``validated``, acco/validate.py);
      then it hands each worker the validated ``Job`` (acco/job.py) through its start gate;
    - such a worker (``Role.LAUNCHED``) waits at its gate for that job and validates nothing;
    - under torchrun or srun, and a plain ``python main.py`` with one worker (``Role.WORKER``),
@@ -111,13 +112,19 @@ def validated(job: Job) -> str:
 
 
 def launch_workers(cfg: DictConfig, nproc: int) -> int:
-    """The local launcher: `nproc` workers of this command, started at once; they import while
-    this process validates, then each is handed the validated job through its start gate.
+    """The local launcher: `nproc` workers of this command, started once the job's folders have
+    been checked; they import while this process validates the rest, then each is handed the
+    validated job through its start gate.
 
     The job travels pickled: the workers are separate interpreters (started as torchrun starts
     them, so that a worker is the same process whoever launched it), and nothing but bytes
     crosses into them. They do not compose or parse the config again."""
+    from acco.validate import check_folders
+
     job = job_of(cfg, nproc)
+    # The folders first, before any worker starts: a run that would overwrite another, or an
+    # output_dir that cannot be written, is said at once, no worker started for nothing.
+    check_folders(job)
     threads = (
         {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
     )

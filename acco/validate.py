@@ -13,7 +13,7 @@ modules that own a thing expose what the checks need (``acco.models.trainable_pa
 ``acco.checkpoint.check_resumable``). In order, cheap checks first:
 
 - mandatory values set and interpolations resolvable (``acco.job.job_of``, for ``validate_job``);
-- ``train.output_dir`` and ``train.cache_dir`` writable, and no earlier run overwritten by mistake;
+- ``check_folders``: output and cache dirs writable, no run overwritten (before any worker starts);
 - the model config, or the pretrained model's ``config.json``, against train.max_length;
 - the tokenizer, loaded as rank 0 loads it, against the model's embedding;
 - ``train.resume_from_checkpoint``: a whole checkpoint this run can continue;
@@ -54,10 +54,12 @@ from acco.config import (
 from acco.data.errors import DataError, looks_like_local_path
 from acco.data.text import load_corpus, quiet_datasets, text_bytes
 from acco.job import Job, Loaded, job_of
+from acco.run_folder import RUN_MARKERS, list_checkpoints
 
 __all__ = [
     "PREPARE_FROM_TOKENS",
     "InputError",
+    "check_folders",
     "check_job",
     "check_output_dir",
     "check_prepared",
@@ -70,9 +72,6 @@ EXACT_CHECK_MARGIN = 10
 # A corpus of more than this many tokens (estimated at 4 bytes of text a token) must have been
 # tokenized before the job, by acco-prepare: its workers do not wait on rank 0 tokenizing it.
 PREPARE_FROM_TOKENS = 100_000_000
-# Files that show that a run already wrote to an output_dir (config.yaml and tokenizer/ do not:
-# they are written before training starts, so a run that failed early can simply be started again).
-RUN_MARKERS = ("summary.json", "metrics.jsonl")
 
 
 def _fail(message: str, cause: BaseException | None = None) -> None:
@@ -125,10 +124,8 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
         _fail("train.output_dir is empty; give the folder the run writes to")
     out = Path(os.path.expanduser(str(output_dir)))
     check_writable_dir(out, "train.output_dir")
-    if not out.is_dir():  # a new run's folder: nothing in it to keep (and torch not imported for it)
+    if not out.is_dir():  # a new run's folder: nothing in it to keep
         return out
-    from acco.checkpoint import list_checkpoints
-
     if resume == "auto" and not overwrite and not list_checkpoints(out):
         if (out / "summary.json").exists():  # auto starts afresh before a first checkpoint, not over an end
             _fail(
@@ -427,15 +424,20 @@ def validate_job(cfg: DictConfig, world_size: int | None = None) -> Job:
     return job
 
 
+def check_folders(job: Job) -> None:
+    """The output and cache folders; nothing heavy imported: the local launcher runs it first."""
+    args = job.args
+    check_output_dir(args.output_dir, overwrite=args.overwrite_output_dir, resume=args.resume_from_checkpoint)
+    if args.cache_dir:
+        check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
+
+
 def check_job(job: Job) -> None:
     """Check a job's output folders, model, tokenizer, checkpoint and data for its workers; raise
     ``InputError`` (or ``acco.config.AlreadyCompleted``). What it loads is left in ``job.loaded``,
     for a worker of this process to take."""
     args, data = job.args, job.data
-    check_output_dir(args.output_dir, overwrite=args.overwrite_output_dir, resume=args.resume_from_checkpoint)
-    if args.cache_dir:
-        check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
-
+    check_folders(job)
     job.loaded = loaded = Loaded()
     pretrained_config = check_model(job.model, args.max_length)
     loaded.tokenizer = check_tokenizer(job.config, job.model, pretrained_config)
@@ -443,8 +445,6 @@ def check_job(job: Job) -> None:
     check_resume(job, pretrained_config)
 
     loaded.corpus = read_corpus(data)
-    n_bytes = (
-        None if data.format == "instruct" else text_bytes(loaded.corpus, data.text_column)
-    )  # once, for both
+    n_bytes = None if data.format == "instruct" else text_bytes(loaded.corpus, data.text_column)  # for both
     check_fills_global_batch(job, n_bytes)
     check_prepared(job, n_bytes)

@@ -146,6 +146,38 @@ def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     assert "nb_steps_tot: 16" in saved and "${" not in saved  # the job as composed, resolved
 
 
+FOLDERS_FIRST = """
+    import atexit, sys
+    import acco.cli
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    acco.cli.launch_local = no_worker
+    atexit.register(lambda: print("torch imported:", "torch" in sys.modules, flush=True))
+    acco.cli.main()
+"""
+
+
+@pytest.mark.parametrize("folder", ["finished run", "output_dir a file"])
+def test_the_launcher_refuses_a_folder_before_it_starts_a_worker_or_imports_torch(tmp_path, folder):
+    """An output_dir that holds a finished run (or that is a file) is said at once: no worker
+    started, torch not imported (it was seconds of a 2-core VM's time, and the workers' imports)."""
+    out = tmp_path / "out"
+    if folder == "finished run":
+        out.mkdir()
+        (out / "summary.json").write_text("{}")
+    else:
+        out.write_text("mine")
+    script = write_script(tmp_path, "launcher.py", FOLDERS_FIRST)
+    cmd = [sys.executable, script, "launch.nproc=2", *job_overrides(tmp_path)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("acco: error:")]
+    want = "already holds a run (summary.json)" if folder == "finished run" else "is a file, not a folder"
+    assert proc.returncode == 1 and len(lines) == 1 and want in lines[0], proc.stderr[-2000:]
+    assert "torch imported: False" in proc.stdout, proc.stdout
+
+
 def test_help_names_acco_its_choices_and_where_every_key_is_documented():
     """`python main.py --help`: acco's own header, the groups to pick from, and pointers to the docs
     that exist (Hydra's default said "cli is powered by Hydra")."""
