@@ -10,8 +10,9 @@ from acco.data import load_tokenizer, synthetic_corpus
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "slow: an acco-bench run that launches whole training jobs, a minute or so each: "
-        "`make test` leaves them out, `make test-slow` runs them",
+        "slow: an acco-bench run or a CLI scenario that launches whole training jobs (resumes, "
+        "faults, torchrun, errors raised in the workers): `make test` leaves them out, "
+        "`make test-slow` runs them",
     )
 
 

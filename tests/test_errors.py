@@ -1,7 +1,7 @@
 """Bad input: one line `acco: error: ...` naming the problem, a non-zero exit, no traceback, no
 worker training and nothing overwritten. Most cases run the validation pass (`validate_job`)
-in-process; a handful run the CLI itself (`python -m acco.cli`, 2 local workers) to check what
-the user sees."""
+in-process; a handful run the CLI itself (`python -m acco.cli`, 2 local workers: slow-marked those
+that train or fail in the workers) to check what the user sees."""
 
 from __future__ import annotations
 
@@ -410,12 +410,12 @@ def test_cli_hub_tokenizer_that_cannot_be_found_offline(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # two 2-worker jobs that fail in their workers
 def test_cli_worker_side_error_stays_short(tmp_path):
     """A corpus that the validation pass cannot size cheaply (128-byte words that the BPE learns as single
     tokens): the workers find it too small, one line per rank plus the launcher's."""
-    words = ["x" * 127 + "y", "z" * 127 + "w"]
     text = tmp_path / "long-words.txt"
-    text.write_text("\n\n".join(" ".join(words * 8) for _ in range(14)))
+    text.write_text("\n\n".join(" ".join(["x" * 127 + "y", "z" * 127 + "w"] * 8) for _ in range(14)))
     proc = cli(tmp_path, "data=text", f"data.path={text}", "model.vocab_size=400", "train.eval=false")
     lines = error_lines(proc)
     assert 1 <= len(lines) <= 2, proc.stderr
@@ -429,6 +429,7 @@ def test_cli_worker_side_error_stays_short(tmp_path):
     assert sum("acco.launch: rank" in line for line in proc.stderr.splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow  # a job under torchrun
 def test_under_torchrun_rank0_alone_validates_and_the_others_follow(tmp_path):
     """No local launcher: rank 0 runs the validation pass while rank 1 waits on the store; the
     one line comes from rank 0, rank 1 exits without repeating it, nothing is written."""
@@ -446,5 +447,4 @@ def test_under_torchrun_rank0_alone_validates_and_the_others_follow(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("acco: error:")]
     assert len(lines) == 1 and lines[0].startswith("acco: error: [rank 0] data.path: "), proc.stderr[-3000:]
-    assert "corpus.jsonl, line 2: malformed JSON" in lines[0]
-    assert not (tmp_path / "out").exists()
+    assert "corpus.jsonl, line 2: malformed JSON" in lines[0] and not (tmp_path / "out").exists()

@@ -79,6 +79,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert "acco: error" not in err, err
 
 
+@pytest.mark.slow  # two whole jobs: stopped, then resumed
 def test_a_notice_during_start_up_checkpoints_the_first_update(tmp_path):
     """SIGTERM (a preemption notice) to the launcher while the workers still set up, before
     training: each worker notes it (preemption.catch_early), the run stops after its first update,

@@ -124,6 +124,7 @@ TRAINER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a whole job under torchrun
 def test_decoupled_trainer_as_in_the_seed_readme_under_torchrun(tmp_path):
     script = tmp_path / "train_script.py"
     script.write_text(TRAINER_SCRIPT)
@@ -173,6 +174,7 @@ def test_single_process_trainer_with_omegaconf_args_and_processing_class(tmp_pat
     assert summary["final_eval_loss"] < before
 
 
+@pytest.mark.slow  # a timed 2-worker job: the serial tier
 def test_a_slow_worker_is_not_stretched_by_the_trainers_evaluations(tmp_path, monkeypatch):
     """The trainer evaluates and checkpoints inside `OnDevice.not_compute()`: with train.slowdown,
     an evaluation's CPU must not be stretched into the next micro-batch (it was once: the race saw
