@@ -69,6 +69,7 @@ RESUME_KEYS = ("n_grad_accumulation", "estimate_micro_batches", "learning_rate",
 # (batch_size may change only with the world size, where the position is converted by samples).
 DATA_KEYS = ("seed", "max_length", "batch_size")
 
+
 def rank_file(folder: Path, rank: int, world_size: int) -> Path:
     return folder / f"rank{rank}-of-{world_size}.pt"
 
