@@ -43,7 +43,7 @@ from datetime import timedelta
 # FAILURE_DIR_ENV without paying for torch, which only its workers need.
 
 
-__all__ = ["FAILURE_DIR_ENV", "LostWorkerError", "explain", "launcher_is_stopping", "mark",
+__all__ = ["FAILURE_DIR_ENV", "LostWorkerError", "explain", "host_listening", "launcher_is_stopping", "mark",
            "names_lost_ranks", "note_stopping", "report_lost_ranks", "store_listening"]
 
 _KEY = "acco/progress/{}"
@@ -188,24 +188,65 @@ def _read(store, rank: int) -> tuple[int, str]:
 def store_listening(store, timeout_s: float = 1.0) -> bool:
     """False when nothing listens any more at the address of `store` (a TCPStore, or a PrefixStore
     over one): its host, rank 0 unless torchrun hosts the store, has exited. A read would fail too,
-    but only after torch's C++ client has logged a stack trace of its failure; a fresh connection
-    finds it out in silence (the server ignores a client that connects and leaves). True for other
-    stores, and for a host that does not answer within `timeout_s` (the read's own timeout then)."""
-    import socket
-
+    but only after torch's C++ client has logged a stack trace of its failure; a connection of our
+    own finds it out in silence. True for other stores, and for a host that does not answer within
+    `timeout_s` (the read's own timeout then)."""
     import torch.distributed as dist
 
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     if not isinstance(store, dist.TCPStore):
         return True
-    try:
-        with socket.create_connection((store.host, store.port), timeout=timeout_s):
+    return host_listening(store.host, store.port, timeout_s)
+
+
+_probes: dict[tuple[int, str, int], object] = {}  # (pid, host, port) -> the socket kept open to it
+_probes_lock = threading.Lock()
+
+
+def host_listening(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether a server still listens at (host, port), asked without a new connection each time.
+
+    One connection per process and address, opened once, kept open and never written to: the
+    server closing its end says its process exited. A connection per look made the store's host
+    look up each one's name (torch's store servers, libuv's and the older one, log every new
+    client's address), a reverse DNS query on the thread that serves every rank's store
+    operations: with a resolver that did not answer, each such query held them all for its 5 s
+    timeout, one look in 60 here (BENCHMARKS.md, "From the test suite"). When the kept connection
+    has closed, one fresh connection tells a store that was started again (torchrun's restarts)
+    from one that is gone."""
+    import socket
+
+    key = (os.getpid(), host, port)  # a forked child opens its own
+    with _probes_lock:
+        kept = _probes.get(key)
+        if kept is not None:
+            if not _closed_by_peer(kept):
+                return True
+            kept.close()
+            del _probes[key]
+        try:
+            _probes[key] = socket.create_connection((host, port), timeout=timeout_s)
+        except TimeoutError:
             return True
-    except TimeoutError:
+        except OSError:  # refused, reset, unreachable: no server there any more
+            return False
         return True
-    except OSError:  # refused, reset, unreachable: no server there any more
+
+
+def _closed_by_peer(sock) -> bool:
+    """The server never writes to a connection that sent nothing: readable means closed (EOF or
+    an error)."""
+    import select
+    import socket
+
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
         return False
+    except OSError:
+        return True
 
 
 def _furthest_behind(settle_s: float) -> dict[int, str]:

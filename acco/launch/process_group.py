@@ -235,8 +235,8 @@ def wait_on_store(keys: list[str], what: str, slow_timeout_s: float = 3600.0) ->
     # Polls with `check`, not a blocking `wait`: the store client holds its lock for the whole of
     # a wait, which would also hold up this rank's own heartbeat. Peers' counters are read once
     # a second, to stay light on the store with many ranks. Each poll first asks whether the
-    # store's host still listens (a connect, ~0.1 ms): a read of a store whose host died makes
-    # torch's C++ client log a stack trace before it raises.
+    # store's host still listens (a look at a connection kept open, no new one: progress.host_listening):
+    # a read of a store whose host died makes torch's C++ client log a stack trace before it raises.
     delay, next_liveness_check = 0.001, start
     while _store_host_alive(store, what) and not store.check(keys):
         time.sleep(delay)
