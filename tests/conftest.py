@@ -10,9 +10,10 @@ from acco.data import load_tokenizer, synthetic_corpus
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "slow: an acco-bench run or a CLI scenario that launches whole training jobs (resumes, "
-        "faults, torchrun, errors raised in the workers): `make test` leaves them out, "
-        "`make test-slow` runs them",
+        "slow: an acco-bench run, a CLI scenario that launches whole training jobs (resumes, "
+        "faults, torchrun, errors raised in the workers, a stalled worker named within its timeout) "
+        "or a test that times the engine (overlap against C + M): `make test` leaves them out, "
+        "`make test-slow` runs them, serially",
     )
 
 

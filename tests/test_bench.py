@@ -175,6 +175,7 @@ def test_estimate_stability_limits():
     assert stability_limit(0.8, lean=0.0) == pytest.approx(10.0)
 
 
+@pytest.mark.slow
 def test_gpu_without_cuda_exits_cleanly(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

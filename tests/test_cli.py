@@ -120,6 +120,7 @@ LAUNCHER = """
 """
 
 
+@pytest.mark.slow
 def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     worker = write_script(tmp_path, "worker.py", WORKER)
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)

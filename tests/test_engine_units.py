@@ -204,6 +204,7 @@ def _overlap_failures(timings: dict) -> list:
     return bad + ([("dpu vs its C + M", t)] if t["step"] >= 0.8 * (t["compute"] + t["comm"]) else [])
 
 
+@pytest.mark.slow
 def test_overlap_is_real():
     """A comm round as slow as the computation: overlapped methods take max(C, M), ddp C + M.
     Timed twice when the first run misses: on 2 cores shared with another test suite a late wake-up

@@ -404,6 +404,7 @@ def test_cli_finished_run_is_not_overwritten(tmp_path):
     assert (out / "summary.json").read_text() == '{"final_eval_loss": 1.0}'
 
 
+@pytest.mark.slow
 def test_cli_hub_tokenizer_that_cannot_be_found_offline(tmp_path):
     proc = cli(tmp_path, "model.tokenizer=acco-tests/no-such-tokenizer")
     one_error(proc, "model.tokenizer: cannot load tokenizer 'acco-tests/no-such-tokenizer'")
@@ -412,8 +413,7 @@ def test_cli_hub_tokenizer_that_cannot_be_found_offline(tmp_path):
 
 @pytest.mark.slow  # two 2-worker jobs that fail in their workers
 def test_cli_worker_side_error_stays_short(tmp_path):
-    """A corpus that the validation pass cannot size cheaply (128-byte words that the BPE learns as single
-    tokens): the workers find it too small, one line per rank plus the launcher's."""
+    """Validation cannot size 128-byte words (a BPE token each) cheaply: a line per rank, the launcher's."""
     text = tmp_path / "long-words.txt"
     text.write_text("\n\n".join(" ".join(["x" * 127 + "y", "z" * 127 + "w"] * 8) for _ in range(14)))
     proc = cli(tmp_path, "data=text", f"data.path={text}", "model.vocab_size=400", "train.eval=false")

@@ -97,6 +97,7 @@ def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path):
     assert "FAILED plain-bf16-compiled" in (out / "gpu.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_llama_runs_through_acco_bench_gpu_compiled_and_eager(tmp_path):
     """The Llama path the first GPU run measures (`--model llama3`), here at llama-tiny's size: its
     blocks and the fused loss compiled (aot_eager) give the eager engine's loss, and the plain loop

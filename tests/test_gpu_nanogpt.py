@@ -75,6 +75,7 @@ def test_the_anchor_takes_compiled_only(bad):
         parse_variants(bad)
 
 
+@pytest.mark.slow
 def test_the_anchor_runs_through_acco_bench_gpu_eager_and_compiled_alike(tmp_path):
     out = tmp_path / "gpu"
     variants = ["plain-bf16", "nanogpt", "nanogpt-compiled"]

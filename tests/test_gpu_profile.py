@@ -32,6 +32,7 @@ def test_summary_per_micro_batch_and_the_top_kernels():
     assert summarise([], 0.001, 1)["busy"] is None
 
 
+@pytest.mark.slow
 def test_profiled_variants_keep_their_timed_updates_and_report_their_windows(tmp_path):
     out = tmp_path / "gpu"
     variants = "engine-acco,plain-bf16,engine-ddp"

@@ -60,6 +60,7 @@ def _signal_job(cmd: list[str], after: str, sig: int) -> tuple[subprocess.Popen,
     return proc, out, err
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     """A Ctrl-C to a training job (SIGINT to the launcher, forwarded to its workers) ends it with
     acco's one line, not a KeyboardInterrupt traceback from every worker."""

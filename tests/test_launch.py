@@ -221,6 +221,7 @@ STALL_IN_SETUP = """
 """
 
 
+@pytest.mark.slow
 def test_a_worker_stalled_in_one_off_work_is_named_within_the_timeout(tmp_path):
     """Under srun: a late rank is waited for, a slow but live one too; a stalled one is named
     within the collective timeout (2 s here), not after the hour that one-off work may take."""
