@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import select
 import socket
 import tempfile
@@ -17,9 +18,21 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that no connection will take as its local port: below the kernel's ephemeral
+    range, from which every connection (gloo's pairs, the stores' clients) draws its own. A port the
+    kernel handed out as free (bind to 0) was once taken by such a connection before the test's store
+    could listen on it (EADDRINUSE, two suites side by side)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    pick = random.SystemRandom()  # not the seeded module state: two suites would draw alike
+    for _ in range(200):
+        port = pick.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address, as the store's server binds
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
 
 
 # The workers fork from one server process that has imported torch and acco's trainer once per

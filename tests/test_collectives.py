@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import threading
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import start_workers
+from distributed import free_port, start_workers
 
 from acco.engine import collectives
 from acco.engine.collectives import all_gather, reduce_scatter, uses_ring
@@ -21,12 +20,6 @@ _native_ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 
 SIZES = (1, 7, 4099)  # elements per rank
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(rank: int, world: int, n: int, dtype: torch.dtype, integer: bool = False) -> torch.Tensor:
@@ -146,7 +139,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_matches_torch(world):
-    start_workers(_worker, world, (world, _free_port()))
+    start_workers(_worker, world, (world, free_port()))
 
 
 def test_shape_errors_without_process_group():
