@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # test: the library; test-slow: the tests that launch whole training jobs (marked slow): the
-# acco-bench runs, and the CLI's resume, fault and end-to-end scenarios. CI (.ci/run) runs both,
-# as the README says. The library's tests run in two pytest processes (pytest-xdist), a test file
-# each at a time: many of them wait (timeouts, workers importing torch) more than they compute.
+# acco-bench runs, the CLI's resume, fault and end-to-end scenarios, and the timed overlap check.
+# CI (.ci/run) runs both, as the README says. The library's tests run in two pytest processes
+# (pytest-xdist), a test file each at a time: many of them wait (timeouts, workers importing torch)
+# more than they compute.
 # The slow tier stays serial: its runs time things.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile tests
