@@ -147,10 +147,12 @@ def test_the_store_s_host_is_watched_through_one_connection_kept_open():
     a server started again on the address is found through one fresh connection."""
     import socket
 
+    from distributed import free_port
+
     from acco.engine.progress import host_listening
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: no connection takes it before the restart below
+    listener = socket.create_server(("127.0.0.1", port))
     assert all(host_listening("127.0.0.1", port) for _ in range(50))
     kept = _connections_waiting(listener)
     assert len(kept) == 1  # one connection for 50 looks
