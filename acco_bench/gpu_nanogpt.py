@@ -121,15 +121,14 @@ def run_nanogpt(args, device, vocab: int, pool, compiled: bool = False, profile:
     """The anchor trained on `pool`'s tokens (each row's next tokens its targets, made once here,
     as nanoGPT's loader hands them): gpu_variants.time_plain_loop's figures, with its own FLOPs per
     token (6N + 12LHQT, acco.models.flops_per_token)."""
-    from acco.engine.compiling import compile_options
+    from acco.engine.compiling import compile_module, compile_options
     from acco.models import flops_per_token
     from acco_bench.gpu_variants import time_plain_loop
 
     model = build(args, vocab).to(device).train()
     fpt = flops_per_token(model, args.max_length)
     options = compile_options(args.compile_backend, device.type, args.compile_mode) if compiled else None
-    if options is not None:
-        model.compile(**options)
+    compile_module(model, options, scope="model")  # the whole model: it has no base_model
     batches = [{"input_ids": b["input_ids"], "targets": b["input_ids"].roll(-1, dims=1)} for b in pool]
     return time_plain_loop(args, device, model, batches, loss_sum, autocast=True, profile=profile) | {
         "flops_per_token": fpt}

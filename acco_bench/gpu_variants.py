@@ -166,6 +166,13 @@ def time_plain_loop(args, device, model, pool, loss_fn, autocast: bool, profile:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                             weight_decay=s.weight_decay, fused=True)
     per_update = 2 * args.grad_accum
+    # CUDA graphs (inductor's reduce-overhead) replay the backward into the same memory: a .grad that
+    # autograd took from one replay would be overwritten by the next micro-batch's, so accumulating
+    # needs .grad buffers of its own, made before the first capture and zeroed, not freed, per update.
+    keep_grads = (getattr(model, "acco_compile", None) or {}).get("mode") == "reduce-overhead"
+    if keep_grads:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
     ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     it = _cycle(pool)
     loss = None
@@ -173,7 +180,7 @@ def time_plain_loop(args, device, model, pool, loss_fn, autocast: bool, profile:
         if step == args.warmup:
             _sync(device)
             start = time.perf_counter()
-        loss = _update(model, opt, it, loss_fn, ctx, per_update)
+        loss = _update(model, opt, it, loss_fn, ctx, per_update, keep_grads)
     _sync(device)
     elapsed = time.perf_counter() - start
     tokens = args.steps * per_update * args.batch_size * args.max_length
@@ -183,7 +190,7 @@ def time_plain_loop(args, device, model, pool, loss_fn, autocast: bool, profile:
         window = Window(device)
         window.start()
         for _ in range(UPDATES):
-            _update(model, opt, it, loss_fn, ctx, per_update)
+            _update(model, opt, it, loss_fn, ctx, per_update, keep_grads)
         profiled = window.stop(UPDATES * per_update)
     checkpointed, fused = _checkpointing(model), bool(opt.defaults["fused"])
     # parameters, their gradients (freed by zero_grad, held through each update) and AdamW's moments
@@ -204,13 +211,14 @@ def time_plain_loop(args, device, model, pool, loss_fn, autocast: bool, profile:
     }
 
 
-def _update(model, opt, batches, loss_fn, ctx, per_update: int):
-    """One update of the plain loop; returns the last micro-batch's scaled loss."""
+def _update(model, opt, batches, loss_fn, ctx, per_update: int, keep_grads: bool = False):
+    """One update of the plain loop; returns the last micro-batch's scaled loss. `keep_grads`:
+    zero the .grad buffers instead of freeing them (CUDA graphs: see time_plain_loop)."""
     for _ in range(per_update):
         with ctx():
             loss_sum, tokens = loss_fn(model, next(batches))
         loss = loss_sum / (tokens * per_update)
         loss.backward()
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=not keep_grads)
     return loss

@@ -156,3 +156,38 @@ def test_the_compile_scope_reaches_the_engine_and_the_plain_loop(tmp_path, monke
     assert main(argv) == 0  # the default: each block (the tiny model has 2)
     assert compiled == ["GPTNeoBlock"] * 4
     assert main([*argv, "--compile-scope", "layers"]) == 2 and not compiled[4:]
+
+
+@pytest.mark.parametrize("mode, kept", [("reduce-overhead", True), (None, False)])
+def test_under_cuda_graphs_plain_loops_accumulate_into_grads_of_their_own(monkeypatch, tmp_path, mode, kept):
+    """A replayed CUDA graph writes its backward's outputs where it wrote them before: a .grad
+    autograd took from one replay is overwritten by the next, so under reduce-overhead the plain
+    loop and nanoGPT's accumulate into .grad buffers made before the first backward and zeroed per
+    update; otherwise they free them (set_to_none), the best plain loop."""
+    import torch
+
+    import acco.engine.compiling
+
+    models, seen = [], []  # per backward: (model, every grad there, their storages)
+    compile_module = acco.engine.compiling.compile_module
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: None)  # eager, marked alike
+    monkeypatch.setattr(acco.engine.compiling, "compile_module",
+                        lambda m, *a, **k: models.append(m) or compile_module(m, *a, **k))
+    backward = torch.Tensor.backward
+
+    def recording_backward(self, *args, **kwargs):
+        grads = [p.grad for p in models[-1].parameters()]
+        seen.append((len(models), all(g is not None for g in grads),
+                     tuple(g.untyped_storage().data_ptr() if g is not None else 0 for g in grads)))
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", recording_backward)
+    argv = [*TINY_ON_CPU, "--micro", "off", "--no-stream-check", "--out", str(tmp_path / "gpu")]
+    argv += ["--variants", "plain-bf16-compiled,nanogpt-compiled"]
+    argv += ["--compile-mode", mode] if mode else []
+    assert main(argv) == 0
+    assert len(models) == 2 and len(seen) > 4
+    for n in (1, 2):
+        runs = [(there, ptrs) for m, there, ptrs in seen if m == n]
+        assert all(there for there, _ in runs) is kept
+        assert (len({ptrs for _, ptrs in runs}) == 1) is kept
