@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 
 from acco_bench.gpu_nanogpt import run_nanogpt
-from acco_bench.gpu_variants import random_batches, run_engine, run_plain
+from acco_bench.gpu_variants import graphs_note, random_batches, run_engine, run_plain
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = [
@@ -89,11 +89,9 @@ def add_arguments(p) -> None:
         "engine-acco-compiled,plain-bf16-compiled",
         help="throughput variants to run (suffix -compiled: train.compile; -gc: gradient checkpointing)",
     )
-    p.add_argument(
-        "--compile-backend", default="inductor", help="torch.compile backend of the -compiled variants"
-    )
-    p.add_argument("--compile-mode", default=None,
-                   help="inductor's mode of the -compiled variants (train.compile_mode)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend, -compiled variants")
+    p.add_argument("--compile-mode", default=None, help="inductor's mode of -compiled variants "
+                   "(train.compile_mode; reduce-overhead: gpu.md says which ran graphs without CUDA graphs)")
     p.add_argument("--compile-scope", default="blocks",
                    help="what the -compiled variants compile: blocks, or the model's body as one graph "
                         "(train.compile_scope)")
@@ -420,6 +418,7 @@ def gpu_markdown(r: dict) -> str:
              fmt(v["step_time_s"]), fmt(v.get("peak_gpu_mem_mb"), 0), fmt(v.get("state_mb"), 0)]
             for k, v in r["variants"].items()]
     lines.append(md_table(["variant", "tokens/s", "MFU", "s/update", "peak MB", "state MB"], rows))
+    lines += graphs_note(r["variants"])
     for pair, m in r.get("memory_accounting", {}).items():
         lines.append(f"\npeak memory, {pair.replace('_', ' ')}: {m['peak_difference_mb']:.0f} MB more, "
                      f"the state held {m['state_difference_mb']:.0f} MB more (x{fmt(m['ratio'])})")

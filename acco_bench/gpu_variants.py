@@ -59,6 +59,21 @@ def _fresh_model(args, vocab: int, device, dtype, checkpointing: bool = False):
     return model
 
 
+def cudagraph_skips() -> int:
+    """How many graphs inductor compiled so far without CUDA graphs though asked for them
+    (reduce-overhead falls back per graph, with a logged reason): 0 means every graph replays."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def graphs_note(variants: dict) -> list[str]:
+    """gpu.md's line under reduce-overhead: per variant, how many graphs ran without CUDA graphs."""
+    counts = [f"{k} {v['cudagraph_skips']}" for k, v in variants.items() if "cudagraph_skips" in v]
+    return ["", "Graphs compiled without CUDA graphs (inductor's cudagraph_skips): " + ", ".join(counts)
+            + "."] if counts else []
+
+
 def _checkpointing(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
@@ -73,6 +88,7 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
     from acco.engine import EngineConfig, build_engine
 
     model = _fresh_model(args, vocab, device, torch.float32, checkpointing)
+    skips = cudagraph_skips()
     k = args.grad_accum
     per_update = 2 * k
     extra = UPDATES if profile else 0
@@ -129,6 +145,7 @@ def run_engine(args, method: str, device, vocab: int, pool, accumulate: bool = F
         "final_loss": records[-1].loss,
         "gradient_checkpointing": checkpointed,
         "state_mb": state_bytes / 2**20,  # what the engine holds for training (docs/algorithm.md)
+        **_graphs(cfg.compile_mode, skips),
         **({"profile": profiled} if profiled else {}),
     }
 
@@ -169,7 +186,8 @@ def time_plain_loop(args, device, model, pool, loss_fn, autocast: bool, profile:
     # CUDA graphs (inductor's reduce-overhead) replay the backward into the same memory: a .grad that
     # autograd took from one replay would be overwritten by the next micro-batch's, so accumulating
     # needs .grad buffers of its own, made before the first capture and zeroed, not freed, per update.
-    keep_grads = (getattr(model, "acco_compile", None) or {}).get("mode") == "reduce-overhead"
+    mode = (getattr(model, "acco_compile", None) or {}).get("mode")
+    keep_grads, skips = mode == "reduce-overhead", cudagraph_skips()
     if keep_grads:
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -207,8 +225,13 @@ def time_plain_loop(args, device, model, pool, loss_fn, autocast: bool, profile:
         "gradient_checkpointing": checkpointed,
         "fused_adamw": fused,
         "state_mb": held / 2**20,
+        **_graphs(mode, skips),
         **({"profile": profiled} if profiled else {}),
     }
+
+
+def _graphs(mode: str | None, skips_before: int) -> dict:
+    return {"cudagraph_skips": cudagraph_skips() - skips_before} if mode == "reduce-overhead" else {}
 
 
 def _update(model, opt, batches, loss_fn, ctx, per_update: int, keep_grads: bool = False):

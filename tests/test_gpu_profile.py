@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from bench_helpers import TINY_ON_CPU
@@ -163,7 +164,8 @@ def test_under_cuda_graphs_plain_loops_accumulate_into_grads_of_their_own(monkey
     """A replayed CUDA graph writes its backward's outputs where it wrote them before: a .grad
     autograd took from one replay is overwritten by the next, so under reduce-overhead the plain
     loop and nanoGPT's accumulate into .grad buffers made before the first backward and zeroed per
-    update; otherwise they free them (set_to_none), the best plain loop."""
+    update; otherwise they free them (set_to_none), the best plain loop. Under reduce-overhead
+    gpu.md counts, per variant, the graphs inductor compiled without CUDA graphs."""
     import torch
 
     import acco.engine.compiling
@@ -187,6 +189,11 @@ def test_under_cuda_graphs_plain_loops_accumulate_into_grads_of_their_own(monkey
     argv += ["--compile-mode", mode] if mode else []
     assert main(argv) == 0
     assert len(models) == 2 and len(seen) > 4
+    md = (tmp_path / "gpu" / "gpu.md").read_text()
+    counts = re.search(r"cudagraph_skips\): plain-bf16-compiled (\d+), nanogpt-compiled (\d+)\.", md)
+    assert (counts is not None) is kept
+    if kept:  # the loss's pass, the one graph compiled for real here, is on the CPU: no CUDA graphs
+        assert int(counts[1]) >= 1 and int(counts[2]) == 0
     for n in (1, 2):
         runs = [(there, ptrs) for m, there, ptrs in seen if m == n]
         assert all(there for there, _ in runs) is kept
