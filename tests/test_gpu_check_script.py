@@ -50,7 +50,7 @@ def _run(tmp_path: Path, budget: int) -> tuple[str, list[list[str]]]:
 def test_every_command_parses_headline_first(tmp_path):
     out, calls = _run(tmp_path, budget=10_000)
     steps = [line.split()[1] for line in out.splitlines() if line.startswith("== ") and " rc=0 " in line]
-    assert steps == ["gpu8", "gpu8cg", "onegpu", "gpu8whole", "gpu24", "e2e-diloco", "e2e-streaming-diloco",
+    assert steps == ["gpu8", "gpu8cg", "graphs", "onegpu", "gpu8whole", "gpu24", "e2e-diloco", "e2e-streaming-diloco",
                      "llama3"]
     bench, tests, trainings = [], [], []
     for argv in calls:
@@ -94,7 +94,7 @@ def test_every_command_parses_headline_first(tmp_path):
     whole = bench[2]  # the body compiled as one graph, profiled: fewer compiled calls per micro-batch
     assert whole.compile_scope == "model" and whole.compile_mode is None
     assert whole.profile == "engine-acco-compiled,plain-bf16-compiled"
-    assert tests == ["tests/test_cuda_one_gpu.py"]
+    assert tests == ["tests/test_cuda_graphs.py", "tests/test_cuda_one_gpu.py"]
     assert trainings == ["train=diloco", "train=streaming-diloco"]
     # a lent machine gives back 8 files at most: the logs are one file, and only the first step
     # keeps its gpu.json beside the gpu.md every acco-bench step writes
@@ -108,6 +108,7 @@ def test_every_command_parses_headline_first(tmp_path):
 def test_a_step_the_budget_cannot_hold_is_skipped(tmp_path):
     out, calls = _run(tmp_path, budget=105)
     assert "== gpu8 skipped: 240s asked" in out and "== onegpu skipped: 170s asked" in out
+    assert "== graphs skipped: 120s asked" in out
     assert "== gpu24 rc=0" in out and "== e2e-diloco rc=0" in out  # 100 s and 90 s still fit
     assert "== llama3 skipped: 120s asked" in out
     assert "== gpu8cg rc=0" in out and "== gpu8whole rc=0" in out  # 100 s fits

@@ -55,6 +55,10 @@ step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" \
 step gpu8cg 100 "$PY" -m acco_bench gpu --compile-mode reduce-overhead --no-stream-check --micro off \
   --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
   --out "$OUT/gpu8cg"
+# 1c. CUDA graphs' numbers: every method under them equals its reference, GPT-Neo's fused loss alike
+#    with and without them, no graph compiled without them (a graph replaying at a wrong address
+#    gives wrong numbers, not an error).
+TAILN=12 step graphs 120 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 110 tests/test_cuda_graphs.py
 # 2. One NCCL rank: every method equals its reference (compiled: train.compile=auto), bf16 training,
 #    the overlap, peak memory against the state held at 4 x 1024.
 TAILN=40 step onegpu 170 "$PY" -m pytest -q -rs -s -p no:cacheprovider --timeout 160 \
