@@ -107,25 +107,35 @@ def test_the_heartbeat_stops_without_a_word_once_its_store_s_host_has_gone(liste
 
 
 def _leave(rank, world):
+    import os
     import time
 
+    import torch.distributed as dist
+
+    from acco.engine import progress
     from acco.launch import process_group
 
+    def kept() -> int:
+        return sum(key[0] == os.getpid() for key in progress._probes)
+
+    assert progress.store_listening(dist.distributed_c10d._get_default_store()) and kept() == 1
     if rank == 1:
         time.sleep(1.5)  # a rank slower to finish its run (freeing its model, say)
     start = time.monotonic()
     process_group.leave_the_store()
-    return time.monotonic() - start
+    return time.monotonic() - start, kept()
 
 
 def test_rank0_the_store_s_host_leaves_after_every_other_rank():
     """A successful 4-worker run at 125M ended with exit 1 and torch's trace: rank 0 had saved the
     model and exited while the others still polled the store for it. Rank 0 now waits for every
-    rank's last store operation before it may exit; the others do not wait."""
+    rank's last store operation before it may exit; the others do not wait. Then each closes the
+    connection it kept open to watch the store's host."""
     from distributed import run_distributed
 
-    waited = run_distributed(_leave, 2)
-    assert waited[0] >= 1.0 and waited[1] < 1.0, waited
+    (waited0, kept0), (waited1, kept1) = run_distributed(_leave, 2)
+    assert waited0 >= 1.0 and waited1 < 1.0, (waited0, waited1)
+    assert kept0 == kept1 == 0
 
 
 def _connections_waiting(listener) -> list:

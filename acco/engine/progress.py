@@ -234,6 +234,13 @@ def host_listening(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return True
 
 
+def forget_hosts() -> None:
+    """Close this process's kept connections (host_listening): its run has left the store."""
+    with _probes_lock:
+        for key in [k for k in _probes if k[0] == os.getpid()]:
+            _probes.pop(key).close()
+
+
 def _closed_by_peer(sock) -> bool:
     """The server never writes to a connection that sent nothing: readable means closed (EOF or
     an error)."""

@@ -339,15 +339,21 @@ def leave_the_store(timeout_s: float | None = None) -> None:
     hosts it, waits for all of them before it may exit. Else a rank still polling for rank 0's
     last one-off work (the model it saves) found the store gone: a C++ stack trace and exit 1 on
     a run that had finished (seen at 125M on 4 workers). A rank that died is waited for at most
-    `timeout_s` (the collective timeout)."""
+    `timeout_s` (the collective timeout). Then the connection kept open to watch the store's host
+    (progress.host_listening) is closed: a process may join another group after this one."""
     import torch.distributed as dist
+
+    from acco.engine.progress import forget_hosts
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     store, world, key = dist.distributed_c10d._get_default_store(), dist.get_world_size(), _unique("left", "")
-    if dist.get_rank() != 0:
-        store.add(key, 1)
-        return
-    deadline = time.monotonic() + (timeout_s or _heartbeat.get("timeout_s") or 60.0)
-    while store.add(key, 0) < world - 1 and time.monotonic() < deadline:
-        time.sleep(0.01)  # a poll: the others leave within moments of rank 0
+    try:
+        if dist.get_rank() != 0:
+            store.add(key, 1)
+            return
+        deadline = time.monotonic() + (timeout_s or _heartbeat.get("timeout_s") or 60.0)
+        while store.add(key, 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # a poll: the others leave within moments of rank 0
+    finally:
+        forget_hosts()
