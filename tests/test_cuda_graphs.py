@@ -25,15 +25,15 @@ import dataclasses
 import pytest
 import torch
 from engine_helpers import assert_close, config, loss_fn, make_model
-from test_cuda_one_gpu import (
-    _gpt_neo,
-    _mlp_batches,
-    _tokens,
-    _train,
+from one_rank_helpers import (
     expected,
+    gpt_neo_tokens,
     method_configs,
+    mlp_batches,
     needs_gpu,
     run_one_rank,
+    tiny_gpt_neo,
+    train_each,
 )
 
 GRAPHS = "reduce-overhead"
@@ -63,7 +63,7 @@ def _graphed(train):
 
 def _every_method_graphed(device):
     cfgs = [dataclasses.replace(c, compile=True, compile_mode=GRAPHS) for c in method_configs()]
-    return _graphed(lambda: _train(device, lambda: make_model("mlp"), cfgs, _mlp_batches, loss_fn))
+    return _graphed(lambda: train_each(device, lambda: make_model("mlp"), cfgs, mlp_batches, loss_fn))
 
 
 @pytest.mark.parametrize("on", [ON_CPU, ON_GPU])
@@ -78,6 +78,12 @@ def test_every_method_under_cuda_graphs_equals_its_reference_in_fp32(on):
         assert_close(torch.tensor([loss for loss, _, _ in records]), torch.tensor(losses), f"{name} losses")
 
 
+def _train_gpt_neo(device, cfg):
+    import acco.loss
+
+    return train_each(device, tiny_gpt_neo, [cfg], gpt_neo_tokens, acco.loss.causal_lm_loss)[0]
+
+
 def _gpt_neo_both_ways(device):
     import acco.loss
 
@@ -88,10 +94,9 @@ def _gpt_neo_both_ways(device):
     for method in METHODS:
         for scope in ("blocks", "model"):
             cfg = config(method=method, compile_scope=scope, **common)
-            runs[method, scope, None] = _train(device, _gpt_neo, [cfg], _tokens, acco.loss.causal_lm_loss)[0]
+            runs[method, scope, None] = _train_gpt_neo(device, cfg)
             graphed = dataclasses.replace(cfg, compile_mode=GRAPHS)
-            runs[method, scope, GRAPHS], skips, roots = _graphed(
-                lambda c=graphed: _train(device, _gpt_neo, [c], _tokens, acco.loss.causal_lm_loss)[0])
+            runs[method, scope, GRAPHS], skips, roots = _graphed(lambda c=graphed: _train_gpt_neo(device, c))
             runs[method, scope, "graphs"] = (skips, roots)
     return runs
 

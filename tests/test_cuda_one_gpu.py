@@ -21,31 +21,27 @@ checks the tests themselves; the GPU variants skip with their reason where there
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import itertools
 import json
 import math
 import os
-import tempfile
-import threading
-from datetime import timedelta
 
-import fake_cuda
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from engine_helpers import (
-    Reference,
-    assert_close,
-    config,
-    loss_fn,
-    make_model,
-    micro_batch,
-    reference_acco,
-    reference_delayed,
-    reference_diloco,
+from engine_helpers import assert_close, config, loss_fn, make_model
+from one_rank_helpers import (
+    MICRO_BATCHES,
+    UPDATES,
+    N,
+    expected,
+    gpt_neo_tokens,
+    issued,
+    method_configs,
+    mlp_batches,
+    needs_gpu,
+    run_one_rank,
+    tiny_gpt_neo,
+    train_each,
 )
 from overlap_helpers import OVERLAP_UPDATES, assert_overlap, overlap_run
 from torch.nn.utils import parameters_to_vector
@@ -53,17 +49,6 @@ from torch.nn.utils import parameters_to_vector
 import acco.loss
 from acco.engine.config import METHODS
 
-
-def _why_no_gpu() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device (a CPU-only torch build or no GPU visible)"
-    if not dist.is_nccl_available():
-        return "this torch has no NCCL"
-    return None
-
-
-NO_GPU = _why_no_gpu()
-needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
 # fake-cuda: the GPU's code paths (streams, events, prefetch) on the CPU, CUDA's rules checked
 # (tests/fake_cuda.py)
 ON = [pytest.param("cpu", id="gloo-cpu"), pytest.param("fake-cuda", id="fake-cuda"),
@@ -79,74 +64,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _in_group(device_type: str, fn, args):
-    """fn(device, *args) in a one-rank group of this process: NCCL on cuda:0, gloo on the CPU."""
-    if device_type == "cuda":
-        # Before the group, as acco's init_distributed sets it: the group's own stream high-priority.
-        os.environ["TORCH_NCCL_HIGH_PRIORITY"] = "1"
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls, to compare with the CPU references
-        torch.backends.cudnn.allow_tf32 = False
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=300), device_id=device)  # fmt: skip
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group(
-            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60)
-        )
-    try:
-        with fake_cuda.maybe_installed(device_type):
-            return fn(device, *args)
-    finally:
-        gc.collect()  # DDP's reducer holds the group: free it while the group is whole
-        dist.destroy_process_group()
-
-
-def _entry(_: int, device_type: str, fn, args, path: str) -> None:
-    torch.save(_in_group(device_type, fn, args), path)
-
-
-def run_one_rank(device_type: str, fn, *args):
-    """fn(device, *args) on one rank: on the GPU in a process of its own (a CUDA or NCCL failure
-    cannot take pytest down), on the CPU (or the fake GPU) in this one."""
-    if device_type != "cuda":
-        return _in_group(device_type, fn, args)
-    with tempfile.TemporaryDirectory() as out_dir:
-        path = os.path.join(out_dir, "rank0.pt")
-        mp.start_processes(_entry, args=("cuda", fn, args, path), nprocs=1, start_method="spawn")
-        return torch.load(path, weights_only=False)
-
-
-# torch.distributed's collectives that acco's rounds call, by the name a test expects (torch 2.13
-# renamed *_tensor / *_into_tensor to *_single)
-ISSUED = {"reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-          "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-          "all_to_all_single": "all_to_all"}  # fmt: skip
-
-
-@contextlib.contextmanager
-def issued():
-    """The set of (thread, collective) that torch.distributed saw issued inside (thread: "main"
-    or "comm", the round's background thread)."""
-    seen, originals = set(), {name: getattr(dist, name) for name in ISSUED if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        def call(*args, **kwargs):
-            main = threading.current_thread() is threading.main_thread()
-            seen.add(("main" if main else "comm", ISSUED[name]))
-            return fn(*args, **kwargs)
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield seen
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
 # What each method's rounds issue at world size 1 where the collectives are the backend's own (NCCL,
 # and the fake GPU's): ddp runs its rounds on the main thread, the overlapped methods on the comm
 # thread. torch-ddp's all-reduce is DDP's reducer, in C++: not seen here.
@@ -157,68 +74,11 @@ ROUND_COLLECTIVES = {
 }
 
 
-def _train(device, build, cfgs, batches, loss):
-    """Train a fresh model per config; its final parameters (fp32, CPU), its records and the
-    collectives it issued."""
-    from acco.engine import build_engine
-
-    out = []
-    for cfg in cfgs:
-        model = build().to(device)
-        with issued() as seen:
-            engine = build_engine(model, cfg)
-            records = list(engine.run(batches(device), loss))
-            engine.close()
-        theta = parameters_to_vector(model.parameters()).detach().float().cpu()
-        out.append((cfg.method, theta, [(r.loss, r.micro_batches, r.samples) for r in records], seen))
-    return out
-
-
 # --------------------------------------------------------------------------- fp32: the references
 
 
-N, UPDATES, CLIP = 2, 6, 0.45
-
-
-def method_configs() -> list:
-    budget = N * UPDATES
-    common = dict(nb_steps_tot=budget, max_grad_norm=CLIP)
-    return [
-        config(method="ddp", n_grad_accumulation=N, **common),
-        config(method="torch-ddp", n_grad_accumulation=N, **common),
-        config(method="dpu", n_grad_accumulation=N, **common),
-        config(method="wp", n_grad_accumulation=N, **common),
-        config(method="acco", n_grad_accumulation=N // 2, acco_estimate="paper", **common),
-        config(method="acco", n_grad_accumulation=N // 2, acco_estimate="lean", **common),
-        config(method="diloco", n_grad_accumulation=N, nb_steps_tot=N * 10, sync_every=3, max_grad_norm=0.5),
-        config(method="streaming-diloco", n_grad_accumulation=N, nb_steps_tot=N * 11, sync_every=4,
-               num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, outer_lr=0.5,
-               outer_momentum=0.8),
-    ]  # fmt: skip
-
-
-def _mlp_batches(device):
-    for j in itertools.count():  # one worker reads every micro-batch: 0, 1, 2, ...
-        x, y = micro_batch("mlp", j)
-        yield x.to(device), y.to(device)
-
-
 def _every_method_fp32(device):
-    return _train(device, lambda: make_model("mlp"), method_configs(), _mlp_batches, loss_fn)
-
-
-def expected(cfg) -> tuple[torch.Tensor, list[float]]:
-    """The single-process reference's final parameters and losses for `cfg` on one worker."""
-    if cfg.method in ("diloco", "streaming-diloco"):
-        return reference_diloco("mlp", cfg, 1)
-    ref = Reference("mlp", cfg, 1, [cfg.n_grad_accumulation])
-    if cfg.method in ("ddp", "torch-ddp"):
-        theta = ref.ddp(UPDATES)
-    elif cfg.method in ("dpu", "wp"):
-        theta = reference_delayed(ref, UPDATES, predict=cfg.method == "wp")
-    else:
-        theta = reference_acco(ref, UPDATES, lean=cfg.acco_estimate == "lean")
-    return theta, ref.losses
+    return train_each(device, lambda: make_model("mlp"), method_configs(), mlp_batches, loss_fn)
 
 
 @needs_gpu
@@ -283,7 +143,7 @@ def _acco_int8_auto(device):
 
     engine.split.note_round = noting
     with issued() as seen:
-        records = list(engine.run(_mlp_batches(device), loss_fn))
+        records = list(engine.run(mlp_batches(device), loss_fn))
     split = engine.split.e
     engine.close()
     theta = parameters_to_vector(model.parameters()).detach().float().cpu()
@@ -301,27 +161,6 @@ def test_acco_int8_with_the_auto_split_times_its_rounds(on, one_thread):
 
 
 # --------------------------------------------------------------------------- bf16: GPT-Neo learns
-
-
-GPT_NEO = dict(
-    arch="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=32, window_size=8
-)
-VOCAB, SEQ, BATCH, MICRO_BATCHES = 64, 32, 4, 24
-
-
-def _tokens(device):
-    """Two fixed batches of random tokens, again and again: a model that learns them drives the
-    loss well below its start (log 64 = 4.16)."""
-    g = torch.Generator().manual_seed(0)
-    pool = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(2)]
-    return itertools.cycle([{"input_ids": x, "labels": x} for x in pool])
-
-
-def _gpt_neo():
-    from acco.models import build_model
-
-    torch.manual_seed(0)
-    return build_model(GPT_NEO, vocab_size=VOCAB, max_length=SEQ)
 
 
 def _every_method_bf16(device):
@@ -347,7 +186,7 @@ def _every_method_bf16(device):
         )
         for m in METHODS
     ]
-    return _train(device, _gpt_neo, cfgs, _tokens, causal_lm_loss)
+    return train_each(device, tiny_gpt_neo, cfgs, gpt_neo_tokens, causal_lm_loss)
 
 
 @pytest.mark.parametrize("on", [on for on in ON if on.id != "fake-cuda"])  # (the fake's op checks: 10 s more)
