@@ -50,7 +50,7 @@ def _run(tmp_path: Path, budget: int) -> tuple[str, list[list[str]]]:
 def test_every_command_parses_headline_first(tmp_path):
     out, calls = _run(tmp_path, budget=10_000)
     steps = [line.split()[1] for line in out.splitlines() if line.startswith("== ") and " rc=0 " in line]
-    assert steps == ["gpu8", "gpu8cg", "graphs", "onegpu", "gpu8whole", "gpu24", "e2e-diloco",
+    assert steps == ["gpu8", "gpu8cg", "gpu8whole", "graphs", "onegpu", "gpu24", "e2e-diloco",
                      "e2e-streaming-diloco", "llama3"]
     bench, tests, trainings = [], [], []
     for argv in calls:

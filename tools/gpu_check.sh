@@ -55,7 +55,12 @@ step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" \
 step gpu8cg 100 "$PY" -m acco_bench gpu --compile-mode reduce-overhead --no-stream-check --micro off \
   --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
   --out "$OUT/gpu8cg"
-# 1c. CUDA graphs' numbers: every method under them equals its reference, GPT-Neo's fused loss alike
+# 1c. The model's body compiled whole (train.compile_scope=model) at 8 x 1024: one compiled call per
+#    micro-batch and direction instead of one per block, less host time if the host is the bound.
+step gpu8whole 100 "$PY" -m acco_bench gpu --compile-scope model --no-stream-check --micro off \
+  --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
+  --out "$OUT/gpu8whole"
+# 1d. CUDA graphs' numbers: every method under them equals its reference, GPT-Neo's fused loss alike
 #    with and without them, no graph compiled without them (a graph replaying at a wrong address
 #    gives wrong numbers, not an error).
 TAILN=12 step graphs 120 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 110 tests/test_cuda_graphs.py
@@ -63,11 +68,6 @@ TAILN=12 step graphs 120 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 11
 #    the overlap, peak memory against the state held at 4 x 1024.
 TAILN=40 step onegpu 170 "$PY" -m pytest -q -rs -s -p no:cacheprovider --timeout 160 \
   tests/test_cuda_one_gpu.py
-# 2b. The model's body compiled whole (train.compile_scope=model) at 8 x 1024: one compiled call per
-#    micro-batch and direction instead of one per block, less host time if the host is the bound.
-step gpu8whole 100 "$PY" -m acco_bench gpu --compile-scope model --no-stream-check --micro off \
-  --variants engine-acco-compiled,plain-bf16-compiled --profile engine-acco-compiled,plain-bf16-compiled \
-  --out "$OUT/gpu8whole"
 # 3. The paper's micro-batch, 24 x 1024.
 step gpu24 100 "$PY" -m acco_bench gpu --batch-size 24 \
   --variants engine-acco-compiled,plain-bf16-compiled --no-stream-check --micro off --out "$OUT/gpu24"
