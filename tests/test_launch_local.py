@@ -142,9 +142,11 @@ LAUNCHER = """
 def start_launcher(tmp_path, save_signals=(), worker=BLOCKER):
     blocker = write_script(tmp_path, "blocker.py", worker)
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
+    # The launcher's report folder in tmp_path: a launcher killed with SIGKILL cannot remove it
+    (tmp_path / "tmp").mkdir()
     proc = subprocess.Popen(
-        [sys.executable, launcher, blocker, *save_signals], env=clean_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [sys.executable, launcher, blocker, *save_signals], env=clean_env({"TMPDIR": str(tmp_path / "tmp")}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     pids = {}
     while len(pids) < 2:  # both workers up (blocking read of their "ready" lines, in either order)
@@ -168,6 +170,7 @@ def test_launcher_forwards_signals(tmp_path, sig, save_signals):
         assert wait_dead(pid, timeout=5)
     err = proc.stderr.read()
     assert "acco.launch:" not in err, err
+    assert list((tmp_path / "tmp").iterdir()) == []  # its report folder removed
 
 
 # acco's worker (cli.main) under a Ctrl-C: rank 0 stops on its KeyboardInterrupt, while rank 1 is
