@@ -356,7 +356,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     if rank == 0 and (args.micro == "on" or (args.micro == "auto" and device.type == "cuda")):
         from acco_bench.gpu_micro import from_args
 
-        result["micro"] = from_args(args, device)
+        result["micro"] = from_args(args, device, keep=lambda m: _write(out, result | {"micro": m}))
     if rank == 0:
         _write(out, result)
         print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")

@@ -17,7 +17,10 @@ after a warm-up that also compiles), milliseconds, or the error a piece raised:
   and built once beforehand, compiled (on CUDA; the CPU runs its forward only, eagerly: torch 2.13
   has no flex backward there);
 - ``loss``: the loss acco computed before (checkpointed head, fp32 cross-entropy per chunk) against
-  the fused one, eager and compiled;
+  the fused one, eager and compiled (chunks of acco's CHUNK_POSITIONS rows, and compiled at
+  LOSS_CHUNKS' larger ones: what fewer, larger GEMMs buy), and nanoGPT's (``full_logits_compiled``:
+  the padded head's full logits and ``F.cross_entropy``, compiled: the loss of the nanogpt-compiled
+  anchor, where the fused loss trades its memory for chunked GEMMs);
 - ``optimizer``: the comm round's optimizer on a shard of the whole model (world size 1): the
   commit (torch's fused AdamW, the gradient divided inside it) and acco's trial step at several
   chunk sizes (acco/engine/optim.py's TRIAL_CHUNK: the workspace small enough to stay in the
@@ -79,6 +82,19 @@ def todays_loss(hidden, weight, targets, chunk: int = 1024):
     return sum(checkpoint(part, h, t, use_reentrant=False) for h, t in pairs)
 
 
+def full_logits_loss(hidden, weight, targets):
+    """nanoGPT's loss, summed: the full (rows, vocab) logits, then an fp32 cross-entropy (fp64 stays)."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = F.linear(hidden, weight)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+
+
+LOSS_CHUNKS = (2048, 4096)  # rows per chunk of the fused loss, compiled, beside acco's CHUNK_POSITIONS
+
+
 def run(
     device,
     rows: int,
@@ -90,9 +106,12 @@ def run(
     backend: str | None,
     repeats: int = 20,
     shard: int = 0,
+    keep=None,
 ) -> dict:
     """The breakdowns above; `backend` compiles flex attention and the fused loss (None: eager);
-    `shard`: the optimizer's elements (0: no optimizer times)."""
+    `shard`: the optimizer's elements (0: no optimizer times); `keep(results so far)` is called as
+    each group is timed, so that a run cut short by a time limit keeps what it measured (the
+    compiled loss's larger chunks and nanoGPT's loss, each a compile more, come last)."""
     import torch
     import torch.nn.functional as F
     from transformers.activations import GELUTanh, NewGELUActivation
@@ -107,18 +126,24 @@ def run(
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen).requires_grad_(grad)
 
     out: dict = {"rows": rows, "backend": backend}
+
+    def kept(group: str, value: dict) -> None:
+        out[group] = value
+        if keep is not None:  # a snapshot: the loss's group grows after it is first kept
+            keep({k: dict(v) if isinstance(v, dict) else v for k, v in out.items()})
+
     h = randn(rows, hidden)
     head = {}
     for v in sorted({vocab, -(-vocab // 128) * 128}):
         w, g = randn(v, hidden), randn(rows, v)
         head[f"vocab_{v}"] = measure(lambda w=w, g=g: (h @ w.t(), g @ w, g.t() @ h))
-    out["head_gemm"] = head
-    out["projections"] = _projections(measure, randn, rows, hidden)
+    kept("head_gemm", head)
+    kept("projections", _projections(measure, randn, rows, hidden))
     x, dy = randn(rows, 4 * hidden, grad=True), randn(rows, 4 * hidden)
-    out["gelu"] = {
+    kept("gelu", {
         name: measure(lambda act=act: act(x).backward(dy))
         for name, act in (("gelu_new", NewGELUActivation()), ("gelu_pytorch_tanh", GELUTanh()))
-    }
+    })
     batch = max(1, rows // length)
     q, k, v = (randn(batch, heads, length, hidden // heads, grad=True) for _ in range(3))
     do = randn(batch, heads, length, hidden // heads)
@@ -131,7 +156,7 @@ def run(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0).backward(do)
         ),
     }
-    out["local_attention"] = attention | _flex(measure, q, k, v, do, window, backend, device)
+    kept("local_attention", attention | _flex(measure, q, k, v, do, window, backend, device))
     targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
     hg, wg = randn(rows, hidden, grad=True), randn(vocab, hidden, grad=True)
     loss = {
@@ -143,9 +168,20 @@ def run(
         loss["fused_compiled"] = measure(
             lambda: linear_cross_entropy(hg, wg, None, targets, compile_options=options).backward()
         )
-    out["loss"] = loss
+    kept("loss", loss)
     if shard:
-        out["optimizer"] = _optimizer(measure, device, shard)
+        kept("optimizer", _optimizer(measure, device, shard))
+    if backend:
+        for chunk in LOSS_CHUNKS:
+            loss[f"fused_compiled_{chunk}"] = measure(
+                lambda chunk=chunk: linear_cross_entropy(
+                    hg, wg, None, targets, chunk=chunk, compile_options=options
+                ).backward()
+            )
+        padded = randn(-(-vocab // 128) * 128, hidden, grad=True)  # nanoGPT pads its vocabulary
+        full = torch.compile(full_logits_loss, backend=backend)
+        loss["full_logits_compiled"] = measure(lambda: full(hg, padded, targets).backward())
+        kept("loss", loss)
     return out
 
 
@@ -220,7 +256,7 @@ def _flex(measure, q, k, v, do, window: int, backend: str | None, device) -> dic
     }
 
 
-def from_args(args, device) -> dict:
+def from_args(args, device, keep=None) -> dict:
     """`run` at acco-bench gpu's shapes: --model's width, heads, window and vocabulary, --batch-size
     x --max-length rows; compiled with --compile-backend on CUDA."""
     import torch
@@ -243,6 +279,7 @@ def from_args(args, device) -> dict:
         int(m.get("window_size") or GPT_NEO_WINDOW),
         args.compile_backend if device.type == "cuda" else None,
         shard=numel if device.type == "cuda" else min(numel, 1 << 20),  # the CPU: a path check
+        keep=keep,
     )
 
 

@@ -48,6 +48,7 @@ def test_compiled_variants_and_the_micro_benchmark_on_the_cpu(tmp_path):
 
 
 def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
+    kept = []
     m = gpu_micro.run(
         torch.device("cpu"),
         rows=32,
@@ -59,12 +60,39 @@ def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
         backend="aot_eager",
         repeats=1,
         shard=3000,
+        keep=kept.append,
     )
     assert set(m["head_gemm"]) == {"vocab_203", "vocab_256"}
     assert m["optimizer"]["elements"] == 3000 and isinstance(m["optimizer"]["trial_2^18"], float), m
-    assert set(m["loss"]) == {"todays", "fused", "fused_compiled"}
+    assert set(m["loss"]) == {
+        "todays", "fused", "fused_compiled", "fused_compiled_2048", "fused_compiled_4096",
+        "full_logits_compiled",
+    }
+    # each group kept as it is timed (a run cut short keeps them), the loss's extra compiles last
+    groups = [[k for k in partial if k not in ("rows", "backend")] for partial in kept]
+    assert groups[:3] == [["head_gemm"], ["head_gemm", "projections"], ["head_gemm", "projections", "gelu"]]
+    assert groups[-1] == ["head_gemm", "projections", "gelu", "local_attention", "loss", "optimizer"]
+    assert set(kept[-3]["loss"]) == {"todays", "fused", "fused_compiled"} and kept[-1] == m
     assert set(m["projections"]) == {"three_gemms", "stacked"}
     assert all(isinstance(ms, float) for g in ("head_gemm", "projections", "loss") for ms in m[g].values()), m
+
+
+def test_the_micro_benchmarks_full_logits_loss_is_the_fused_loss():
+    """nanoGPT's loss as the micro-benchmark times it computes what acco's fused loss does (fp64;
+    the fused loss at chunks smaller than the rows, as the micro-benchmark's larger chunks are)."""
+    from acco.loss import linear_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    h, w = (torch.randn(*s, dtype=torch.float64, generator=gen).requires_grad_() for s in ((40, 8), (37, 8)))
+    targets = torch.randint(0, 37, (40,), generator=gen)
+    targets[::7] = -100
+    full = gpu_micro.full_logits_loss(h, w, targets)
+    expected = torch.autograd.grad(full, (h, w))
+    for chunk in (7, 16, 64):
+        fused = linear_cross_entropy(h, w, None, targets, chunk=chunk)
+        torch.testing.assert_close(fused, full, rtol=1e-12, atol=1e-12)
+        for got, want in zip(torch.autograd.grad(fused, (h, w)), expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("window", [4, 16])
