@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from bench_helpers import TINY_ON_CPU, one_thread
 
+import acco.loss as loss_module
 from acco_bench import gpu_micro
 from acco_bench.cli import main
 
@@ -73,6 +74,8 @@ def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
     assert groups[:3] == [["head_gemm"], ["head_gemm", "projections"], ["head_gemm", "projections", "gelu"]]
     assert groups[-1] == ["head_gemm", "projections", "gelu", "local_attention", "loss", "optimizer"]
     assert set(kept[-3]["loss"]) == {"todays", "fused", "fused_compiled"} and kept[-1] == m
+    # the larger chunks' pass compiled static (dynamic=False), not as a dynamic-shape graph
+    assert (("backend", "aot_eager"), ("dynamic", False)) in loss_module._COMPILED
     assert set(m["projections"]) == {"three_gemms", "stacked"}
     assert all(isinstance(ms, float) for g in ("head_gemm", "projections", "loss") for ms in m[g].values()), m
 
