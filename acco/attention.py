@@ -15,12 +15,20 @@ in its window) SDPA gets ``is_causal=True`` and no mask, which lets it take its 
 GPU; an explicit mask rules that kernel out. Whether a batch has padding is decided once per
 forward by transformers' mask builder (see `use_sdpa`), never by reading a GPU tensor per layer.
 
-A local layer whose window cuts in (no padding, T > window_size) takes SDPA's explicit mask (the
-full T x T, masked). `flex_local` (``flex_attention`` with a sliding-window causal block mask, which
-skips the key blocks the window masks) is there for CUDA under compile (``train.compile``) but off
-(FLEX_LOCAL = False): on an H200 at GPT-Neo 125M's shapes (T = 1024, window 256, head dim 64) it
-was slower than the masked SDPA kernel alone (0.91 against 0.35 ms forward and backward per layer
-at 4 x 1024) and no faster in the compiled model (BENCHMARKS.md, "GPU (one H200)"); acco-bench gpu's
+A local layer whose window cuts in (no padding, T > window_size) computes only what its window
+sees where T is a multiple of the window (`local_blocked`): the first window-long block of queries
+is plain causal, every later block attends to its own key block and the one before, under one
+window x 2 window band mask shared by all blocks. At T = 1024 and window 256 that is 0.42 of the
+T x T scores; in training the blocks are recomputed in backward (`checkpoint`), so that the layer
+saves no more than the masked path. Other lengths, padding and a KV cache take SDPA's explicit
+mask (the full T x T, masked). On the CPU the blocked layer is 1.5x the masked one, forward and
+backward; on a GPU it is not measured yet.
+
+`flex_local` (``flex_attention`` with a sliding-window causal block mask, which skips the key
+blocks the window masks) is there for CUDA under compile (``train.compile``) but off (FLEX_LOCAL =
+False): on an H200 at GPT-Neo 125M's shapes (T = 1024, window 256, head dim 64) it was slower than
+the masked SDPA kernel alone (0.91 against 0.35 ms forward and backward per layer at 4 x 1024) and
+no faster in the compiled model (BENCHMARKS.md, "GPU (one H200)"); acco-bench gpu's
 ``-compiled-flex`` variants weigh it. Inductor's flex kernels need a head dimension of 16 or more;
 smaller heads keep SDPA. torch 2.13 has no flex backward on the CPU: its forward is tested there
 against eager attention (tests/test_attention.py).
@@ -39,6 +47,7 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoModel, GPTNeoSelfAttention
 
 FLEX_LOCAL = False  # local layers through flex_attention on CUDA under compile (the module docstring)
@@ -69,6 +78,30 @@ def flex_local(query, key, value, window: int, block_mask=None):
     if block_mask is None:
         block_mask = sliding_window_block_mask(query.size(-2), window, query.device)
     return flex_attention(query, key, value, block_mask=block_mask, scale=1.0)
+
+
+def local_blocked(query, key, value, window: int, band, dropout: float = 0.0):
+    """GPT-Neo's local attention (no scaling, key j seen from query i when 0 <= i - j < window) for
+    a length T that is a multiple of `window`, computing only the blocks the window reaches. Query
+    block 0 sees key block 0, causally; query block k > 0 sees key blocks k-1 and k, through `band`,
+    the (window, 2 window) mask that is the same for every such block (rows i = window..2 window-1
+    and keys 0..2 window-1 of the layer's own mask). The later blocks go to SDPA as one batch of
+    (heads x blocks) rows: the key pairs are an unfold (a view) copied once, small beside the
+    T x T scores they avoid."""
+    n = query.size(-2) // window - 1  # query blocks after the first
+    first = F.scaled_dot_product_attention(
+        query[:, :, :window], key[:, :, :window], value[:, :, :window],
+        dropout_p=dropout, is_causal=True, scale=1.0,
+    )
+
+    def pairs(x):  # (B, H, T, D) -> (B, H * n, 2 window, D): key blocks k-1 and k for block k
+        return x.unfold(2, 2 * window, window).transpose(-1, -2).flatten(1, 2)
+
+    queries = query[:, :, window:].unflatten(2, (n, window)).flatten(1, 2)
+    rest = F.scaled_dot_product_attention(
+        queries, pairs(key), pairs(value), attn_mask=band, dropout_p=dropout, scale=1.0
+    )
+    return torch.cat((first, rest.unflatten(1, (query.size(1), n)).flatten(2, 3)), dim=2)
 
 
 def _use_flex(query, dropout: float) -> bool:
@@ -116,6 +149,16 @@ class GPTNeoSDPAttention(GPTNeoSelfAttention):
             return out, None
         if attention_mask is None and q_len == k_len and _use_flex(query, dropout):  # a local layer
             return flex_local(query, key, value, self.config.window_size), None
+        window = self.config.window_size
+        if attention_mask is None and q_len == k_len and k_len % window == 0:  # a local layer, blocked
+            band = self.bias[:, :, window : 2 * window, : 2 * window]  # query block k, key blocks k-1 and k
+            if not (torch.is_grad_enabled() and query.requires_grad):
+                return local_blocked(query, key, value, window, band, dropout), None
+            # Saved for backward, the key and value pairs (copies, 1.5 q each) and the block queries
+            # would add 10% to GPT-Neo 125M's activations; recomputed, the layer keeps only q, k and
+            # v (less than the full mask's SDPA), for one more forward of the blocks.
+            out = checkpoint(local_blocked, query, key, value, window, band, dropout, use_reentrant=False)
+            return out, None
         allowed = self.bias[:, :, k_len - q_len : k_len, :k_len]  # causal, and the window for local layers
         if attention_mask is None:
             mask = allowed

@@ -11,8 +11,11 @@ after a warm-up that also compiles), milliseconds, or the error a piece raised:
   weights stacked (acco/attention.py): fewer, larger kernels;
 - ``gelu``: ``gelu_new`` (eight ops) against ``gelu_pytorch_tanh`` (one kernel) on the MLP's
   activations;
-- ``local_attention``: a local layer (sliding window) through SDPA with an explicit mask (what runs
-  today), SDPA ``is_causal`` (the flash kernel; a bound, it ignores the window), and
+- ``local_attention``: a local layer (sliding window) through SDPA with the full explicit mask (what
+  ran before), acco's blocked path (acco/attention.py's local_blocked, where the length is a
+  multiple of the window: ``sdpa_blocked``, and ``sdpa_blocked_recomputed`` as training runs it,
+  the blocks recomputed in backward), SDPA ``is_causal`` (the flash kernel; a bound, it ignores the
+  window), and
   ``flex_attention`` with a sliding-window causal block mask built in the graph (as acco runs it)
   and built once beforehand, compiled (on CUDA; the CPU runs its forward only, eagerly: torch 2.13
   has no flex backward there);
@@ -156,6 +159,16 @@ def run(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0).backward(do)
         ),
     }
+    if length > window and length % window == 0:  # acco's path for local layers
+        from torch.utils.checkpoint import checkpoint
+
+        from acco.attention import local_blocked
+
+        band = mask[window : 2 * window, : 2 * window]
+        attention["sdpa_blocked"] = measure(lambda: local_blocked(q, k, v, window, band).backward(do))
+        attention["sdpa_blocked_recomputed"] = measure(
+            lambda: checkpoint(local_blocked, q, k, v, window, band, use_reentrant=False).backward(do)
+        )
     kept("local_attention", attention | _flex(measure, q, k, v, do, window, backend, device))
     targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
     hg, wg = randn(rows, hidden, grad=True), randn(vocab, hidden, grad=True)

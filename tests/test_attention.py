@@ -15,7 +15,8 @@ from acco.attention import GPTNeoSDPAttention, use_sdpa
 from acco.models import build_model
 
 LENGTH = 12
-# window 4: the local layers' window cuts in (LENGTH > window); window 16: local = causal
+# window 4: the local layers' window cuts in (LENGTH > window), blocked (LENGTH a multiple of it);
+# window 5: cuts in, the full mask; window 16: local = causal
 NEO = dict(arch="gpt_neo", hidden_size=32, num_layers=4, num_heads=4, max_position_embeddings=32)
 
 
@@ -40,7 +41,7 @@ def _batch(padded: bool):
     return x, mask
 
 
-@pytest.mark.parametrize("window", [4, 16])
+@pytest.mark.parametrize("window", [4, 5, 16])
 @pytest.mark.parametrize("padded", [False, True])
 def test_sdpa_equals_eager_for_gpt_neo(window, padded):
     eager, sdpa = _models(window)
@@ -121,13 +122,18 @@ def test_sdpa_equals_eager_with_a_kv_cache(step):
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window, padded, fast", [
-    (4, False, ["global", "global"]),  # the local layers need their window: a mask
-    (16, False, ["global", "local", "global", "local"]),  # the window holds every key: causal
-    (4, True, []),
-    (16, True, []),
+# per layer kind, the SDPA calls as (no mask, is_causal, key length); LENGTH 12
+CAUSAL, MASKED = (True, True, LENGTH), (False, False, LENGTH)
+
+
+@pytest.mark.parametrize("window, padded, local", [
+    (4, False, [(True, True, 4), (False, False, 8)]),  # blocked: block 0 causal, blocks 1-2 banded
+    (5, False, [MASKED]),  # the window cuts in, LENGTH no multiple of it: the full mask
+    (16, False, [CAUSAL]),  # the window holds every key: causal
+    (4, True, [MASKED]),
+    (16, True, [MASKED]),
 ])  # fmt: skip
-def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, padded, fast):
+def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, padded, local):
     _, sdpa = _models(window)
     x, mask = _batch(padded)
     if mask is None:  # no attention_mask, and an all-ones one (pre-tokenized data): the same call
@@ -136,18 +142,40 @@ def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, pa
         masks = [mask]
     real, calls = torch.nn.functional.scaled_dot_product_attention, []
 
-    def recorder(*args, attn_mask=None, is_causal=False, **kwargs):
-        calls.append((attn_mask is None, is_causal))
-        return real(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+    def recorder(query, key, *args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal, key.size(-2)))
+        return real(query, key, *args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorder)
-    kinds = sdpa.config.attention_layers
+    per_kind = {"global": [MASKED] if padded else [CAUSAL], "local": local}
     for attention_mask in masks:
         calls.clear()
         sdpa(input_ids=x, attention_mask=attention_mask)
-        assert len(calls) == len(kinds)
-        assert [kind for kind, (no_mask, causal) in zip(kinds, calls) if no_mask and causal] == fast
-        assert all(no_mask == causal for no_mask, causal in calls)  # a mask or is_causal, never both
+        assert calls == [c for kind in sdpa.config.attention_layers for c in per_kind[kind]]
+
+
+@pytest.mark.parametrize("length, window", [(8, 4), (12, 4), (12, 3), (64, 16)])
+def test_local_blocked_equals_the_masked_local_attention_in_fp64(length, window):
+    """Only the blocks the window reaches, and the same values and gradients as SDPA on GPT-Neo's
+    whole T x T local mask (built here from its definition, 0 <= i - j < window)."""
+    from acco.attention import local_blocked
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(2, 3, length, 8, dtype=torch.float64, generator=g) for _ in range(4))
+    i = torch.arange(length)
+    full = (i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < window)
+    band = full[window : 2 * window, : 2 * window]
+    outs = []
+    for attend in (
+        lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full, scale=1.0),
+        lambda q, k, v: local_blocked(q, k, v, window, band),
+    ):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = attend(*inputs)
+        outs.append((out, torch.autograd.grad(out, inputs, dy)))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-12, atol=1e-12)
+    for got, want in zip(outs[1][1], outs[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_flex_is_off_by_default_and_never_taken_by_heads_under_16(monkeypatch):
@@ -200,3 +228,24 @@ def test_flex_local_layers_equal_eager_forward(monkeypatch, window, compiled):
         assert graphs and any("flex_attention" in str(n.target) for gm in graphs for n in gm.graph.nodes)
         assert not counters["graph_break"], list(counters["graph_break"])  # the mask built in-graph
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_blocked_local_layer_saves_only_its_inputs_for_backward():
+    """The blocked local attention is recomputed in backward: it keeps q, k and v (and its mask
+    buffer), not the key pairs' copies, which would add about 10% to GPT-Neo's activations."""
+    _, sdpa = _models(4)
+    layers = [m for m in sdpa.modules() if isinstance(m, GPTNeoSDPAttention)]
+    local = next(m for m in layers if m.attention_type == "local")
+    q, k, v = (torch.randn(3, 4, LENGTH, 8, requires_grad=True) for _ in range(3))
+    allowed = {t.untyped_storage().data_ptr() for t in (q, k, v, local.bias)}
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = local._attn(q, k, v)
+    assert saved and {t.untyped_storage().data_ptr() for t in saved} <= allowed
+    out.sum().backward()  # and the recomputation gives the gradients
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))

@@ -110,7 +110,8 @@ def _run(compile_setting, tmp_path=None, arch=NEO, scope="blocks"):
     gen = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(6):
-        ids = torch.randint(0, 97, (2, 20), generator=gen)  # 40 positions: 2 chunks of 20
+        # 48 positions: 2 chunks of 24; 24 = 3 local windows: the local layer blocked
+        ids = torch.randint(0, 97, (2, 24), generator=gen)
         batches.append({"input_ids": ids, "labels": ids})
     records = _train(engine, model, iter(batches), causal_lm_loss)
     assert list(model.state_dict()) == keys  # no _orig_mod. anywhere
@@ -135,7 +136,7 @@ def test_the_blocks_and_the_loss_compile_in_place(monkeypatch, tmp_path, backend
     """GPT-Neo's and Llama's repeated blocks, or (compile_scope "model") their whole body; aot_eager
     in make test, inductor (C++ code generated for the CPU) in the slow tier. Each compiled function
     is one graph: a graph break would split a block in two and cost the fusions across it, silently."""
-    monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 20)
+    monkeypatch.setattr(acco.loss, "CHUNK_POSITIONS", 24)
     eager, eager_rec, eager_eval = _run(False, arch=arch)
     assert eager.acco_compile is None
     calls, real = [], acco.loss._compiled_pass
@@ -217,7 +218,11 @@ def test_the_compile_mode_reaches_inductor_and_nothing_else(monkeypatch):
     assert model.acco_compile == seen[0]  # the loss's per-chunk pass compiles alike
 
 
-def test_the_body_compiled_whole_keeps_the_flash_path(monkeypatch):
+@pytest.mark.parametrize("length, local", [
+    (20, [(False, False)]),  # 20 positions > window 8, no multiple of it: the local layer's full mask
+    (24, [(True, True), (False, False)]),  # 3 windows: blocked, block 0 causal, the rest banded
+])  # fmt: skip
+def test_the_body_compiled_whole_keeps_the_flash_path(monkeypatch, length, local):
     """Compiled whole (compile_scope "model"), transformers still builds no mask for a batch without
     padding, as in eager: global layers take SDPA's is_causal (flash on a GPU) and local layers
     their window's mask; a dense (B, 1, T, T) mask in every layer would give the same loss, slower."""
@@ -234,10 +239,10 @@ def test_the_body_compiled_whole_keeps_the_flash_path(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     torch.manual_seed(0)
     model = build_model(NEO, vocab_size=97)
-    ids = torch.randint(0, 97, (2, 20))  # 20 positions > window 8: the local layer's mask cuts in
+    ids = torch.randint(0, 97, (2, length))
     model.base_model(input_ids=ids)
     eager, seen[:] = list(seen), []
-    assert eager == [(True, True), (False, False)]  # global: is_causal, no mask; local: its window
+    assert eager == [(True, True), *local]  # global: is_causal, no mask; local: its window
     torch._dynamo.reset()
     compile_module(model, {"backend": "aot_eager"}, scope="model")
     model.base_model(input_ids=ids)
