@@ -86,8 +86,8 @@ def local_blocked(query, key, value, window: int, band, dropout: float = 0.0):
     block 0 sees key block 0, causally; query block k > 0 sees key blocks k-1 and k, through `band`,
     the (window, 2 window) mask that is the same for every such block (rows i = window..2 window-1
     and keys 0..2 window-1 of the layer's own mask). The later blocks go to SDPA as one batch of
-    (heads x blocks) rows: the key pairs are an unfold (a view) copied once, small beside the
-    T x T scores they avoid."""
+    (heads x blocks) rows: the key pairs are copied once, small beside the T x T scores they
+    avoid."""
     n = query.size(-2) // window - 1  # query blocks after the first
     first = F.scaled_dot_product_attention(
         query[:, :, :window], key[:, :, :window], value[:, :, :window],
@@ -95,7 +95,10 @@ def local_blocked(query, key, value, window: int, band, dropout: float = 0.0):
     )
 
     def pairs(x):  # (B, H, T, D) -> (B, H * n, 2 window, D): key blocks k-1 and k for block k
-        return x.unfold(2, 2 * window, window).transpose(-1, -2).flatten(1, 2)
+        # (not x.unfold: its backward compiled by inductor on the CPU with dropout corrupted the
+        # heap, torch 2.13; slices and a cat are plain copies everywhere)
+        blocks = x.unflatten(2, (n + 1, window))
+        return torch.cat((blocks[:, :, :-1], blocks[:, :, 1:]), dim=3).flatten(1, 2)
 
     queries = query[:, :, window:].unflatten(2, (n, window)).flatten(1, 2)
     rest = F.scaled_dot_product_attention(
