@@ -249,3 +249,17 @@ def test_a_blocked_local_layer_saves_only_its_inputs_for_backward():
     assert saved and {t.untyped_storage().data_ptr() for t in saved} <= allowed
     out.sum().backward()  # and the recomputation gives the gradients
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_blocked_local_layers_under_gradient_checkpointing_give_the_same_gradients(reentrant):
+    """transformers' gradient checkpointing recomputes each block, with the blocked local layers'
+    own recomputation nested inside it: the gradients are those of a run without either."""
+    _, sdpa = _models(4)
+    checkpointed = copy.deepcopy(sdpa)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    x, _ = _batch(False)
+    for model in (sdpa.train(), checkpointed.train()):
+        model(input_ids=x, labels=x).loss.backward()
+    for got, want in zip(checkpointed.parameters(), sdpa.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
