@@ -107,6 +107,16 @@ def local_blocked(query, key, value, window: int, band, dropout: float = 0.0):
     return torch.cat((first, rest.unflatten(1, (query.size(1), n)).flatten(2, 3)), dim=2)
 
 
+def blocked_local_layer(query, key, value, window: int, band, dropout: float = 0.0):
+    """`local_blocked` as a local layer runs it: where a gradient is wanted, recomputed in backward.
+    Saved for backward, the key and value pairs (copies, 1.5 q each) and the block queries would
+    add 10% to GPT-Neo 125M's activations; recomputed, the layer keeps only q, k and v (less than
+    the full mask's SDPA), for one more forward of the blocks."""
+    if not (torch.is_grad_enabled() and query.requires_grad):
+        return local_blocked(query, key, value, window, band, dropout)
+    return checkpoint(local_blocked, query, key, value, window, band, dropout, use_reentrant=False)
+
+
 def _use_flex(query, dropout: float) -> bool:
     return (
         FLEX_LOCAL
@@ -144,24 +154,18 @@ class GPTNeoSDPAttention(GPTNeoSelfAttention):
         dropout = self.attn_dropout.p if self.training else 0.0
         # No mask: no padding. SDPA's is_causal is top-left aligned, GPT-Neo's mask bottom-right:
         # the same only when q_len == k_len (no KV cache), so other shapes take the mask below.
-        windowless = self.attention_type == "global" or k_len <= self.config.window_size
+        window = self.config.window_size
+        windowless = self.attention_type == "global" or k_len <= window
         if attention_mask is None and q_len == k_len and windowless:
             out = F.scaled_dot_product_attention(
                 query, key, value, dropout_p=dropout, is_causal=True, scale=1.0
             )
             return out, None
         if attention_mask is None and q_len == k_len and _use_flex(query, dropout):  # a local layer
-            return flex_local(query, key, value, self.config.window_size), None
-        window = self.config.window_size
+            return flex_local(query, key, value, window), None
         if attention_mask is None and q_len == k_len and k_len % window == 0:  # a local layer, blocked
             band = self.bias[:, :, window : 2 * window, : 2 * window]  # query block k, key blocks k-1 and k
-            if not (torch.is_grad_enabled() and query.requires_grad):
-                return local_blocked(query, key, value, window, band, dropout), None
-            # Saved for backward, the key and value pairs (copies, 1.5 q each) and the block queries
-            # would add 10% to GPT-Neo 125M's activations; recomputed, the layer keeps only q, k and
-            # v (less than the full mask's SDPA), for one more forward of the blocks.
-            out = checkpoint(local_blocked, query, key, value, window, band, dropout, use_reentrant=False)
-            return out, None
+            return blocked_local_layer(query, key, value, window, band, dropout), None
         allowed = self.bias[:, :, k_len - q_len : k_len, :k_len]  # causal, and the window for local layers
         if attention_mask is None:
             mask = allowed

@@ -160,14 +160,12 @@ def run(
         ),
     }
     if length > window and length % window == 0:  # acco's path for local layers
-        from torch.utils.checkpoint import checkpoint
-
-        from acco.attention import local_blocked
+        from acco.attention import blocked_local_layer, local_blocked
 
         band = mask[window : 2 * window, : 2 * window]
         attention["sdpa_blocked"] = measure(lambda: local_blocked(q, k, v, window, band).backward(do))
-        attention["sdpa_blocked_recomputed"] = measure(
-            lambda: checkpoint(local_blocked, q, k, v, window, band, use_reentrant=False).backward(do)
+        attention["sdpa_blocked_recomputed"] = measure(  # as the model trains it
+            lambda: blocked_local_layer(q, k, v, window, band).backward(do)
         )
     kept("local_attention", attention | _flex(measure, q, k, v, do, window, backend, device))
     targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)

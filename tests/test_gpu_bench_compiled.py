@@ -104,8 +104,8 @@ def test_the_micro_benchmarks_full_logits_loss_is_the_fused_loss():
 def test_the_micro_benchmarks_masks_are_gpt_neos_local_attention(window):
     """The explicit mask the micro-benchmark gives SDPA is GPT-Neo's local bias, and acco's flex path
     (acco/attention.py's flex_local, which it times, with its mask built in the call or beforehand)
-    computes the same attention, forward only."""
-    from acco.attention import flex_local, sliding_window_block_mask
+    and its blocked path (with the band cut from that mask) compute the same attention, forward only."""
+    from acco.attention import flex_local, local_blocked, sliding_window_block_mask
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8, generator=gen) for _ in range(3))
@@ -116,6 +116,9 @@ def test_the_micro_benchmarks_masks_are_gpt_neos_local_attention(window):
     torch.testing.assert_close(flex_local(q, k, v, window), expected, rtol=1e-5, atol=1e-5)
     prebuilt = sliding_window_block_mask(16, window, q.device)
     torch.testing.assert_close(flex_local(q, k, v, window, prebuilt), expected, rtol=1e-5, atol=1e-5)
+    if window < 16:  # the blocked path, with the band the micro-benchmark cuts from its mask
+        band = mask[window : 2 * window, : 2 * window]
+        torch.testing.assert_close(local_blocked(q, k, v, window, band), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failing_variant_is_reported_and_the_others_kept(tmp_path):
