@@ -82,6 +82,20 @@ def fuse_gelu(model: nn.Module) -> int:
     return swapped
 
 
+def checkpoint_activations(model: nn.Module) -> None:
+    """transformers' activation checkpointing, non-reentrant (parameter gradients reach the engine's
+    flat buffer as usual). transformers 5 renamed gradient_checkpointing_enable, now a deprecated alias."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ValueError(
+            "train.gradient_checkpointing needs a transformers model (activation_checkpointing_enable)"
+        )
+
+
 def attention_of(model: nn.Module) -> str:
     """The attention a built model runs ("sdpa" for GPT-Neo through acco's swap)."""
     from acco.attention import GPTNeoSDPAttention

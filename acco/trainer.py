@@ -38,7 +38,7 @@ from acco.launch import preemption
 from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_at, init_distributed
 from acco.loss import causal_lm_loss
 from acco.metrics import RunLog
-from acco.models import check_fits, token_rows
+from acco.models import check_fits, checkpoint_activations, token_rows
 
 __all__ = ["DecoupledTrainer", "TrainArgs", "causal_lm_loss"]
 
@@ -74,12 +74,7 @@ class DecoupledTrainer:
         torch.manual_seed(self.args.seed)
         self.model = model.to(self.device)
         if self.args.gradient_checkpointing:  # activations recomputed layer by layer in the backward pass
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise ValueError(
-                    "train.gradient_checkpointing needs a transformers model (gradient_checkpointing_enable)"
-                )
-            # Non-reentrant: the parameters' gradients land in the engine's flat buffer as usual.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_activations(model)
         self.engine = None
         # Rank 0 calls it once training is about to start, a resume having succeeded (the command
         # line writes the run's config.yaml then: a run that cannot start leaves the folder as it was)

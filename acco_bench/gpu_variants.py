@@ -44,18 +44,14 @@ def _fresh_model(args, vocab: int, device, dtype, checkpointing: bool = False):
     """The model from its local config (acco/conf/model, never a hub), in training mode."""
     import torch
 
-    from acco.models import build_model
+    from acco.models import build_model, checkpoint_activations
     from acco_bench.settings import model_settings
 
     torch.manual_seed(0)
     model = build_model(model_settings(args.model), vocab_size=vocab, max_length=args.max_length)
     model = model.to(device=device, dtype=dtype).train()  # checkpointing acts in training mode only
-    if checkpointing:  # transformers 5 renamed gradient_checkpointing_enable (a deprecated alias)
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        checkpoint_activations(model)
     return model
 
 

@@ -88,3 +88,19 @@ def test_gradient_checkpointing_trains_the_same_and_resumes(tmp_path):
         )
         assert len(plain) >= 3 and checkpointed == plain, method
         assert resumed == {step: loss for step, loss in plain.items() if step > 2}, method
+
+
+def test_checkpoint_activations_uses_transformers_current_name_and_refuses_other_models():
+    """train.gradient_checkpointing turns on transformers' non-reentrant checkpointing through the
+    current name (no deprecation warning), and a model without it gets one clear error."""
+    import warnings
+
+    from acco.models import checkpoint_activations
+
+    model = build_model(loss_test_config("gpt_neo"), vocab_size=97, max_length=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        checkpoint_activations(model)
+    assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    with pytest.raises(ValueError, match="needs a transformers model"):
+        checkpoint_activations(torch.nn.Linear(2, 2))
