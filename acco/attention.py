@@ -25,13 +25,14 @@ mask (the full T x T, masked). On the CPU the blocked layer is 1.5x the masked o
 backward; on a GPU it is not measured yet.
 
 `flex_local` (``flex_attention`` with a sliding-window causal block mask, which skips the key
-blocks the window masks) is there for CUDA under compile (``train.compile``) but off (FLEX_LOCAL =
-False): on an H200 at GPT-Neo 125M's shapes (T = 1024, window 256, head dim 64) it was slower than
+blocks the window masks) is there for CUDA under compile (``train.compile``) but off (LOCAL_KERNEL =
+"blocked"): on an H200 at GPT-Neo 125M's shapes (T = 1024, window 256, head dim 64) it was slower than
 the masked SDPA kernel alone (0.91 against 0.35 ms forward and backward per layer at 4 x 1024) and
 no faster in the compiled model (BENCHMARKS.md, "GPU (one H200)"); acco-bench gpu's
-``-compiled-flex`` variants weigh it. Inductor's flex kernels need a head dimension of 16 or more;
-smaller heads keep SDPA. torch 2.13 has no flex backward on the CPU: its forward is tested there
-against eager attention (tests/test_attention.py).
+``-compiled-flex`` variants weigh it (and its ``-mask`` variants the full mask against the blocks).
+Inductor's flex kernels need a head dimension of 16 or more; smaller heads keep SDPA. torch 2.13
+has no flex backward on the CPU: its forward is tested there against eager attention
+(tests/test_attention.py).
 
 `skip_packing_check` removes the host sync that the mask builder itself costs (every model acco
 builds, GPT-Neo and Llama): with no attention mask, transformers reads ``.all()`` of a tensor made
@@ -50,7 +51,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoModel, GPTNeoSelfAttention
 
-FLEX_LOCAL = False  # local layers through flex_attention on CUDA under compile (the module docstring)
+# How local layers of a length the window divides run (the module docstring): "blocked"; "flex",
+# flex_attention where it can (CUDA under compile), else blocked; "mask", the full T x T under the mask.
+LOCAL_KERNELS = ("blocked", "flex", "mask")
+LOCAL_KERNEL = "blocked"
 FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernels: "NYI: embedding dimension ... must be at least 16"
 
 
@@ -119,7 +123,7 @@ def blocked_local_layer(query, key, value, window: int, band, dropout: float = 0
 
 def _use_flex(query, dropout: float) -> bool:
     return (
-        FLEX_LOCAL
+        LOCAL_KERNEL == "flex"
         and dropout == 0.0
         and query.size(-1) >= FLEX_MIN_HEAD_DIM
         and query.is_cuda
@@ -163,7 +167,8 @@ class GPTNeoSDPAttention(GPTNeoSelfAttention):
             return out, None
         if attention_mask is None and q_len == k_len and _use_flex(query, dropout):  # a local layer
             return flex_local(query, key, value, window), None
-        if attention_mask is None and q_len == k_len and k_len % window == 0:  # a local layer, blocked
+        blockable = LOCAL_KERNEL != "mask" and k_len % window == 0
+        if attention_mask is None and q_len == k_len and blockable:  # a local layer, blocked
             band = self.bias[:, :, window : 2 * window, : 2 * window]  # query block k, key blocks k-1 and k
             return blocked_local_layer(query, key, value, window, band, dropout), None
         allowed = self.bias[:, :, k_len - q_len : k_len, :k_len]  # causal, and the window for local layers

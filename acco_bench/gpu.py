@@ -12,7 +12,8 @@
      per-chunk pass compiled as ``train.compile`` does (``--compile-backend``); the others eager
      (the side-stream check below runs compiled where ``engine-acco-compiled`` is asked);
      ``-compiled-flex``: the same with GPT-Neo's local layers through flex_attention, which acco
-     leaves off (acco/attention.py), to weigh it in the whole model;
+     leaves off (acco/attention.py), to weigh it in the whole model; ``-mask`` (``-compiled-mask``):
+     the local layers' full T x T under the mask, against which acco's blocked layers are weighed;
    - ``nanogpt`` and ``nanogpt-compiled``: the anchor, GPT-2 as nanoGPT writes and trains it at
      ``--model``'s width, layers and heads (gpu_nanogpt.py), its MFU from its own FLOPs per token;
    Every variant does ``2 * grad_accum`` micro-batches of ``batch_size x max_length`` tokens per
@@ -45,7 +46,7 @@ import sys
 from pathlib import Path
 
 from acco_bench.gpu_nanogpt import run_nanogpt
-from acco_bench.gpu_variants import graphs_note, random_batches, run_engine, run_plain
+from acco_bench.gpu_variants import graphs_note, parse_variants, random_batches, run_engine, run_plain
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = [
@@ -54,7 +55,6 @@ PEAK_BF16_TFLOPS = [
     ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("A6000", 154.8),
 ]
 
-BASE_VARIANTS = ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast", "nanogpt")
 RATIOS = (  # (a, b): a's tokens/s over b's, where both ran
     ("engine-acco", "plain-bf16"),
     ("engine-acco", "plain-autocast"),
@@ -63,6 +63,7 @@ RATIOS = (  # (a, b): a's tokens/s over b's, where both ran
     ("engine-acco-compiled", "plain-bf16-compiled"),
     ("engine-acco-compiled", "engine-acco"),
     ("engine-acco-compiled-flex", "engine-acco-compiled"),
+    ("engine-acco-compiled", "engine-acco-compiled-mask"),  # the blocked local layers against the full mask
     ("plain-bf16-compiled", "nanogpt-compiled"),
     ("engine-acco-compiled", "nanogpt-compiled"),
 )
@@ -256,23 +257,6 @@ def _profiled(args) -> list[str]:
     return [v.strip() for v in (args.profile or "").split(",") if v.strip()]
 
 
-def parse_variants(text: str) -> list[tuple[str, str, bool, bool, bool]]:
-    """--variants as (name, base, gradient checkpointing, compiled, flex); a ValueError names an
-    unknown one. ``-flex`` (after ``-compiled``): local layers through flex_attention
-    (acco.attention.FLEX_LOCAL, off by default), taken on CUDA under compile only."""
-    parsed = []
-    for variant in [v.strip() for v in text.split(",") if v.strip()]:
-        base = variant.removesuffix("-gc")
-        gc = base != variant
-        flex, base = base.endswith("-flex"), base.removesuffix("-flex")
-        compiled, base = base.endswith("-compiled"), base.removesuffix("-compiled")
-        if base not in BASE_VARIANTS or (flex and not compiled) or (base == "nanogpt" and (gc or flex)):
-            raise ValueError(f"unknown variant {variant!r} (known: {', '.join(BASE_VARIANTS)}, "
-                             "each with -compiled, -compiled-flex and/or -gc; nanogpt with -compiled only)")
-        parsed.append((variant, base, gc, compiled, flex))
-    return parsed
-
-
 def _measure(args, device, rank: int = 0, world: int = 1) -> int:
     import torch
 
@@ -310,14 +294,14 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
     import acco.attention
 
-    flex_default = acco.attention.FLEX_LOCAL
-    for variant, base, gc, compiled, flex in variants:
+    local_default = acco.attention.LOCAL_KERNEL
+    for variant, base, gc, compiled, local in variants:
         if world > 1 and not base.startswith("engine-"):
             continue  # single-process loops
         if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
             torch.cuda.reset_peak_memory_stats(device)
         kw = dict(checkpointing=gc, compiled=compiled, profile=variant in _profiled(args))
-        acco.attention.FLEX_LOCAL = flex  # read while tracing: each variant compiles its own model
+        acco.attention.LOCAL_KERNEL = local  # read while tracing: each variant compiles its own model
         try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
             if base.startswith("engine-"):
                 r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, **kw)
@@ -331,7 +315,7 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
             )
             continue
         finally:
-            acco.attention.FLEX_LOCAL = flex_default
+            acco.attention.LOCAL_KERNEL = local_default
         if "profile" in r:
             result.setdefault("profiles", {})[variant] = {"variant": variant} | r.pop("profile")
         own_fpt = r.get("flops_per_token", fpt)  # the anchor's model is not --model's

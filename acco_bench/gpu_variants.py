@@ -2,6 +2,7 @@
 tokens) for ``--warmup`` + ``--steps`` updates of ``2 * grad_accum`` micro-batches and returns its
 tokens/s and timings.
 
+- ``parse_variants``: the names ``--variants`` takes, as (base, checkpointing, compiled, local kernel);
 - ``run_engine``: through acco's engine (method acco or ddp, world size 1 or the processes
   gpu.py spawns), optionally with gradient checkpointing, compiled, or with a delay hook on the
   comm round (the side-stream check);
@@ -19,6 +20,27 @@ import time
 from acco_bench.gpu_profile import UPDATES, Window
 
 LR = 1e-4  # the engine's and the plain loop's, constant
+BASE_VARIANTS = ("engine-acco", "engine-ddp", "plain-bf16", "plain-autocast", "nanogpt")
+
+
+def parse_variants(text: str) -> list[tuple[str, str, bool, bool, str]]:
+    """--variants as (name, base, gradient checkpointing, compiled, local kernel); a ValueError names
+    an unknown one. The local layers' kernel (acco.attention.LOCAL_KERNEL, "blocked" by default):
+    ``-flex`` (after ``-compiled``) flex_attention, taken on CUDA under compile only; ``-mask`` the
+    full T x T under GPT-Neo's mask, the blocks' in-model reference."""
+    parsed = []
+    for variant in [v.strip() for v in text.split(",") if v.strip()]:
+        base = variant.removesuffix("-gc")
+        gc = base != variant
+        local = next((k for k in ("flex", "mask") if base.endswith(f"-{k}")), "blocked")
+        base = base.removesuffix(f"-{local}")
+        compiled, base = base.endswith("-compiled"), base.removesuffix("-compiled")
+        local_ok = local != "flex" or compiled
+        if base not in BASE_VARIANTS or not local_ok or (base == "nanogpt" and (gc or local != "blocked")):
+            raise ValueError(f"unknown variant {variant!r} (known: {', '.join(BASE_VARIANTS)}, each with "
+                             "-compiled, -compiled-flex, -mask and/or -gc; nanogpt with -compiled only)")
+        parsed.append((variant, base, gc, compiled, local))
+    return parsed
 
 
 def random_batches(vocab: int, batch_size: int, max_length: int, device, n: int = 16, seed: int = 0):

@@ -134,7 +134,9 @@ CAUSAL, MASKED = (True, True, LENGTH), (False, False, LENGTH)
     (16, True, [MASKED]),
 ])  # fmt: skip
 def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, padded, local):
-    _, sdpa = _models(window)
+    import acco.attention
+
+    eager, sdpa = _models(window)
     x, mask = _batch(padded)
     if mask is None:  # no attention_mask, and an all-ones one (pre-tokenized data): the same call
         masks = [None, torch.ones_like(x)]
@@ -152,6 +154,15 @@ def test_unpadded_causal_layers_call_sdpa_without_a_mask(monkeypatch, window, pa
         calls.clear()
         sdpa(input_ids=x, attention_mask=attention_mask)
         assert calls == [c for kind in sdpa.config.attention_layers for c in per_kind[kind]]
+    if local != [CAUSAL]:  # LOCAL_KERNEL "mask" (acco-bench gpu's -mask variants): the full mask
+        monkeypatch.setattr(acco.attention, "LOCAL_KERNEL", "mask")
+        calls.clear()
+        logits = sdpa(input_ids=x, attention_mask=mask).logits
+        assert calls == [c for kind in sdpa.config.attention_layers for c in ([MASKED] if kind == "local"
+                                                                               else per_kind[kind])]
+        real = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()  # padding: any value
+        reference = eager(input_ids=x, attention_mask=mask).logits
+        torch.testing.assert_close(logits[real], reference[real], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("length, window", [(8, 4), (12, 4), (12, 3), (64, 16)])
@@ -191,7 +202,7 @@ def test_flex_is_off_by_default_and_never_taken_by_heads_under_16(monkeypatch):
         return SimpleNamespace(size=lambda dim: head_dim, is_cuda=True)
 
     assert not acco.attention._use_flex(query(64), 0.0)
-    monkeypatch.setattr(acco.attention, "FLEX_LOCAL", True)
+    monkeypatch.setattr(acco.attention, "LOCAL_KERNEL", "flex")
     assert acco.attention._use_flex(query(64), 0.0) and acco.attention._use_flex(query(16), 0.0)
     assert not acco.attention._use_flex(query(8), 0.0)
     assert not acco.attention._use_flex(query(64), 0.1)  # dropout: SDPA

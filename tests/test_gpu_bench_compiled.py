@@ -149,21 +149,23 @@ def test_a_llama_runs_through_acco_bench_gpu_compiled_and_eager(tmp_path):
     assert v["engine-acco-compiled"]["final_loss"] == pytest.approx(v["engine-acco"]["final_loss"], rel=1e-3)
 
 
-def test_a_flex_variant_turns_flex_attention_on_for_its_own_run_only(tmp_path, monkeypatch):
-    """``-compiled-flex`` weighs flex_attention for local layers (off in acco) in the whole model:
-    on while that variant runs and compiles, back off for the next; without -compiled it is refused."""
+def test_flex_and_mask_variants_set_the_local_kernel_for_their_own_run_only(tmp_path, monkeypatch):
+    """``-compiled-flex`` weighs flex_attention for local layers (off in acco) in the whole model, and
+    ``-mask`` the full mask against the blocks: set while that variant runs and compiles, back to
+    "blocked" for the next; flex without -compiled is refused."""
     import acco.attention
     import acco_bench.gpu
 
     seen = []
 
     def record(args, method, device, vocab, pool, **kw):
-        seen.append((kw["compiled"], acco.attention.FLEX_LOCAL))
+        seen.append((kw["compiled"], acco.attention.LOCAL_KERNEL))
         return {"tokens_per_s": 1.0, "step_time_s": 1.0}
 
     monkeypatch.setattr(acco_bench.gpu, "run_engine", record)
     argv = [*TINY_ON_CPU, "--micro", "off", "--out", str(tmp_path / "gpu")]
-    variants = "engine-acco-compiled-flex,engine-acco-compiled,engine-acco"
+    variants = "engine-acco-compiled-flex,engine-acco-compiled,engine-acco-compiled-mask,engine-acco-mask"
     assert main([*argv, "--variants", variants]) == 0
-    assert seen == [(True, True), (True, False), (False, False)] and not acco.attention.FLEX_LOCAL
-    assert main([*argv, "--variants", "engine-acco-flex"]) == 2 and len(seen) == 3
+    assert seen == [(True, "flex"), (True, "blocked"), (True, "mask"), (False, "mask")]
+    assert acco.attention.LOCAL_KERNEL == "blocked"
+    assert main([*argv, "--variants", "engine-acco-flex"]) == 2 and len(seen) == 4

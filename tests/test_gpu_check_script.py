@@ -79,10 +79,10 @@ def test_every_command_parses_headline_first(tmp_path):
     ]
     first = bench[0]  # the headline, in one run: compiled and eager, engine and plain loop
     assert set(parse_variants(first.variants)) >= {
-        ("engine-acco-compiled", "engine-acco", False, True, False),
-        ("plain-bf16-compiled", "plain-bf16", False, True, False),
-        ("engine-acco", "engine-acco", False, False, False),
-        ("nanogpt-compiled", "nanogpt", False, True, False),  # the anchor, on the same machine
+        ("engine-acco-compiled", "engine-acco", False, True, "blocked"),
+        ("plain-bf16-compiled", "plain-bf16", False, True, "blocked"),
+        ("engine-acco", "engine-acco", False, False, "blocked"),
+        ("nanogpt-compiled", "nanogpt", False, True, "blocked"),  # the anchor, on the same machine
     }
     assert first.micro == "on" and not first.no_stream_check
     # is the GPU the bound at 8 x 1024, and what does the engine add to the plain loop's kernels
@@ -94,6 +94,9 @@ def test_every_command_parses_headline_first(tmp_path):
     whole = bench[2]  # the body compiled as one graph, profiled: fewer compiled calls per micro-batch
     assert whole.compile_scope == "model" and whole.compile_mode is None
     assert whole.profile == "engine-acco-compiled,plain-bf16-compiled"
+    paper = bench[3]  # 24 x 1024, and last the blocked local layers against the full mask in-model
+    assert [(b, compiled, local) for _, b, _, compiled, local in parse_variants(paper.variants)][-1:] == [
+        ("engine-acco", True, "mask")]
     assert tests == ["tests/test_cuda_graphs.py", "tests/test_cuda_one_gpu.py"]
     assert trainings == ["train=diloco", "train=streaming-diloco"]
     # a lent machine gives back 8 files at most: the logs are one file, and only the first step

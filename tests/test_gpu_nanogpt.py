@@ -67,10 +67,15 @@ def test_the_anchor_s_flops_per_token_are_gpt2_124m_s_count():
     assert flops_per_token(anchor, t) == 6 * n + 12 * layers * h * t
 
 
-@pytest.mark.parametrize("bad", ["nanogpt-gc", "nanogpt-compiled-flex", "nanogpt-compiled-gc"])
+@pytest.mark.parametrize(
+    "bad",
+    ["nanogpt-gc", "nanogpt-compiled-flex", "nanogpt-mask", "nanogpt-compiled-mask", "nanogpt-compiled-gc"],
+)
 def test_the_anchor_takes_compiled_only(bad):
     assert parse_variants("nanogpt,nanogpt-compiled") == [
-        ("nanogpt", "nanogpt", False, False, False), ("nanogpt-compiled", "nanogpt", False, True, False)]
+        ("nanogpt", "nanogpt", False, False, "blocked"),
+        ("nanogpt-compiled", "nanogpt", False, True, "blocked"),
+    ]
     with pytest.raises(ValueError, match="nanogpt with -compiled only"):
         parse_variants(bad)
 
