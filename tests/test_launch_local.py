@@ -143,7 +143,7 @@ def start_launcher(tmp_path, save_signals=(), worker=BLOCKER):
     blocker = write_script(tmp_path, "blocker.py", worker)
     launcher = write_script(tmp_path, "launcher.py", LAUNCHER)
     # The launcher's report folder in tmp_path: a launcher killed with SIGKILL cannot remove it
-    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, launcher, blocker, *save_signals], env=clean_env({"TMPDIR": str(tmp_path / "tmp")}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -316,6 +316,33 @@ def test_workers_die_with_killed_launcher(tmp_path):
     proc.wait()
     for pid in pids:
         assert wait_dead(pid, timeout=5)
+
+
+ONE_WORKER = """
+    import sys
+    from acco.launch import launch_local
+    sys.exit(launch_local(1, [sys.executable, "-c", "pass"]))
+"""
+
+
+def test_a_killed_launcher_s_report_folder_goes_at_the_next_start_and_a_running_one_s_stays(tmp_path):
+    killed, pids = start_launcher(tmp_path)
+    killed.kill()
+    killed.wait()
+    for pid in pids:
+        assert wait_dead(pid, timeout=5)
+    (stale,) = (tmp_path / "tmp").iterdir()  # its finally never ran
+    running, _ = start_launcher(tmp_path)  # its start removed the stale folder
+    (own,) = (tmp_path / "tmp").iterdir()
+    assert own != stale
+    other = write_script(tmp_path, "one_worker.py", ONE_WORKER)
+    done = subprocess.run([sys.executable, other], env=clean_env({"TMPDIR": str(tmp_path / "tmp")}),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list((tmp_path / "tmp").iterdir()) == [own]  # a running launcher's folder is kept
+    running.send_signal(signal.SIGTERM)
+    assert running.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_launch_local_rejects_bad_nproc():

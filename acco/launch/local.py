@@ -18,6 +18,7 @@ a second, one line naming the rank, whole process trees killed, signals forwarde
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
@@ -40,6 +41,35 @@ SAVE_SIGNALS_ENV = "ACCO_SAVE_SIGNALS"
 # The launcher's end of a worker's start gate: the worker blocks on a read of this fd until the
 # launcher has checked the job (b"go" and the check's bytes), or exits when the pipe closes without it.
 GO_FD_ENV = "ACCO_GO_FD"
+
+
+REPORT_PREFIX = "acco-launch-"  # the launchers' report folders, in the temporary directory
+
+
+def _report_folder() -> tuple[str, int]:
+    """A report folder of this launcher's own, and the fd of the lock it holds on it while it runs.
+
+    A launcher killed with SIGKILL runs no ``finally``: its folder stays. The kernel drops its lock
+    with it, so each start removes the folders whose lock it can take (a flock, unlike a pid, holds
+    across PID namespaces sharing one /tmp). The lock file is locked before it takes the name another
+    launcher looks for, so a folder is never seen unlocked while its launcher lives."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), REPORT_PREFIX + "*")):
+        try:
+            fd = os.open(os.path.join(folder, ".lock"), os.O_RDONLY)
+        except OSError:  # not yet locked, another user's, or already removed
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # its launcher runs
+            pass
+        finally:
+            os.close(fd)
+    folder = tempfile.mkdtemp(prefix=REPORT_PREFIX)
+    fd = os.open(os.path.join(folder, ".lock-new"), os.O_WRONLY | os.O_CREAT, 0o600)  # not inherited
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(os.path.join(folder, ".lock-new"), os.path.join(folder, ".lock"))
+    return folder, fd
 
 
 def handed_job() -> bool:
@@ -164,13 +194,14 @@ def launch_local(
     them at once); workers that exit with EXIT_SAVED_ON_SIGNAL (also on a signal of their own) are
     no failure, and the launcher returns that code (0 if every worker finished its run instead).
     Each worker runs in its own process group, killed whole at the end, so nothing is left behind;
-    if the launcher itself is killed, the kernel sends the workers SIGTERM (Linux).
+    if the launcher itself is killed, the kernel sends the workers SIGTERM (Linux), and the next
+    launch removes its report folder (``_report_folder``).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     base = dict(os.environ)
     base.update({k: str(v) for k, v in (env_extra or {}).items()})
-    report_dir = tempfile.mkdtemp(prefix="acco-launch-")
+    report_dir, report_lock = _report_folder()
     saves = ",".join(signal.Signals(s).name for s in save_signals)
     base.update(
         {FAILURE_DIR_ENV: report_dir, SAVE_SIGNALS_ENV: saves},
@@ -306,6 +337,7 @@ def launch_local(
         # preemption notice while they start): killed at once, the error said without a wait.
         _stop(procs, grace_s if checked else 0.0, terminate=not forwarded)
         shutil.rmtree(report_dir, ignore_errors=True)
+        os.close(report_lock)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
