@@ -318,13 +318,6 @@ def test_workers_die_with_killed_launcher(tmp_path):
         assert wait_dead(pid, timeout=5)
 
 
-ONE_WORKER = """
-    import sys
-    from acco.launch import launch_local
-    sys.exit(launch_local(1, [sys.executable, "-c", "pass"]))
-"""
-
-
 def test_a_killed_launcher_s_report_folder_goes_at_the_next_start_and_a_running_one_s_stays(tmp_path):
     killed, pids = start_launcher(tmp_path)
     killed.kill()
@@ -335,8 +328,8 @@ def test_a_killed_launcher_s_report_folder_goes_at_the_next_start_and_a_running_
     running, _ = start_launcher(tmp_path)  # its start removed the stale folder
     (own,) = (tmp_path / "tmp").iterdir()
     assert own != stale
-    other = write_script(tmp_path, "one_worker.py", ONE_WORKER)
-    done = subprocess.run([sys.executable, other], env=clean_env({"TMPDIR": str(tmp_path / "tmp")}),
+    one = "import sys; from acco.launch import launch_local as run; sys.exit(run(1, [sys.executable, '-V']))"
+    done = subprocess.run([sys.executable, "-c", one], env=clean_env({"TMPDIR": str(tmp_path / "tmp")}),
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert list((tmp_path / "tmp").iterdir()) == [own]  # a running launcher's folder is kept
