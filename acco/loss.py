@@ -98,23 +98,48 @@ def linear_cross_entropy(
 
 def _chunk_pass(h, w, b, t, vocab: int, grad: bool):
     """One chunk: (sum of its losses in fp32, the gradient of its logits in h's dtype or None).
-    w (and b) are padded to a multiple of VOCAB_MULTIPLE rows; the rows from `vocab` on are masked."""
-    logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())
-    # fp32 (fp64 stays fp64): a copy of bf16 logits, the logits themselves otherwise. Either way a
-    # tensor of this chunk's own, worked on in place below: eager runs then hold one chunk-sized
-    # tensor (and the bf16 logits), not one per step (compiled runs fuse the steps anyway).
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    w (and b) are padded to a multiple of VOCAB_MULTIPLE rows; the rows from `vocab` on are masked.
+    Eager: in place on one fp32 copy of the logits, so a run holds one chunk-sized tensor (and the
+    bf16 logits), not one per step."""
+    z = _fp32_logits(h, w, b)  # a copy of bf16 logits, the logits themselves otherwise: our own
     if vocab < z.shape[1]:
         z[:, vocab:] = float("-inf")
-    lse = torch.logsumexp(z, dim=1)
-    valid = t != IGNORE_INDEX
-    safe = torch.where(valid, t, 0).unsqueeze(1)
-    loss = torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum()
+    loss, lse, valid, safe = _losses(z, t)
     if not grad:
         return loss, None
     probs = z.sub_(lse.unsqueeze(1)).exp_()  # the softmax, in z's place
     probs.scatter_add_(1, safe, -torch.ones_like(safe, dtype=probs.dtype))  # minus the one-hot
     return loss, probs.mul_(valid.unsqueeze(1)).to(h.dtype)
+
+
+def _pointwise_chunk_pass(h, w, b, t, vocab: int, grad: bool):
+    """`_chunk_pass`'s values, written as pointwise steps for compile: inductor then makes one
+    reduction (the log-sum-exp and the loss) and one pointwise kernel that reads the logits and
+    writes their gradient in their place. The in-place mask and scatter make it keep an fp32 copy
+    and write it twice (8 kernels against 5, and on the CPU 3x the time, BENCHMARKS.md)."""
+    z = _fp32_logits(h, w, b)
+    cols = torch.arange(z.shape[1], device=z.device)
+    if vocab < z.shape[1]:
+        z = torch.where(cols < vocab, z, float("-inf"))
+    loss, lse, valid, safe = _losses(z, t)
+    if not grad:
+        return loss, None
+    g = torch.where(cols == safe, 1.0, 0.0)  # the one-hot
+    return loss, torch.where(valid.unsqueeze(1), (z - lse.unsqueeze(1)).exp() - g, 0.0).to(h.dtype)
+
+
+def _fp32_logits(h, w, b):
+    """The chunk's logits in fp32 (fp64 stays fp64)."""
+    logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _losses(z, t):
+    """The chunk's summed loss, and what its gradient needs: log-sum-exp, valid targets, safe ids."""
+    lse = torch.logsumexp(z, dim=1)
+    valid = t != IGNORE_INDEX
+    safe = torch.where(valid, t, 0).unsqueeze(1)
+    return torch.where(valid, lse - z.gather(1, safe).squeeze(1), 0.0).sum(), lse, valid, safe
 
 
 _COMPILED: dict = {}
@@ -123,7 +148,7 @@ _COMPILED: dict = {}
 def _compiled_pass(**options):
     key = tuple(sorted(options.items()))
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_chunk_pass, **options)
+        _COMPILED[key] = torch.compile(_pointwise_chunk_pass, **options)
     return _COMPILED[key]
 
 

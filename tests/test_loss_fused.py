@@ -57,10 +57,15 @@ def _grads(loss, tensors):
 @pytest.mark.parametrize("vocab", [203, 256])  # padded to 256 (53 masked columns), and not padded
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunk", [8, 64])  # 5 chunks, the last partial; one chunk
-def test_fp64_equals_the_textbook_formula(vocab, bias, chunk):
+@pytest.mark.parametrize("chunk_pass", ["in place", "pointwise"])  # eager's; the one train.compile compiles
+def test_fp64_equals_the_textbook_formula(monkeypatch, vocab, bias, chunk, chunk_pass):
     hidden, weight, b, targets = _problem(vocab, bias)
     tensors = [t for t in (hidden, weight, b) if t is not None]
-    loss = linear_cross_entropy(hidden, weight, b, targets, chunk=chunk)
+    options = None
+    if chunk_pass == "pointwise":  # its values, uncompiled (test_compile.py compiles it)
+        monkeypatch.setattr(acco.loss, "_compiled_pass", lambda **o: acco.loss._pointwise_chunk_pass)
+        options = {"backend": "inductor"}
+    loss = linear_cross_entropy(hidden, weight, b, targets, chunk=chunk, compile_options=options)
     assert loss.dtype == torch.float64
     got = _grads(loss, tensors)
     expected = F.cross_entropy(
@@ -287,3 +292,35 @@ def test_a_torch_whose_fp32_accumulating_gemm_fails_widens_instead(monkeypatch):
     with pytest.warns(UserWarning, match="addmm with out_dtype failed"):
         acco.loss._add_product(acc, a, b)
     assert acco.loss._FP32_ADDMM is False and acc.dtype == torch.float32
+
+
+@pytest.mark.slow  # inductor's C++ build: seconds warm, more on a fresh machine
+def test_inductor_writes_the_logits_gradient_in_the_logits_place():
+    """The pass train.compile compiles, through inductor (C++ on the CPU): the chunk's only
+    chunk-sized buffer is the logits GEMM's output, which the gradient overwrites; no fp32 copy.
+    The in-place pass (eager's) compiled keeps an fp32 copy and writes it twice."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    rows, vocab = 48, 200  # padded to 256
+    h, w = torch.randn(rows, 16, dtype=torch.bfloat16), torch.randn(256, 16, dtype=torch.bfloat16)
+    t = torch.randint(0, vocab, (rows,))
+    t[5] = IGNORE_INDEX
+    chunk_sized = {}
+    passes = {
+        "train.compile's": acco.loss._compiled_pass(backend="inductor"),
+        "eager's, compiled": torch.compile(acco.loss._chunk_pass, backend="inductor"),
+    }
+    for name, compiled in passes.items():
+        torch._dynamo.reset()  # compiled here, whatever ran before
+        (loss, g), (code, *_) = run_and_get_code(compiled, h, w, None, t, vocab, True)
+        want_loss, want_g = acco.loss._chunk_pass(h, w, None, t, vocab, True)
+        torch.testing.assert_close(loss, want_loss)
+        torch.testing.assert_close(g, want_g)
+        allocated = re.findall(rf"= empty_strided_cpu\(\({rows}, 256\), \(256, 1\), (torch\.\w+)\)", code)
+        chunk_sized[name] = allocated
+    assert chunk_sized == {
+        "train.compile's": ["torch.bfloat16"],
+        "eager's, compiled": ["torch.bfloat16", "torch.float32", "torch.bfloat16"],
+    }
