@@ -116,7 +116,7 @@ def _pointwise_chunk_pass(h, w, b, t, vocab: int, grad: bool):
     """`_chunk_pass`'s values, written as pointwise steps for compile: inductor then makes one
     reduction (the log-sum-exp and the loss) and one pointwise kernel that reads the logits and
     writes their gradient in their place. The in-place mask and scatter make it keep an fp32 copy
-    and write it twice (8 kernels against 5, and on the CPU 3x the time, BENCHMARKS.md)."""
+    and write it twice (8 kernels against 5; on the CPU 1.7x the time, BENCHMARKS.md)."""
     z = _fp32_logits(h, w, b)
     cols = torch.arange(z.shape[1], device=z.device)
     if vocab < z.shape[1]:
