@@ -19,10 +19,12 @@ A local layer whose window cuts in (no padding, T > window_size) computes only w
 sees where T is a multiple of the window (`local_blocked`): the first window-long block of queries
 is plain causal, every later block attends to its own key block and the one before, under one
 window x 2 window band mask shared by all blocks. At T = 1024 and window 256 that is 0.42 of the
-T x T scores; in training the blocks are recomputed in backward (`checkpoint`), so that the layer
-saves no more than the masked path. Other lengths, padding and a KV cache take SDPA's explicit
-mask (the full T x T, masked). On the CPU the blocked layer is 1.5x the masked one, forward and
-backward; on a GPU it is not measured yet.
+T x T scores; in training the layer is checkpointed selectively (`blocked_local_layer`): the key
+pairs' copies are recomputed in backward and SDPA's results kept (outputs and log-sum-exps, what
+the masked path's SDPA keeps too), so that backward runs no second forward of the blocks. Other lengths,
+padding and a KV cache take SDPA's explicit mask (the full T x T, masked). On the CPU the blocked
+layer is 1.75x the masked one, forward and backward (1.5x when it recomputed SDPA too); on a GPU
+it is not measured yet.
 
 `flex_local` (``flex_attention`` with a sliding-window causal block mask, which skips the key
 blocks the window masks) is there for CUDA under compile (``train.compile``) but off (LOCAL_KERNEL =
@@ -43,12 +45,13 @@ they are 0..T-1 in every row, one sequence per row: the answer is known without 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoModel, GPTNeoSelfAttention
 
 # How local layers of a length the window divides run (the module docstring): "blocked"; "flex",
@@ -111,14 +114,36 @@ def local_blocked(query, key, value, window: int, band, dropout: float = 0.0):
     return torch.cat((first, rest.unflatten(1, (query.size(1), n)).flatten(2, 3)), dim=2)
 
 
+# SDPA's kernels (CUDA's flash, memory-efficient and cuDNN ones, the CPU's, a backend's): what a
+# blocked local layer keeps for backward (`blocked_local_layer`); the math fallback is recomputed.
+SDPA_KERNELS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def keep_attention(ctx, op, *args, **kwargs):
+    """The selective checkpoint's policy: SDPA's results saved, everything else recomputed."""
+    return CheckpointPolicy.MUST_SAVE if op in SDPA_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def blocked_local_layer(query, key, value, window: int, band, dropout: float = 0.0):
-    """`local_blocked` as a local layer runs it: where a gradient is wanted, recomputed in backward.
-    Saved for backward, the key and value pairs (copies, 1.5 q each) and the block queries would
-    add 10% to GPT-Neo 125M's activations; recomputed, the layer keeps only q, k and v (less than
-    the full mask's SDPA), for one more forward of the blocks."""
+    """`local_blocked` as a local layer runs it: where a gradient is wanted, checkpointed
+    selectively. Saved for backward, the key and value pairs (copies, 1.5 q each) and the block
+    queries would add 10% to GPT-Neo 125M's activations: those copies are recomputed in backward,
+    and SDPA's results (the blocks' outputs and log-sum-exps, what the full mask's SDPA keeps too)
+    are saved, so that backward runs no second forward of the blocks."""
     if not (torch.is_grad_enabled() and query.requires_grad):
         return local_blocked(query, key, value, window, band, dropout)
-    return checkpoint(local_blocked, query, key, value, window, band, dropout, use_reentrant=False)
+    return checkpoint(
+        local_blocked, query, key, value, window, band, dropout, use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, keep_attention),
+    )
 
 
 def _use_flex(query, dropout: float) -> bool:

@@ -13,9 +13,9 @@ after a warm-up that also compiles), milliseconds, or the error a piece raised:
   activations;
 - ``local_attention``: a local layer (sliding window) through SDPA with the full explicit mask (what
   ran before), acco's blocked path (acco/attention.py's local_blocked, where the length is a
-  multiple of the window: ``sdpa_blocked``, and ``sdpa_blocked_recomputed`` as training runs it,
-  the blocks recomputed in backward), SDPA ``is_causal`` (the flash kernel; a bound, it ignores the
-  window), and
+  multiple of the window: ``sdpa_blocked``, and ``sdpa_blocked_checkpointed`` as training runs it,
+  its copies recomputed in backward, SDPA's results kept), SDPA ``is_causal`` (the flash kernel;
+  a bound, it ignores the window), and
   ``flex_attention`` with a sliding-window causal block mask built in the graph (as acco runs it)
   and built once beforehand, compiled (on CUDA; the CPU runs its forward only, eagerly: torch 2.13
   has no flex backward there);
@@ -164,7 +164,7 @@ def run(
 
         band = mask[window : 2 * window, : 2 * window]
         attention["sdpa_blocked"] = measure(lambda: local_blocked(q, k, v, window, band).backward(do))
-        attention["sdpa_blocked_recomputed"] = measure(  # as the model trains it
+        attention["sdpa_blocked_checkpointed"] = measure(  # as the model trains it
             lambda: blocked_local_layer(q, k, v, window, band).backward(do)
         )
     kept("local_attention", attention | _flex(measure, q, k, v, do, window, backend, device))

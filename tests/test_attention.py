@@ -241,25 +241,48 @@ def test_flex_local_layers_equal_eager_forward(monkeypatch, window, compiled):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_blocked_local_layer_saves_only_its_inputs_for_backward():
-    """The blocked local attention is recomputed in backward: it keeps q, k and v (and its mask
-    buffer), not the key pairs' copies, which would add about 10% to GPT-Neo's activations."""
+def test_a_blocked_local_layer_keeps_sdpa_s_results_and_recomputes_only_copies(monkeypatch):
+    """Selective checkpointing: the layer's autograd keeps q, k and v (and its mask buffer), the
+    checkpoint keeps SDPA's results, and the copies (the key pairs, about 10% of GPT-Neo's
+    activations if kept) are recomputed; backward runs no second forward of SDPA, and the
+    gradients are those of the layer without a checkpoint."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import acco.attention
+
     _, sdpa = _models(4)
     layers = [m for m in sdpa.modules() if isinstance(m, GPTNeoSDPAttention)]
     local = next(m for m in layers if m.attention_type == "local")
     q, k, v = (torch.randn(3, 4, LENGTH, 8, requires_grad=True) for _ in range(3))
     allowed = {t.untyped_storage().data_ptr() for t in (q, k, v, local.bias)}
-    saved = []
+    saved, decided = [], []
 
     def pack(t):
         saved.append(t)
         return t
 
+    def policy(ctx, op, *args, **kwargs):
+        decision = real_policy(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute:
+            decided.append((op.__name__.split(".")[0], decision == CheckpointPolicy.MUST_SAVE))
+        return decision
+
+    real_policy = acco.attention.keep_attention
+    monkeypatch.setattr(acco.attention, "keep_attention", policy)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, _ = local._attn(q, k, v)
     assert saved and {t.untyped_storage().data_ptr() for t in saved} <= allowed
-    out.sum().backward()  # and the recomputation gives the gradients
-    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
+    kept = sorted(op for op, keep in decided if keep)
+    assert kept == ["_scaled_dot_product_flash_attention_for_cpu"] * 2  # block 0, and the later blocks
+    assert "cat" in {op for op, keep in decided if not keep}  # the key pairs: recomputed
+    with _Ops() as backward_ops:
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ran = backward_ops.names
+    assert ran and not [op for op in ran if op.startswith("_scaled_dot") and not op.endswith("_backward")]
+    band = local.bias[:, :, 4:8, :8]
+    want = torch.autograd.grad(acco.attention.local_blocked(q, k, v, 4, band).sum(), (q, k, v))
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

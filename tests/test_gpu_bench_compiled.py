@@ -78,7 +78,7 @@ def test_the_micro_benchmark_pads_the_head_and_compiles_the_loss():
     assert (("backend", "aot_eager"), ("dynamic", False)) in loss_module._COMPILED
     assert set(m["projections"]) == {"three_gemms", "stacked"}
     assert all(isinstance(ms, float) for g in ("head_gemm", "projections", "loss") for ms in m[g].values()), m
-    blocked = ("sdpa_blocked", "sdpa_blocked_recomputed")  # length 16, 4 windows: acco's local path
+    blocked = ("sdpa_blocked", "sdpa_blocked_checkpointed")  # length 16, 4 windows: acco's local path
     assert all(isinstance(m["local_attention"][k], float) for k in blocked), m["local_attention"]
 
 
