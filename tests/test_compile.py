@@ -275,3 +275,38 @@ def test_blocked_local_layers_with_attention_dropout_compile_with_inductor():
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert not counters["graph_break"], list(counters["graph_break"])
     assert losses[0] != losses[2]
+
+
+def test_compiled_blocked_local_layers_run_no_attention_forward_in_backward(monkeypatch):
+    """Compiled, the selective checkpoint's policy reaches the partitioner: the local layer's
+    backward graph runs SDPA's backward only, where recomputing everything would run its
+    forward again (the partitioner's choice without the policy, checked here as the control)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    import acco.attention
+    from acco.engine.compiling import compile_module
+
+    def forwards_in_backward() -> list[int]:
+        counts = []
+
+        def sdpa(node) -> bool:  # the op, or the op replayed with its RNG state (run_with_rng_state)
+            return node.target in acco.attention.SDPA_KERNELS or any(
+                a in acco.attention.SDPA_KERNELS for a in node.args if isinstance(a, torch._ops.OpOverload)
+            )
+
+        def backward(gm, _inputs):
+            counts.append(sum(map(sdpa, gm.graph.nodes)))
+            return gm
+
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model(NEO | {"window_size": 4}, vocab_size=97).train()
+        compile_module(model, {"backend": aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=backward)})
+        ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return sorted(counts)  # one backward graph per layer kind: global, local
+
+    assert forwards_in_backward() == [0, 0]
+    monkeypatch.setattr(acco.attention, "keep_attention", lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+    assert forwards_in_backward() == [0, 2]  # block 0 and the later blocks, again
