@@ -310,3 +310,25 @@ def test_compiled_blocked_local_layers_run_no_attention_forward_in_backward(monk
     assert forwards_in_backward() == [0, 0]
     monkeypatch.setattr(acco.attention, "keep_attention", lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
     assert forwards_in_backward() == [0, 2]  # block 0 and the later blocks, again
+
+
+def test_compiled_blocks_under_activation_checkpointing_give_eager_gradients():
+    """train.gradient_checkpointing with train.compile: transformers' checkpoint around each compiled
+    block, the blocked local layers' selective one nested inside it, traced together."""
+    import copy
+
+    from acco.engine.compiling import compile_module
+    from acco.models import checkpoint_activations
+
+    torch.manual_seed(0)
+    eager = build_model(NEO | {"window_size": 4}, vocab_size=97).train()
+    compiled = copy.deepcopy(eager)
+    checkpoint_activations(compiled)
+    assert compiled.is_gradient_checkpointing
+    torch._dynamo.reset()
+    compile_module(compiled, {"backend": "aot_eager"})
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    for model in (eager, compiled):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for got, want in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
