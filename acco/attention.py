@@ -46,6 +46,7 @@ they are 0..T-1 in every row, one sequence per row: the answer is known without 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import torch
@@ -125,6 +126,17 @@ SDPA_KERNELS = tuple(
     )
     if hasattr(torch.ops.aten, name)
 )
+
+
+class _NoInPlaceNote(logging.Filter):
+    """torch's note, once per process under compile, that a checkpoint given a context_fn must hold
+    no in-place op: `local_blocked` holds none (slices, cats, SDPA), so its workers do not print it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceNote())
 
 
 def keep_attention(ctx, op, *args, **kwargs):

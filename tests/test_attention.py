@@ -297,3 +297,24 @@ def test_blocked_local_layers_under_gradient_checkpointing_give_the_same_gradien
         model(input_ids=x, labels=x).loss.backward()
     for got, want in zip(checkpointed.parameters(), sdpa.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_torch_s_in_place_note_on_the_selective_checkpoint_is_not_printed():
+    """Under compile torch logs, once, that a checkpoint with a context_fn must hold no in-place op;
+    the blocked layer's holds none (its gradients equal eager's, tests/test_compile.py), so acco
+    filters that one record out of torch's logger, and nothing else."""
+    import inspect
+    import logging
+
+    from torch._higher_order_ops import wrap
+
+    import acco.attention  # noqa: F401  (installs the filter)
+
+    note = "Detected that context_fn is passed to torch.utils.checkpoint under torch.compile."
+    assert note in inspect.getsource(wrap.tag_activation_checkpoint_impl)  # torch's text, this version
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord(wrap.log.name, logging.WARNING, __file__, 1, message, None, None)
+
+    assert not wrap.log.filter(record(f"\n{note}\nPlease make sure the checkpointed region ..."))
+    assert wrap.log.filter(record("any other warning"))
