@@ -57,7 +57,6 @@ from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoModel, GPTNeoSelf
 
 # How local layers of a length the window divides run (the module docstring): "blocked"; "flex",
 # flex_attention where it can (CUDA under compile), else blocked; "mask", the full T x T under the mask.
-LOCAL_KERNELS = ("blocked", "flex", "mask")
 LOCAL_KERNEL = "blocked"
 FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernels: "NYI: embedding dimension ... must be at least 16"
 
