@@ -41,6 +41,8 @@ builds, GPT-Neo and Llama): with no attention mask, transformers reads ``.all()`
 from the position ids to tell packed sequences apart, a sync per forward on a GPU that also rules
 out CUDA graphs. Where the model makes its own position ids (none given, no mask, no KV cache)
 they are 0..T-1 in every row, one sequence per row: the answer is known without reading anything.
+In those forwards it also keeps eager's "no mask" answer when torch.compile traces the mask
+builder, where transformers would build a dense mask (5.17, and later releases on torch < 2.14).
 """
 
 from __future__ import annotations
@@ -259,8 +261,12 @@ _OWN_POSITIONS = threading.local()  # .depth > 0: inside a forward whose positio
 def skip_packing_check(model: nn.Module) -> bool:
     """Make transformers skip its packed-sequence check (a host sync) in forwards of `model` that
     pass no position ids, no attention mask and no KV cache: the base model's own position ids
-    0..T-1 pack nothing. Other forwards keep the check. Nothing in the state dict or config
-    changes; True when the model's base model was hooked."""
+    0..T-1 pack nothing. In those forwards the causal mask is also skipped as in eager (SDPA's
+    is_causal, no mask) when the forward is traced by torch.compile: transformers builds a dense
+    mask whenever it traces (5.17 always; later releases on torch before 2.14), which took every
+    layer of a body compiled whole (``train.compile_scope=model``) off the flash kernel and the
+    local layers off their blocks. Other forwards keep both checks. Nothing in the state dict or
+    config changes; True when the model's base model was hooked."""
     base = getattr(model, "base_model", None)
     if not isinstance(base, nn.Module) or getattr(base, "_acco_own_positions_hooked", False):
         return False
@@ -268,17 +274,27 @@ def skip_packing_check(model: nn.Module) -> bool:
 
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
         return False
-    if not getattr(masking_utils.find_packed_sequence_indices, "acco_wrapped", False):
-        masking_utils.find_packed_sequence_indices = _wrap(masking_utils.find_packed_sequence_indices)
+    for name, wrap in (("find_packed_sequence_indices", _wrap_packing_check),
+                       ("_ignore_causal_mask_sdpa", _wrap_causal_skip)):
+        check = getattr(masking_utils, name, None)
+        if check is not None and not getattr(check, "acco_wrapped", False):
+            setattr(masking_utils, name, wrap(check))
+    # The hooks' stack lives on the module from here on: created inside the hook (dict.setdefault), torch
+    # 2.11's dynamo broke the graph there when the body was compiled whole.
+    base._acco_own_positions = []
     base.register_forward_pre_hook(_enter, with_kwargs=True)
     base.register_forward_hook(_leave, always_call=True)
     base._acco_own_positions_hooked = True
     return True
 
 
-def _wrap(check):
+def _own_positions() -> bool:
+    return getattr(_OWN_POSITIONS, "depth", 0) > 0
+
+
+def _wrap_packing_check(check):
     def find_packed_sequence_indices(position_ids):
-        if getattr(_OWN_POSITIONS, "depth", 0) > 0:
+        if _own_positions():
             return None  # one sequence per row: the model's own 0..T-1
         return check(position_ids)
 
@@ -286,14 +302,25 @@ def _wrap(check):
     return find_packed_sequence_indices
 
 
+def _wrap_causal_skip(decide):
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, *rest, **kwargs):
+        if _own_positions() and padding_mask is None and q_length == kv_length:
+            # eager's answer, traced or not: is_causal unless a sliding window must be drawn in the mask
+            local = kwargs.get("local_attention_size", rest[2] if len(rest) > 2 else None)
+            return local is None or kv_length < local
+        return decide(padding_mask, q_length, kv_length, *rest, **kwargs)
+
+    _ignore_causal_mask_sdpa.acco_wrapped = True
+    return _ignore_causal_mask_sdpa
+
+
 def _enter(module, args, kwargs):
     own = len(args) <= 1 and all(
         kwargs.get(k) is None for k in ("attention_mask", "position_ids", "past_key_values")
     )
-    stack = module.__dict__.setdefault("_acco_own_positions", [])
-    stack.append(own)
+    module._acco_own_positions.append(own)
     _OWN_POSITIONS.depth = getattr(_OWN_POSITIONS, "depth", 0) + own
 
 
 def _leave(module, args, output):
-    _OWN_POSITIONS.depth -= module.__dict__["_acco_own_positions"].pop()
+    _OWN_POSITIONS.depth -= module._acco_own_positions.pop()

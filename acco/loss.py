@@ -214,7 +214,9 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
         try:
             torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)
             return
-        except (RuntimeError, NotImplementedError) as e:  # a build without it for these dtypes
+        # a build without it for these dtypes; TypeError: torch 2.11's meta kernel for it, which
+        # reads out_dtype as beta (tests/test_loss_fused.py)
+        except (RuntimeError, NotImplementedError, TypeError) as e:
             _FP32_ADDMM = False
             warnings.warn(f"addmm with out_dtype failed ({e}); the loss widens its inputs", stacklevel=2)
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)

@@ -271,7 +271,8 @@ def test_a_blocked_local_layer_keeps_sdpa_s_results_and_recomputes_only_copies(m
     monkeypatch.setattr(acco.attention, "keep_attention", policy)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, _ = local._attn(q, k, v)
-    assert saved and {t.untyped_storage().data_ptr() for t in saved} <= allowed
+    # (torch 2.11's checkpoint also saves an empty tensor of its own: it holds no memory)
+    assert saved and {t.untyped_storage().data_ptr() for t in saved if t.numel()} <= allowed
     kept = sorted(op for op, keep in decided if keep)
     assert kept == ["_scaled_dot_product_flash_attention_for_cpu"] * 2  # block 0, and the later blocks
     assert "cat" in {op for op, keep in decided if not keep}  # the key pairs: recomputed

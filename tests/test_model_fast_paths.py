@@ -135,3 +135,51 @@ def test_an_all_ones_mask_is_dropped_on_the_host(arch):
     padded = full | {"attention_mask": torch.ones_like(ids).index_fill_(1, torch.tensor([15]), 0)}
     kept = next(OnDevice(iter([padded]), torch.device("cpu")))  # any padding keeps the mask
     assert torch.equal(kept["attention_mask"], padded["attention_mask"])
+
+
+def _traced_as_transformers_sees_it(monkeypatch):
+    """transformers' mask builder as under torch.compile where it builds a mask whenever it traces:
+    5.17 (is_tracing) and later releases on torch before 2.14 (dynamo answers is_exporting True)."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True, raising=False)
+    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: True, raising=False)
+
+
+@pytest.mark.parametrize("arch, length, want", [
+    ("gpt_neo", 24, [(True, True), (True, True), (False, False)]),  # global; local blocked (3 windows)
+    ("gpt_neo", 20, [(True, True), (False, False)]),  # global; local under its full window mask
+    ("llama", 24, [(True, True), (True, True)]),
+])  # fmt: skip
+def test_own_positions_keep_sdpa_s_causal_path_where_transformers_would_trace_a_mask(
+    monkeypatch, arch, length, want
+):
+    """In a forward with the model's own positions (no mask, no position ids, no cache) the causal
+    mask is skipped as in eager even where transformers, tracing, would build a dense one: a body
+    compiled whole (train.compile_scope=model) on the GPU's torch 2.11 and transformers 5.17 took
+    every layer off SDPA's is_causal (flash) and GPT-Neo's local layers off their blocks. Any other
+    forward (a padding mask, position ids) gets transformers' mask, traced or not."""
+    import torch.nn.functional as F
+
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        seen.append((attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    model = build_model(TINY | {"arch": arch}, vocab_size=97)
+    ids = torch.randint(0, 97, (2, length))
+    with torch.no_grad():
+        eager = model.base_model(input_ids=ids).last_hidden_state
+        assert seen == want
+        _traced_as_transformers_sees_it(monkeypatch)
+        seen.clear()
+        traced = model.base_model(input_ids=ids).last_hidden_state
+        assert seen == want
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+        seen.clear()  # positions given: transformers' own decision, here a mask in every layer
+        model.base_model(input_ids=ids, position_ids=torch.arange(length).expand(2, -1))
+        assert seen and all(not no_mask for no_mask, _ in seen)
