@@ -330,7 +330,10 @@ def test_inductor_writes_the_logits_gradient_in_the_logits_place():
         torch.testing.assert_close(g, want_g)
         allocated = re.findall(rf"= empty_strided_cpu\(\({rows}, 256\), \(256, 1\), (torch\.\w+)\)", code)
         chunk_sized[name] = allocated
+    # torch 2.11's inductor (the GPU machine's) writes the gradient beside the logits: no fp32 copy
+    # either, one more bf16 chunk (0.1 GB at 1024 x 50304)
+    in_place = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
     assert chunk_sized == {
-        "train.compile's": ["torch.bfloat16"],
+        "train.compile's": ["torch.bfloat16"] * (1 if in_place else 2),
         "eager's, compiled": ["torch.bfloat16", "torch.float32", "torch.bfloat16"],
     }
