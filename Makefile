@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test test-slow demo lint clean
+.PHONY: install test test-slow test-gpu-versions demo lint clean
 
 install: $(STAMP)
 
@@ -28,6 +28,26 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
+# The suite under the lent GPU machines' torch and transformers (../shared/gpu/README.md), on the CPU: run it
+# before a GPU run. A CUDA build of torch from PyPI (about 5 GB in its own venv, made once); the hub's
+# packages follow transformers' needs, the rest constraints.txt. Not part of CI.
+GPU_TORCH        ?= 2.11.0
+GPU_TRANSFORMERS ?= 5.17.0
+GPU_VENV         ?= .venv-gpu-versions
+GPU_STAMP        := $(GPU_VENV)/.installed-$(GPU_TORCH)-$(GPU_TRANSFORMERS)
+
+$(GPU_STAMP): pyproject.toml constraints.txt
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	grep -v -E '^(torch|transformers|huggingface_hub|hf-xet|tokenizers|safetensors)==' constraints.txt \
+		> $(GPU_VENV)/constraints.txt
+	$(GPU_VENV)/bin/python -m pip install --quiet -c $(GPU_VENV)/constraints.txt torch==$(GPU_TORCH) \
+		transformers==$(GPU_TRANSFORMERS) -e ".[test]"
+	touch $(GPU_STAMP)
+
+test-gpu-versions: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(GPU_VENV)/bin/python -m pytest -q -m "not slow" -n 2 --dist loadfile -p no:cacheprovider tests
+
 demo: $(STAMP)
 	$(PY) -m acco_bench.demo
 
@@ -35,4 +55,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check acco acco_bench tests main.py
 
 clean:
-	rm -rf $(VENV) outputs build *.egg-info
+	rm -rf $(VENV) $(GPU_VENV) outputs build *.egg-info
