@@ -8,7 +8,11 @@ profiler adds little host time of its own). From those records, per micro-batch:
   the window's wall time. Near 1 the GPU is the bound, and ``top`` says where its time goes; well
   below 1 it waits on the host (Python, kernel launches) or on a sync, and faster kernels would buy
   nothing;
-- ``top``: the kernels that took the most device time.
+- ``top``: the kernels that took the most device time;
+- ``host``: the CPU time of the training thread (and of the whole process: the comm thread, the
+  profiler) over the window's wall time. With ``busy`` well below 1, a training thread near 1
+  computes or launches all the time (the host is the bound: CUDA graphs, fewer compiled calls),
+  one well below 1 waits (a sync, or the host blocked on something).
 
 On the CPU there is no device work to record (``--device cpu`` checks the code path): ``busy`` is
 None. `summarise` is the arithmetic, tested on made-up intervals (tests/test_gpu_profile.py).
@@ -33,8 +37,10 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarise(kernels: list[tuple[str, float, float]], wall_s: float, micro_batches: int) -> dict:
-    """`kernels` as (name, start us, end us) over a window of `wall_s` seconds and `micro_batches`."""
+def summarise(kernels: list[tuple[str, float, float]], wall_s: float, micro_batches: int,
+              thread_cpu_s: float | None = None, process_cpu_s: float | None = None) -> dict:
+    """`kernels` as (name, start us, end us) over a window of `wall_s` seconds and `micro_batches`;
+    the training thread's and the process's CPU seconds over it, where measured."""
     by_name: dict[str, list[float]] = {}
     for name, start, end in kernels:
         by_name.setdefault(name, []).append(end - start)
@@ -46,6 +52,8 @@ def summarise(kernels: list[tuple[str, float, float]], wall_s: float, micro_batc
         "device_busy_ms_per_micro_batch": busy / 1000 / micro_batches,
         "busy": busy / 1e6 / wall_s if kernels else None,
         "kernels_per_micro_batch": len(kernels) / micro_batches,
+        "host": None if thread_cpu_s is None else thread_cpu_s / wall_s,
+        "process_cpu": None if process_cpu_s is None else process_cpu_s / wall_s,
         "top": [
             {"kernel": name[:120], "ms_per_micro_batch": sum(d) / 1000 / micro_batches, "calls": len(d)}
             for name, d in top
@@ -61,6 +69,7 @@ class Window:
     def __init__(self, device):
         self.device = device
         self._prof, self._error, self._t0 = None, None, None
+        self._cpu0 = (0.0, 0.0)  # the training thread's and the process's CPU seconds at start()
 
     def _sync(self) -> None:
         import torch
@@ -78,6 +87,7 @@ class Window:
             self._prof.start()
         except Exception as e:  # noqa: BLE001
             self._prof, self._error = None, repr(e)
+        self._cpu0 = (time.thread_time(), time.process_time())
         self._t0 = time.perf_counter()
 
     def stop(self, micro_batches: int) -> dict:
@@ -87,6 +97,7 @@ class Window:
             return {"micro_batches": micro_batches, "error": "the run ended before the profiled updates"}
         self._sync()
         wall = time.perf_counter() - self._t0
+        cpu = (time.thread_time() - self._cpu0[0], time.process_time() - self._cpu0[1])
         try:
             if self._prof is None:
                 raise RuntimeError(self._error)
@@ -98,7 +109,7 @@ class Window:
             ]
         except Exception as e:  # noqa: BLE001
             return {"micro_batches": micro_batches, "error": self._error or repr(e)}
-        return summarise(kernels, wall, micro_batches)
+        return summarise(kernels, wall, micro_batches, *cpu)
 
 
 def markdown(p: dict) -> list[str]:
@@ -112,9 +123,16 @@ def markdown(p: dict) -> list[str]:
         f"Profile of {p['variant']} ({p['micro_batches']} micro-batches after its timed updates): "
         f"{p['wall_ms_per_micro_batch']:.2f} ms per micro-batch, the device {busy} "
         f"({p['device_busy_ms_per_micro_batch']:.2f} ms), {p['kernels_per_micro_batch']:.0f} kernels "
-        "per micro-batch.",
+        "per micro-batch" + _host(p) + ".",
     ]
     if p["top"]:
         rows = [[k["kernel"], fmt(k["ms_per_micro_batch"], 3), k["calls"]] for k in p["top"]]
         lines += ["", md_table(["kernel", "ms per micro-batch", "calls"], rows)]
     return lines
+
+
+def _host(p: dict) -> str:
+    if p.get("host") is None:
+        return ""
+    return (f"; the training thread on the CPU {100 * p['host']:.0f}% of the time, the process "
+            f"{100 * p['process_cpu']:.0f}% (of one core)")

@@ -31,6 +31,34 @@ def test_summary_per_micro_batch_and_the_top_kernels():
     assert [(k["kernel"], k["calls"]) for k in s["top"]] == [("gemm", 2), ("comm", 1), ("softmax", 1)]
     assert s["top"][0]["ms_per_micro_batch"] == pytest.approx(0.4)
     assert summarise([], 0.001, 1)["busy"] is None
+    assert s["host"] is None and s["process_cpu"] is None  # not measured
+    timed = summarise(kernels, wall_s=0.002, micro_batches=2, thread_cpu_s=0.0019, process_cpu_s=0.003)
+    assert timed["host"] == pytest.approx(0.95) and timed["process_cpu"] == pytest.approx(1.5)
+
+
+def test_the_window_tells_a_host_that_works_from_one_that_waits():
+    """The training thread's CPU share over the window: near 1 while it computes (a host-bound GPU
+    run: Python and launches), near 0 while it waits (a sync); the wait here is the thing measured."""
+    import time
+
+    import torch
+
+    from acco_bench.gpu_profile import Window, markdown
+
+    shares = {}
+    for kind in ("works", "waits"):
+        window = Window(torch.device("cpu"))
+        window.start()
+        end = time.perf_counter() + 0.2
+        while kind == "works" and time.perf_counter() < end:
+            sum(range(1000))
+        if kind == "waits":
+            time.sleep(0.2)
+        shares[kind] = window.stop(micro_batches=1)
+    # (loose: a loaded 2-core machine gives the busy thread half a core or less)
+    assert shares["works"]["host"] > max(0.25, 2 * shares["waits"]["host"]) and shares["waits"]["host"] < 0.15
+    assert shares["works"]["process_cpu"] >= shares["works"]["host"] * 0.9
+    assert "the training thread on the CPU" in " ".join(markdown(shares["works"] | {"variant": "v"}))
 
 
 @pytest.mark.slow
@@ -44,6 +72,7 @@ def test_profiled_variants_keep_their_timed_updates_and_report_their_windows(tmp
     for variant, profile in result["profiles"].items():
         assert profile["variant"] == variant and profile["micro_batches"] == 2 * 4  # 2 updates of 4
         assert profile["busy"] is None and profile["wall_ms_per_micro_batch"] > 0  # the CPU: no device work
+        assert 0 < profile["host"] <= 1.05  # the training thread's CPU share of the window
         assert result["variants"][variant]["updates_timed"] == 2  # the profiled updates are not timed
         assert "profile" not in result["variants"][variant]
         assert f"Profile of {variant}" in (out / "gpu.md").read_text()

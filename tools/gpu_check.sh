@@ -47,7 +47,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run under its limit if the budget stil
 #    GPT-2 compiled on the same machine (the anchor the 34% comes from), the side-stream check
 #    (compiled, since engine-acco-compiled runs), the one-minute micro-benchmark, and profiles of
 #    the compiled engine, plain loop and nanoGPT: is the GPU busy (8 x 1024 lost ~15 ms per
-#    micro-batch that 24 x 1024 did not; does nanoGPT's?), and which kernels make the difference?
+#    micro-batch that 24 x 1024 did not; does nanoGPT's?), is the training thread on the CPU all the
+#    while (host-bound) or waiting (a sync), and which kernels make the difference?
 step gpu8 240 "$PY" -m acco_bench gpu --micro on --out "$OUT/gpu8" \
   --profile engine-acco-compiled,plain-bf16-compiled,nanogpt-compiled \
   --variants engine-acco-compiled,plain-bf16-compiled,nanogpt-compiled,engine-acco,plain-bf16
