@@ -41,6 +41,22 @@ __all__ = [
     "model_config",
 ]
 
+# The oldest transformers the suite passes on (pyproject.toml; the lent GPU machines' 5.17): acco reaches
+# into its GPT-Neo attention and mask builder, and 5.0 built GPT-Neo 125M with an untied head (163M
+# parameters), a wrong model without an error.
+MIN_TRANSFORMERS = "5.17"
+
+
+def check_transformers(version: str = transformers.__version__) -> None:
+    from packaging.version import Version
+
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"acco needs transformers >= {MIN_TRANSFORMERS}, this environment has {version}: "
+                          f"pip install 'transformers>={MIN_TRANSFORMERS}'")
+
+
+check_transformers()
+
 # SDPA is exact and, unlike eager, keeps no T x T scores for the backward pass. Llama has it in
 # transformers; GPT-Neo has only eager and flash-attention-2 there, so for GPT-Neo "sdpa" is
 # acco's (acco/attention.py): the eager modules with their product swapped for SDPA.

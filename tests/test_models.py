@@ -260,3 +260,14 @@ def test_attention_of_a_built_model():
     config = dict(arch="llama", hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=64,
                   intermediate_size=64, attn_implementation="eager")  # fmt: skip
     assert build_model(config, vocab_size=97).config._attn_implementation == "eager"  # the user's choice
+
+
+def test_a_transformers_older_than_the_tested_ones_is_refused_in_one_line():
+    from acco.models import MIN_TRANSFORMERS, check_transformers
+
+    check_transformers(MIN_TRANSFORMERS + ".0")
+    check_transformers("5.23.0")
+    for old in ("5.0.0", "4.57.3", "5.16.1"):
+        want = rf"^acco needs transformers >= 5\.17, this environment has {old}: pip install"
+        with pytest.raises(ImportError, match=want):
+            check_transformers(old)
