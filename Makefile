@@ -33,11 +33,14 @@ test-slow: $(STAMP)
 # packages follow transformers' needs, the rest constraints.txt. Not part of CI.
 GPU_TORCH        ?= 2.11.0
 GPU_TRANSFORMERS ?= 5.17.0
+# the machines' Python 3.12 where this machine has one (on PATH, or pyenv's), else $(PYTHON)
+GPU_PYTHON       ?= $(firstword $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null) \
+                      $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(PYTHON))
 GPU_VENV         ?= .venv-gpu-versions
 GPU_STAMP        := $(GPU_VENV)/.installed-$(GPU_TORCH)-$(GPU_TRANSFORMERS)
 
 $(GPU_STAMP): pyproject.toml constraints.txt
-	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_VENV)
 	grep -v -E '^(torch|transformers|huggingface_hub|hf-xet|tokenizers|safetensors)==' constraints.txt \
 		> $(GPU_VENV)/constraints.txt
 	$(GPU_VENV)/bin/python -m pip install --quiet -c $(GPU_VENV)/constraints.txt torch==$(GPU_TORCH) \
@@ -45,7 +48,7 @@ $(GPU_STAMP): pyproject.toml constraints.txt
 	touch $(GPU_STAMP)
 
 test-gpu-versions: $(GPU_STAMP)
-	$(GPU_VENV)/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(GPU_VENV)/bin/python -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	$(GPU_VENV)/bin/python -m pytest -q -m "not slow" -n 2 --dist loadfile -p no:cacheprovider tests
 
 demo: $(STAMP)
