@@ -137,15 +137,6 @@ def test_an_all_ones_mask_is_dropped_on_the_host(arch):
     assert torch.equal(kept["attention_mask"], padded["attention_mask"])
 
 
-def _traced_as_transformers_sees_it(monkeypatch):
-    """transformers' mask builder as under torch.compile where it builds a mask whenever it traces:
-    5.17 (is_tracing) and later releases on torch before 2.14 (dynamo answers is_exporting True)."""
-    from transformers import masking_utils
-
-    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True, raising=False)
-    monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: True, raising=False)
-
-
 @pytest.mark.parametrize("arch, length, want", [
     ("gpt_neo", 24, [(True, True), (True, True), (False, False)]),  # global; local blocked (3 windows)
     ("gpt_neo", 20, [(True, True), (False, False)]),  # global; local under its full window mask
@@ -175,7 +166,12 @@ def test_own_positions_keep_sdpa_s_causal_path_where_transformers_would_trace_a_
     with torch.no_grad():
         eager = model.base_model(input_ids=ids).last_hidden_state
         assert seen == want
-        _traced_as_transformers_sees_it(monkeypatch)
+        # transformers' mask builder as it answers while dynamo traces: 5.17 (is_tracing) and later
+        # releases on torch before 2.14 (dynamo makes is_exporting True)
+        from transformers import masking_utils
+
+        monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True, raising=False)
+        monkeypatch.setattr(masking_utils, "is_torchdynamo_exporting", lambda: True, raising=False)
         seen.clear()
         traced = model.base_model(input_ids=ids).last_hidden_state
         assert seen == want
@@ -183,3 +179,16 @@ def test_own_positions_keep_sdpa_s_causal_path_where_transformers_would_trace_a_
         seen.clear()  # positions given: transformers' own decision, here a mask in every layer
         model.base_model(input_ids=ids, position_ids=torch.arange(length).expand(2, -1))
         assert seen and all(not no_mask for no_mask, _ in seen)
+
+
+@pytest.mark.parametrize("arch", ["gpt_neo", "llama"])
+def test_the_own_positions_hooks_make_no_module_state_while_they_run(arch):
+    """The hooks around the body keep their stack on the module from when they are set, and a
+    forward leaves the module's attributes as it found them: state made inside a hook (a
+    dict.setdefault there) broke torch 2.11's graph of a body compiled whole, at the hook."""
+    model = build_model(TINY | {"arch": arch}, vocab_size=97)
+    base = model.base_model
+    before = dict(base.__dict__)
+    with torch.no_grad():
+        base(input_ids=torch.randint(0, 97, (2, 16)))
+    assert base.__dict__.keys() == before.keys() and base._acco_own_positions == []
