@@ -6,6 +6,7 @@ import gc
 import os
 import random
 import select
+import shutil
 import socket
 import tempfile
 import textwrap
@@ -114,6 +115,10 @@ def wait_dead(pid: int, timeout: float = 10.0) -> bool:
 
 
 def write_script(tmp_path, name, body):
+    """`body` dedented into tmp_path/name; with signal_wait.py beside it when it imports that (the
+    script's folder is on its path)."""
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
+    if "from signal_wait import" in body:
+        shutil.copy(Path(__file__).with_name("signal_wait.py"), tmp_path)
     return str(path)

@@ -126,9 +126,11 @@ def test_launcher_prefers_a_crashed_worker_to_one_that_lost_its_peer(tmp_path, c
 # write of up to PIPE_BUF bytes. (print() writes the text and its newline separately where stdout
 # is unbuffered, PYTHONUNBUFFERED=1: two workers' lines then ran together, "12024ready".)
 BLOCKER = """
-    import os, signal
+    import os
+    from signal_wait import wait_for_signal
     os.write(1, f"ready {os.environ['RANK']} {os.getpid()}\\n".encode())
-    signal.pause()
+    while True:  # SIGTERM's default action, or SIGINT's KeyboardInterrupt, ends it
+        wait_for_signal()
 """
 
 LAUNCHER = """
@@ -180,6 +182,7 @@ PEER_STOPPED_ON_CTRL_C = """
     import os, select, signal, sys
     import acco.cli as cli
     from acco.engine.progress import LostWorkerError
+    from signal_wait import wait_for_signal
 
     rank, handover = int(os.environ["RANK"]), "HANDOVER"
 
@@ -188,7 +191,7 @@ PEER_STOPPED_ON_CTRL_C = """
             with open(handover, "w") as fifo:
                 fifo.write(str(os.getpid()))
             os.write(1, f"ready 0 {os.getpid()}\\n".encode())
-            signal.pause()
+            wait_for_signal()  # SIGINT: the KeyboardInterrupt comes out of it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         with open(handover) as fifo:
             exited = os.pidfd_open(int(fifo.read()))
@@ -218,11 +221,12 @@ def test_a_worker_whose_peer_stopped_on_a_ctrl_c_says_nothing(tmp_path):
 # the run completes), "stuck" goes on (a save that takes long), to be killed by a second signal.
 CATCHER = """
     import os, signal, sys
+    from signal_wait import wait_for_signal
     caught = []
     signal.signal(signal.SIGTERM, lambda *_: caught.append(os.write(1, b"caught\\n")))
     os.write(1, f"ready {os.environ['RANK']} {os.getpid()}\\n".encode())
     while not caught or "SCENARIO" == "stuck":
-        signal.pause()
+        wait_for_signal()
 """
 
 
@@ -403,11 +407,12 @@ def test_a_failed_check_stops_the_workers_before_they_go(tmp_path):
 # launcher's grace_s=0 and its 0.2 s poll), and exits with EXIT_SAVED_ON_SIGNAL.
 SAVER = """
     import os, signal, sys, time
+    from signal_wait import wait_for_signal
     caught = []
     signal.signal(signal.SIGUSR1, lambda *_: caught.append(1))
     os.write(1, f"ready {os.environ['RANK']} {os.getpid()}\\n".encode())
     while not caught:
-        signal.pause()
+        wait_for_signal()
     os.write(1, f"saving {os.environ['RANK']}\\n".encode())
     time.sleep(1.0)  # the save
     os.write(1, f"saved {os.environ['RANK']}\\n".encode())

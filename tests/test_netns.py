@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from distributed import write_script
 
 from acco_bench.network import (
     EmulatedCluster,
@@ -166,10 +167,10 @@ def test_close_on_error_and_idempotent():
 
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_removes_namespaces(sig):
-    code = textwrap.dedent(
-        """
-        import signal, sys
+def test_signal_removes_namespaces(sig, tmp_path):
+    script = write_script(tmp_path, "cluster.py", """
+        import signal
+        from signal_wait import wait_for_signal
         # A test run started in the background by a shell without job control hands SIGINT down
         # ignored; a user's interactive run has Python's own handler, which is what this checks.
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -177,22 +178,18 @@ def test_signal_removes_namespaces(sig):
         c = EmulatedCluster(2, bandwidth="50mbit", latency=None)
         print(c.run_prefix, flush=True)
         try:
-            sys.stdin.read()   # blocks until a signal arrives
+            wait_for_signal()
         except KeyboardInterrupt:   # SIGINT: Python's own handler still runs after the cleanup
             print("KeyboardInterrupt", flush=True)
-        """
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    """)
+    proc = subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     prefix = ""
     try:
         prefix = proc.stdout.readline().strip()
         assert prefix and len(list_namespaces(prefix)) == 3
         proc.send_signal(sig)
-        # wait(), not communicate(): communicate closes stdin, and the child's read could then
-        # end at EOF before the signal is handled (a clean exit with nothing printed)
-        proc.wait(timeout=30)
-        rest = proc.stdout.read()
+        rest, _ = proc.communicate(timeout=30)
         if sig == signal.SIGTERM:
             assert proc.returncode == -signal.SIGTERM  # still dies of the signal
         else:
@@ -203,7 +200,6 @@ def test_signal_removes_namespaces(sig):
             proc.kill()
             proc.wait()
             cleanup_stale()  # the killed child's namespaces, should the test have failed
-        proc.stdin.close()
         proc.stdout.close()
 
 

@@ -199,9 +199,10 @@ NOTED_EARLY = """
     up, say_up = os.pipe()
     child = os.fork()
     if child == 0:  # the child: says it is up (a signal before Python's after-fork reset is lost), then waits
+        from signal_wait import wait_for_signal  # (its own wakeup fd, armed after the fork)
         os.write(say_up, b"up")
-        while True:
-            signal.pause()
+        while True:  # the handler ends it: SIGUSR1's default action
+            wait_for_signal()
     os.read(up, 2)
     os.kill(child, signal.SIGUSR1)
     _, status = os.waitpid(child, 0)
