@@ -430,13 +430,8 @@ def test_on_a_save_signal_the_launcher_waits_for_its_workers_to_checkpoint(tmp_p
     """grace_s=0: a launcher that killed its workers after forwarding would leave no 'saved' line."""
     saver = write_script(tmp_path, "saver.py", SAVER)
     launcher = write_script(tmp_path, "saving.py", SAVING_LAUNCHER)
-    proc = subprocess.Popen(
-        [sys.executable, launcher, saver],
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen([sys.executable, launcher, saver], env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
     lines = [proc.stdout.readline() for _ in range(2)]
     assert all(line.startswith("ready") for line in lines), lines
     proc.send_signal(signal.SIGUSR1)
