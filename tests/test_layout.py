@@ -1,7 +1,9 @@
 """The layout docs/internals.md's "How it is built" promises: no import circles (function-level imports
-count), no source file over 450 lines, the library (acco) never importing the benchmarks
-(acco_bench), no benchmark module reaching for another's private (underscore) names, and no test
-module importing another (shared helpers live in tests/*_helpers.py, distributed.py, faults.py)."""
+count), no function over 80 lines in the library or the benchmarks (argument tables and the listed
+functions that still wait to be split excepted: the list may only shrink), the library (acco) never
+importing the benchmarks (acco_bench), no benchmark module reaching for another's private (underscore)
+names, and no test module importing another (shared helpers live in tests/*_helpers.py, distributed.py,
+faults.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,22 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 450
+MAX_FUNCTION_LINES = 80
+# Functions longer than the limit today; each is to be split by job (issue 59), never added to.
+LONG_FUNCTIONS = {
+    "acco/launch/local.py:launch_local": 175,
+    "acco/trainer.py:train": 113,
+    "acco_bench/analysis.py:method_metrics": 112,
+    "acco_bench/cli.py:main": 121,
+    "acco_bench/convergence.py:update_closeness": 110,
+    "acco_bench/demo.py:main": 86,
+    "acco_bench/fault_results.py:markdown": 106,
+    "acco_bench/gpu.py:_measure": 89,
+    "acco_bench/gpu_micro.py:run": 97,
+    "acco_bench/race.py:run_race": 102,
+    "acco_bench/race_report.py:race_markdown": 83,
+}
+ARGUMENT_TABLES = {"build_parser"}  # a table of options is as long as its options
 PACKAGES = ("acco", "acco_bench")
 
 
@@ -176,14 +193,25 @@ def test_no_test_module_imports_another():
     assert imports == {}
 
 
-def test_no_source_file_over_the_limit():
-    sources = [
-        *ROOT.glob("acco/**/*.py"),
-        *ROOT.glob("acco_bench/**/*.py"),
-        *ROOT.glob("tests/*.py"),
-        ROOT / "main.py",
-    ]
-    long = {
-        str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert long == {}
+def long_functions(paths, root: Path = ROOT) -> dict[str, int]:
+    """'file:function' -> lines, for each function over MAX_FUNCTION_LINES (nested ones counted too)."""
+    found = {}
+    for p in paths:
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name not in ARGUMENT_TABLES:
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    found[f"{p.relative_to(root)}:{node.name}"] = n
+    return found
+
+
+def test_no_function_over_the_limit():
+    found = long_functions([*ROOT.glob("acco/**/*.py"), *ROOT.glob("acco_bench/**/*.py")])
+    grown = {k: n for k, n in found.items() if n > LONG_FUNCTIONS.get(k, MAX_FUNCTION_LINES)}
+    assert grown == {}
+
+
+def test_the_function_finder_counts_lines(tmp_path):
+    path = tmp_path / "m.py"
+    body = "".join("    x = 1\n" for _ in range(MAX_FUNCTION_LINES))
+    path.write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}")
+    assert {k.split(":")[1]: n for k, n in long_functions([path], tmp_path).items()} == {"long": 81}
