@@ -158,11 +158,11 @@ def test_the_pointer_check_sees_a_stale_pointer(tmp_path):
     assert "#kept" not in found and "Time to the same loss" not in found and '"Kept"' not in found
     code = tmp_path / "y.py"
     code.write_text(
-        "# the bounds: docs/benchmarking.md#how-the-figures-are-computed, README.md#two-commands\n"
+        "# the bounds: docs/benchmarking.md#how-the-figures-are-computed, README.md#documentation\n"
         '# and docs/benchmarking.md#no-such-heading, BENCHMARKS.md, "Where each method wins"\n'
     )
     found = "\n".join(stale_pointers(code))
-    assert "#no-such-heading" in found and "#two-commands" not in found and "how-the-figures" not in found
+    assert "#no-such-heading" in found and "#documentation" not in found and "how-the-figures" not in found
 
 
 def markdown_tables(text: str) -> list[list[list[str]]]:
@@ -222,11 +222,17 @@ def test_the_readmes_speedups_are_benchmarks_current_figures():
     )
 
 
-def test_the_readmes_headline_is_benchmarks_headline():
-    headline = markdown_tables((ROOT / "README.md").read_text().split("## Headline", 1)[1])[0]
-    same = [t for t in markdown_tables(BENCHMARKS.read_text()) if t[0] == headline[0]]
-    assert same, "BENCHMARKS.md has no table with the columns of the README's headline"
-    assert same[0] == headline
+def test_the_readmes_tables_are_short_and_not_benchmarks_tables():
+    """The README is a front page: its headline at most 4 rows by 4 columns, every cell of its tables
+    one short reason or figure, and no table (nor a row of one) copied from BENCHMARKS.md."""
+    readme = (ROOT / "README.md").read_text()
+    headline = markdown_tables(readme.split("## Headline", 1)[1])[0]
+    assert len(headline) - 1 <= 4 and all(len(row) <= 4 for row in headline), headline
+    bench_rows = {tuple(row) for t in markdown_tables(BENCHMARKS.read_text()) for row in t[1:]}
+    for table in markdown_tables(readme):
+        assert not bench_rows & {tuple(row) for row in table[1:]}, "a README row copied from BENCHMARKS.md"
+        long = [c for row in table for c in row if len(c) > 110]
+        assert not long, f"README cells over 110 characters: {long}"
 
 
 # This repository's issue numbers; an upstream project's ("pytorch issue N", owner/repo#N) is a reference.

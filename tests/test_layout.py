@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 80
-# Functions longer than the limit today; each is to be split by job (issue 59), never added to.
+# Functions longer than the limit today; each is to be split by job, never added to.
 LONG_FUNCTIONS = {
     "acco/launch/local.py:launch_local": 175,
     "acco/trainer.py:train": 113,
