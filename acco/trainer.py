@@ -52,6 +52,17 @@ def _peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
 
 
+def _timed_batch(cfg) -> str:
+    """Why a resume on the same world size does not follow the uninterrupted run update for update."""
+    cap = cfg.accumulate_cap
+    grows = f"grow to {cfg.most_micro_batches(cfg.n_grad_accumulation)}" if cap else "grow without bound"
+    return (
+        f"micro-batches per round follow timing here (train.accumulate_cap={cap} lets a round's "
+        f"train.n_grad_accumulation={cfg.n_grad_accumulation} {grows}), so later updates differ from an "
+        "uninterrupted run's; train.accumulate_while_waiting=false gives a fixed batch and an exact resume"
+    )
+
+
 class DecoupledTrainer:
     def __init__(
         self,
@@ -338,11 +349,14 @@ class DecoupledTrainer:
         if self.rank == 0:
             for change in checkpoint.config_changes(meta.get("train") or {}, dataclasses.asdict(self.args)):
                 print(f"acco: warning: {change}", file=sys.stderr, flush=True)
-            how = "exactly" if exact else f"from {meta['world_size']} workers, resharded to {self.world_size}"
-            print(
-                f"resuming {how} from {folder} (update {meta['step']}, {meta['samples']} micro-batches)",
-                flush=True,
-            )
+            where = f"from {folder} (update {meta['step']}, {meta['samples']} micro-batches)"
+            if not exact:
+                print(f"resuming from {meta['world_size']} workers, resharded to {self.world_size} {where}",
+                      flush=True)
+            elif self.engine.cfg.fixed_batch:
+                print(f"resuming exactly {where}", flush=True)
+            else:
+                print(f"resuming {where}, not exactly: {_timed_batch(self.engine.cfg)}", flush=True)
 
     @progress.names_lost_ranks
     @torch.no_grad()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -136,8 +135,7 @@ class DecoupledEngine:
         start = time.perf_counter()
         n = 0
         keep_going = round_in_flight is not None and self.cfg.accumulate_while_waiting
-        cap = self.cfg.accumulate_cap
-        most = max(minimum, int(minimum * cap)) if cap else math.inf
+        most = self.cfg.most_micro_batches(minimum)
         while n < minimum or (keep_going and n < most and not round_in_flight.done()):
             batch = next(batches, _END)
             if batch is _END:
