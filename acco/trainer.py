@@ -52,15 +52,26 @@ def _peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
 
 
-def _timed_batch(cfg) -> str:
-    """Why a resume on the same world size does not follow the uninterrupted run update for update."""
-    cap = cfg.accumulate_cap
-    grows = f"grow to {cfg.most_micro_batches(cfg.n_grad_accumulation)}" if cap else "grow without bound"
-    return (
-        f"micro-batches per round follow timing here (train.accumulate_cap={cap} lets a round's "
-        f"train.n_grad_accumulation={cfg.n_grad_accumulation} {grows}), so later updates differ from an "
-        "uninterrupted run's; train.accumulate_while_waiting=false gives a fixed batch and an exact resume"
-    )
+def _not_exact(engine) -> str | None:
+    """Why a resume on the same world size does not follow the uninterrupted run update for update
+    (None: it does)."""
+    cfg = engine.cfg
+    if not cfg.fixed_batch:
+        cap = cfg.accumulate_cap
+        grows = f"grow to {cfg.most_micro_batches(cfg.n_grad_accumulation)}" if cap else "grow without bound"
+        return (
+            f"micro-batches per round follow timing here (train.accumulate_cap={cap} lets a round's "
+            f"train.n_grad_accumulation={cfg.n_grad_accumulation} {grows}), so later updates differ from "
+            "an uninterrupted run's; train.accumulate_while_waiting=false gives a fixed batch and an exact "
+            "resume"
+        )
+    recomputed = getattr(engine, "recomputed_micro_batches", 0)
+    if recomputed:
+        return (
+            f"the checkpoint holds no accumulated gradients (its batch followed timing), so this worker's "
+            f"{recomputed} pending micro-batch(es) are computed again at the committed parameters"
+        )
+    return None
 
 
 class DecoupledTrainer:
@@ -353,10 +364,10 @@ class DecoupledTrainer:
             if not exact:
                 print(f"resuming from {meta['world_size']} workers, resharded to {self.world_size} {where}",
                       flush=True)
-            elif self.engine.cfg.fixed_batch:
-                print(f"resuming exactly {where}", flush=True)
             else:
-                print(f"resuming {where}, not exactly: {_timed_batch(self.engine.cfg)}", flush=True)
+                why = _not_exact(self.engine)
+                line = f"resuming {where}, not exactly: {why}" if why else f"resuming exactly {where}"
+                print(line, flush=True)
 
     @progress.names_lost_ranks
     @torch.no_grad()

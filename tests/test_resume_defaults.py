@@ -95,3 +95,32 @@ def test_the_default_acco_run_resumes_exactly(tmp_path, cache):
 @pytest.mark.parametrize("method", [m for m in CASES if m != "acco"])
 def test_every_default_configuration_resumes_as_its_line_says(method, tmp_path, cache):
     _check(method, tmp_path, cache)
+
+
+def test_a_checkpoint_without_the_accumulator_is_not_resumed_exactly_whatever_the_batch(tmp_path, capsys):
+    """A checkpoint of a batch that followed timing (acco capped at 2 x 1, or one written before the
+    default's accumulator was kept) resumed as train=acco's fixed default: the pending micro-batches
+    are computed again, and the line says so rather than "exactly"."""
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
+
+    from acco import checkpoint
+    from acco.trainer import DecoupledTrainer
+
+    timed = dict(n_grad_accumulation=1, accumulate_while_waiting=True, accumulate_cap=2)
+    args = tiny_args("acco", tmp_path / "timed", nb_steps_tot=12, **timed)
+    DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train()
+    saved = tmp_path / "timed" / "checkpoint-2"
+    state = checkpoint.load_worker(saved, 0, 1)["engine"]
+    pending = state["dropped_micro_batches"]
+    assert state["accumulator"] is None and pending >= 1, pending
+    shutil.copytree(saved, tmp_path / "fixed" / "checkpoint-2")
+    capsys.readouterr()
+    args = tiny_args("acco", tmp_path / "fixed", nb_steps_tot=16, **{**timed, "accumulate_cap": 1.5})
+    resumed = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args)
+    resumed.train(resume_from_checkpoint=True)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resuming"))
+    assert line.startswith(f"resuming from {tmp_path / 'fixed' / 'checkpoint-2'} (update 2, "), line
+    assert line.endswith(
+        "not exactly: the checkpoint holds no accumulated gradients (its batch followed timing), so this "
+        f"worker's {pending} pending micro-batch(es) are computed again at the committed parameters"
+    ), line

@@ -111,6 +111,7 @@ class DecoupledEngine:
         self.ops = device_ops(self.device)
         self._inflight: list = []  # events behind the last micro-batches queued
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
+        self.recomputed_micro_batches = 0  # set by load_state_dict: the saved accumulator's, not kept
         self._in_overlap = False  # past the warm start: the accumulator is part of the state
         self.wall_time_offset = self.last_wall_time = 0.0
 

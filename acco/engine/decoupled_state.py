@@ -91,6 +91,8 @@ def load_state_dict(engine, state: dict, old_state: Callable[[int], dict] | None
     predicted = state.get("predicted") if exact and engine.wp else None
     engine._gather(predicted if predicted is not None else opt.master, engine.flat.params)
     engine._predicting = predicted is not None
+    # micro-batches the saved run had accumulated that this one computes again (their data is read again)
+    engine.recomputed_micro_batches = int(state.get("dropped_micro_batches", 0))
     if not exact:
         return False
     if state.get("split") is not None:
