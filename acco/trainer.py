@@ -203,7 +203,7 @@ class DecoupledTrainer:
                     self.on_train_start()
                 stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown,
                                                  vocab_size=token_rows(self.model))
-                log.start_progress(args.nb_steps_tot, self.engine.samples)
+                log.start_progress(args.nb_steps_tot, self.engine.samples, self.engine.sync_note())
                 every_rank_at("start")
                 records = self.engine.run(stream, causal_lm_loss)
                 for record in records:
@@ -259,7 +259,8 @@ class DecoupledTrainer:
             dist.barrier()
         start = time.perf_counter()
         loss = self.evaluate()["eval_loss"]
-        log.evaluation(record.step, record.samples, loss, eval_s=time.perf_counter() - start)
+        log.evaluation(record.step, record.samples, loss, eval_s=time.perf_counter() - start,
+                       sync_note=self.engine.sync_note())
         return self.args.stop_at_eval_loss is not None and loss <= self.args.stop_at_eval_loss
 
     def _run_facts(self, stopped: bool) -> dict:

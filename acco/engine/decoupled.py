@@ -298,6 +298,9 @@ class DecoupledEngine:
     def quiesce(self) -> None:
         """Nothing to land: no round is in flight between two records (DiLoCoEngine's may be)."""
 
+    def sync_note(self) -> None:
+        """An evaluation sees the committed parameters, as every update's record: nothing to add."""
+
     def compute_context(self):
         """Training's (and evaluation's) precision context: the parameters are in its dtype."""
         return contextlib.nullcontext()
