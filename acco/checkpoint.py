@@ -9,9 +9,9 @@
 
 Each distinct tensor is written once: no rank file holds the parameter vector (a resume gathers the
 committed parameters from the master shards, as an update round does). An accumulator is per-worker
-state that an exact resume needs only with a fixed batch (accumulate_while_waiting=false); with
-accumulate_while_waiting (the default) micro-batch counts follow timing, so a resume restarts the
-overlapped regime from its warm start and the data position goes back by the micro-batches the
+state that an exact resume needs only with a fixed batch (EngineConfig.fixed_batch: train=acco's
+default, or accumulate_while_waiting=false); where micro-batch counts follow timing a resume restarts
+the overlapped regime from its warm start and the data position goes back by the micro-batches the
 accumulator held. GPT-Neo 125M on 4 workers, fp32: 20 bytes per parameter (2.49 GB), 36 with a fixed
 batch (BENCHMARKS.md, "Scale").
 
@@ -368,7 +368,7 @@ def save_run(
         )
     data = position.state_dict()
     # Micro-batches read but in no saved state: torch-ddp's next update, already fetched, and an
-    # accumulator not kept (accumulate_while_waiting): the resumed run reads them again.
+    # accumulator not kept (a batch that follows timing): the resumed run reads them again.
     back = state.get("fetched_ahead", 0) + state.get("dropped_micro_batches", 0)
     if back:
         data = rewind(data, back)

@@ -51,9 +51,10 @@ class RunLog:
 
     # ---- per update / per evaluation -------------------------------------------------------
 
-    def start_progress(self, total_samples: int, initial_samples: int = 0) -> None:
+    def start_progress(self, total_samples: int, initial_samples: int = 0, sync_note: str | None = None):
         """A tqdm bar on rank 0 in a terminal; plain log lines every `log_every` updates otherwise,
-        after one saying that training has begun (a first update may take minutes on a CPU)."""
+        after one saying that training has begun (a first update may take minutes on a CPU), and
+        what evaluations see where that is not what training computes at (the engine's `sync_note`)."""
         if self.rank != 0:
             return
         if not sys.stderr.isatty():
@@ -61,12 +62,14 @@ class RunLog:
             print(f"training: {self.world_size} worker(s), {self.tokens_per_micro_batch:,} tokens per "
                   f"micro-batch, a budget of {total_samples:,} micro-batches{since}; a line every "
                   f"{self.log_every} updates", flush=True)
-            return
-        from tqdm.auto import tqdm
+        if sync_note:
+            print(f"evaluations see the {sync_note}", flush=True)
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
 
-        self._bar = tqdm(
-            total=total_samples, initial=initial_samples, unit="mb", dynamic_ncols=True, desc="train"
-        )
+            self._bar = tqdm(
+                total=total_samples, initial=initial_samples, unit="mb", dynamic_ncols=True, desc="train"
+            )
 
     def update(self, record: UpdateRecord) -> dict:
         self.records.append(record)
@@ -123,8 +126,10 @@ class RunLog:
             flush=True,
         )
 
-    def evaluation(self, step: int, samples: int, eval_loss: float, eval_s: float | None = None) -> None:
-        """``eval_s``: the evaluation's own seconds, inside the wall_time of later updates."""
+    def evaluation(self, step: int, samples: int, eval_loss: float, eval_s: float | None = None,
+                   sync_note: str | None = None) -> None:
+        """``eval_s``: the evaluation's own seconds, inside the wall_time of later updates;
+        ``sync_note``: what the evaluation saw (the engine's: diloco's global parameters), on its line."""
         entry = {"type": "eval", "step": step, "samples": samples, "eval_loss": eval_loss}
         if eval_s is not None:
             entry["eval_s"] = eval_s
@@ -135,6 +140,8 @@ class RunLog:
         self._metrics.flush()
         self._tb.add_scalar("eval/loss", eval_loss, samples)
         message = f"eval  step {step}  samples {samples}  eval_loss {eval_loss:.4f}"
+        if sync_note:
+            message += f"  ({sync_note})"
         if self._bar is not None:
             self._bar.write(message)
         else:

@@ -52,6 +52,28 @@ def _peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)
 
 
+def _not_exact(engine) -> str | None:
+    """Why a resume on the same world size does not follow the uninterrupted run update for update
+    (None: it does)."""
+    cfg = engine.cfg
+    if not cfg.fixed_batch:
+        cap = cfg.accumulate_cap
+        grows = f"grow to {cfg.most_micro_batches(cfg.n_grad_accumulation)}" if cap else "grow without bound"
+        return (
+            f"micro-batches per round follow timing here (train.accumulate_cap={cap} lets a round's "
+            f"train.n_grad_accumulation={cfg.n_grad_accumulation} {grows}), so later updates differ from "
+            "an uninterrupted run's; train.accumulate_while_waiting=false gives a fixed batch and an exact "
+            "resume"
+        )
+    recomputed = getattr(engine, "recomputed_micro_batches", 0)
+    if recomputed:
+        return (
+            f"the checkpoint holds no accumulated gradients (its batch followed timing), so this worker's "
+            f"{recomputed} pending micro-batch(es) are computed again at the committed parameters"
+        )
+    return None
+
+
 class DecoupledTrainer:
     def __init__(
         self,
@@ -181,7 +203,7 @@ class DecoupledTrainer:
                     self.on_train_start()
                 stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown,
                                                  vocab_size=token_rows(self.model))
-                log.start_progress(args.nb_steps_tot, self.engine.samples)
+                log.start_progress(args.nb_steps_tot, self.engine.samples, self.engine.sync_note())
                 every_rank_at("start")
                 records = self.engine.run(stream, causal_lm_loss)
                 for record in records:
@@ -237,7 +259,8 @@ class DecoupledTrainer:
             dist.barrier()
         start = time.perf_counter()
         loss = self.evaluate()["eval_loss"]
-        log.evaluation(record.step, record.samples, loss, eval_s=time.perf_counter() - start)
+        log.evaluation(record.step, record.samples, loss, eval_s=time.perf_counter() - start,
+                       sync_note=self.engine.sync_note())
         return self.args.stop_at_eval_loss is not None and loss <= self.args.stop_at_eval_loss
 
     def _run_facts(self, stopped: bool) -> dict:
@@ -338,11 +361,14 @@ class DecoupledTrainer:
         if self.rank == 0:
             for change in checkpoint.config_changes(meta.get("train") or {}, dataclasses.asdict(self.args)):
                 print(f"acco: warning: {change}", file=sys.stderr, flush=True)
-            how = "exactly" if exact else f"from {meta['world_size']} workers, resharded to {self.world_size}"
-            print(
-                f"resuming {how} from {folder} (update {meta['step']}, {meta['samples']} micro-batches)",
-                flush=True,
-            )
+            where = f"from {folder} (update {meta['step']}, {meta['samples']} micro-batches)"
+            if not exact:
+                print(f"resuming from {meta['world_size']} workers, resharded to {self.world_size} {where}",
+                      flush=True)
+            else:
+                why = _not_exact(self.engine)
+                line = f"resuming {where}, not exactly: {why}" if why else f"resuming exactly {where}"
+                print(line, flush=True)
 
     @progress.names_lost_ranks
     @torch.no_grad()

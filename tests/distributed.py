@@ -79,6 +79,33 @@ def run_distributed(fn, world_size: int, *args):
         ]
 
 
+def _cli_entry(rank: int, world_size: int, port: int, overrides: list[str], stdout: str, env: dict) -> None:
+    import contextlib
+
+    from acco.cli import run
+    from acco.config import compose
+
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)  # W processes share 2 cores
+    with open(f"{stdout}.rank{rank}", "w") as out, contextlib.redirect_stdout(out):
+        code = run(compose(overrides))
+    if code:
+        raise SystemExit(code)
+
+
+def run_cli(overrides: list[str], world_size: int, stdout: Path) -> str:
+    """The command line's job (`python main.py OVERRIDES`) on `world_size` workers, each started as
+    torchrun starts one (its rank in the environment) but forked from the preloaded server (no
+    interpreter nor torch import of its own); returns what rank 0 printed (also in `stdout`)."""
+    mp.start_processes(
+        _cli_entry, args=(world_size, free_port(), list(overrides), str(stdout), dict(os.environ)),
+        nprocs=world_size, start_method="forkserver",
+    )  # fmt: skip
+    return Path(f"{stdout}.rank0").read_text()
+
+
 # Subprocess helpers of the launcher tests (test_launch.py, test_launch_local.py).
 
 REPO = str(Path(__file__).resolve().parents[1])

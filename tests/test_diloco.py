@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -172,6 +173,70 @@ def _resume_runs(rank, world, cfg, stop_at):
     engine.close()
     vec = parameters_to_vector
     return vec(straight_model.parameters()).detach(), vec(model.parameters()).detach(), in_flight
+
+
+_INITIAL = "global parameters: the initial ones, no sync yet; next sync at step 3"
+_STREAMING = "global parameters, fragments 1-2 as synced at steps"
+
+
+@pytest.mark.parametrize("method, budget, notes", [
+    # diloco, H 3: syncs at 3 and 6, and at the run's last step, 8
+    ("diloco", 8, [_INITIAL] * 2 + ["global parameters as synced at step 3; next sync at step 6"] * 3
+     + ["global parameters as synced at step 6; next sync at step 8"] * 2
+     + ["global parameters as synced at step 8; the run's last sync"]),
+    # streaming, H 4, 2 fragments prepared at 2 and 4 (every 4), each applied one step later
+    ("streaming-diloco", 9, [_INITIAL] * 2 + [f"{_STREAMING} 3, - (-: not yet); next sync at step 5"] * 2
+     + [f"{_STREAMING} 3, 5; next sync at step 7"] * 2 + [f"{_STREAMING} 7, 5; next sync at step 9"] * 2
+     + [f"{_STREAMING} 9, 9; the run's last sync"]),
+])  # fmt: skip
+def test_the_sync_note_says_which_global_parameters_an_evaluation_sees(method, budget, notes):
+    """After every inner step, the note that the log lines carry names the steps at which the global
+    parameters (what an evaluation sees) last changed, fragment by fragment, and the next step at
+    which they change: checked against the global parameters themselves."""
+    more = dict(sync_every=3) if method == "diloco" else dict(sync_every=4, num_fragments=2,
+                                                              fragment_sync_delay=1)  # fmt: skip
+    cfg = config(method=method, n_grad_accumulation=1, nb_steps_tot=budget, **more)
+    engine = DiLoCoEngine(make_model("mlp"), cfg)
+    said, changed_at = [], [0] * len(engine.fragments)
+    before = engine.global_params.clone()
+    for record in engine.run(stream("mlp", 0, 1), loss_fn):
+        for i, fragment in enumerate(engine.fragments):
+            if any(not torch.equal(engine.global_params[s], before[s]) for s in fragment):
+                changed_at[i] = record.step
+        before = engine.global_params.clone()
+        said.append((record.step, engine.sync_note(), list(changed_at)))
+    engine.close()
+    assert [note for _, note, _ in said] == notes
+    changes = sorted({step for _, _, seen in said for step in seen if step})
+    for step, note, seen in said:
+        synced = ", ".join(str(s) if s else "-" for s in seen)
+        assert (synced in note if any(seen) else "the initial ones" in note), (step, note, seen)
+        later = [s for s in changes if s > step]
+        then = f"next sync at step {later[0]}" if later else "the run's last sync"
+        assert note.endswith(then), (step, note)
+
+
+def test_the_console_says_what_diloco_s_evaluations_see(tmp_path, capsys):
+    """The eval lines (and the line before the first step) of a diloco run say that evaluations see
+    the global parameters, as of which sync, and when the next one comes: an eval loss that stays
+    at the initial model's until the first sync is then read as what it is."""
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
+
+    from acco.trainer import DecoupledTrainer
+
+    args = tiny_args("diloco", tmp_path / "run", nb_steps_tot=16, eval=True, eval_step=2, save_step=0)
+    data = tiny_data()
+    DecoupledTrainer(model=tiny_model(), train_dataset=data, eval_dataset=data, args=args).train()
+    out = capsys.readouterr().out.splitlines()
+    assert "evaluations see the global parameters: the initial ones, no sync yet; next sync at step 3" in out
+    evals = [re.sub(r"eval_loss \d+\.\d{4}", "eval_loss L", x) for x in out if x.startswith("eval  step")]
+    assert evals == [  # sync_every 3, 2 micro-batches a step on one worker: 8 steps
+        "eval  step 2  samples 4  eval_loss L  (global parameters: the initial ones, no sync yet; next sync "
+        "at step 3)",
+        "eval  step 4  samples 8  eval_loss L  (global parameters as synced at step 3; next sync at step 6)",
+        "eval  step 6  samples 12  eval_loss L  (global parameters as synced at step 6; next sync at step 8)",
+        "eval  step 8  samples 16  eval_loss L  (global parameters as synced at step 8; the run's last sync)",
+    ]
 
 
 @pytest.mark.parametrize("kw,message", [

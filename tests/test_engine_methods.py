@@ -9,6 +9,8 @@ micro-batch lands in which round is known; `test_time_varying_counts` covers the
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from distributed import run_distributed
@@ -161,6 +163,31 @@ def test_accumulate_cap_bounds_what_a_round_gathers_while_waiting():
     # acco: two rounds of at least 2 micro-batches each per update, so at most 2 x 4 per worker
     acco_counts = [r.micro_batches for r in acco_records]
     assert all(max(c) <= 8 for c in acco_counts) and any(max(c) == 8 for c in acco_counts[1:]), acco_counts
+
+
+@pytest.mark.parametrize("settings, fixed", [
+    (dict(method="acco", n_grad_accumulation=1), True),  # train=acco: 1.5 x 1 rounds down to 1
+    (dict(method="acco", n_grad_accumulation=1, accumulate_cap=2), False),
+    (dict(method="acco", n_grad_accumulation=1, accumulate_cap=None), False),
+    (dict(method="acco", n_grad_accumulation=2), False),  # 1.5 x 2 = 3
+    (dict(method="acco", n_grad_accumulation=2, accumulate_cap=1.4), True),
+    (dict(method="acco", n_grad_accumulation=2, accumulate_cap=1.4, estimate_micro_batches=1), False),  # 4.2
+    (dict(method="acco", n_grad_accumulation=2, accumulate_cap=1.4, estimate_micro_batches="auto"), False),
+    (dict(method="acco", n_grad_accumulation=4, accumulate_while_waiting=False), True),
+    (dict(method="dpu", n_grad_accumulation=2), False),  # train=dpu and train=wp: 2 grows to 3
+    (dict(method="wp", n_grad_accumulation=1), True),
+    (dict(method="ddp", n_grad_accumulation=2), True),  # never computes while a round runs
+    (dict(method="torch-ddp", n_grad_accumulation=2), True),
+    (dict(method="diloco", n_grad_accumulation=2), True),
+])  # fmt: skip
+def test_a_fixed_batch_is_one_no_round_can_grow(settings, fixed):
+    """fixed_batch decides whether a checkpoint keeps the accumulator and a resume says "exactly":
+    true where no round's minimum (acco: e and 2k - e, any e under auto) grows under the cap."""
+    cfg = EngineConfig(**settings)
+    assert cfg.fixed_batch is fixed
+    assert cfg.most_micro_batches(3) == (3 if not cfg.accumulate_while_waiting else
+                                         math.inf if cfg.accumulate_cap is None else
+                                         max(3, int(3 * cfg.accumulate_cap)))  # fmt: skip
 
 
 def test_accumulate_cap_is_checked_where_it_is_set():

@@ -106,6 +106,11 @@ class Engine(Protocol):
     def request_stop(self) -> None:
         """Signal-safe: every worker stops after the same coming update (its record says `stop`)."""
 
+    def sync_note(self) -> str | None:
+        """For the log lines, where an evaluation does not see the parameters that the training loss
+        is taken at: what it sees (diloco: the global parameters as of their last sync) and when they
+        next change; None for the methods that evaluate the parameters they train."""
+
 
 def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
     """The engine for `cfg.method`; the module must already be on its device. With `cfg.compile`

@@ -200,6 +200,34 @@ class EngineConfig(EngineSettings):
     def __post_init__(self) -> None:
         self.validate()
 
+    def most_micro_batches(self, minimum: int) -> float:
+        """The most micro-batches a worker computes while an overlapped round whose minimum is
+        `minimum` runs: the minimum itself without accumulate_while_waiting, else accumulate_cap
+        times it, rounded down and never below it; uncapped, no bound (inf)."""
+        if not self.accumulate_while_waiting:
+            return minimum
+        cap = self.accumulate_cap
+        return max(minimum, int(minimum * cap)) if cap else math.inf
+
+    @property
+    def fixed_batch(self) -> bool:
+        """Whether every update takes the same micro-batches per worker whatever the timing: true for
+        the methods that never compute while a round runs (ddp, torch-ddp, diloco), and for dpu, wp
+        and acco where no round's minimum can grow under accumulate_cap (train=acco's one micro-batch
+        per round at 1.5) or accumulate_while_waiting is off. Then a checkpoint keeps the gradients
+        accumulated for the next round and a resume on the same world size is exact."""
+        if self.method not in ("acco", "dpu", "wp"):
+            return True
+        k = int(self.n_grad_accumulation)
+        if self.method != "acco":
+            minima = {k}
+        elif self.estimate_micro_batches == "auto":  # the split may move to any e in [1, 2k - 1]
+            minima = set(range(1, 2 * k))
+        else:
+            e = self.estimate_micro_batches or k
+            minima = {e, 2 * k - e}
+        return all(self.most_micro_batches(m) == m for m in minima)
+
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")

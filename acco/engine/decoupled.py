@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -112,6 +111,7 @@ class DecoupledEngine:
         self.ops = device_ops(self.device)
         self._inflight: list = []  # events behind the last micro-batches queued
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
+        self.recomputed_micro_batches = 0  # set by load_state_dict: the saved accumulator's, not kept
         self._in_overlap = False  # past the warm start: the accumulator is part of the state
         self.wall_time_offset = self.last_wall_time = 0.0
 
@@ -136,8 +136,7 @@ class DecoupledEngine:
         start = time.perf_counter()
         n = 0
         keep_going = round_in_flight is not None and self.cfg.accumulate_while_waiting
-        cap = self.cfg.accumulate_cap
-        most = max(minimum, int(minimum * cap)) if cap else math.inf
+        most = self.cfg.most_micro_batches(minimum)
         while n < minimum or (keep_going and n < most and not round_in_flight.done()):
             batch = next(batches, _END)
             if batch is _END:
@@ -298,6 +297,9 @@ class DecoupledEngine:
 
     def quiesce(self) -> None:
         """Nothing to land: no round is in flight between two records (DiLoCoEngine's may be)."""
+
+    def sync_note(self) -> None:
+        """An evaluation sees the committed parameters, as every update's record: nothing to add."""
 
     def compute_context(self):
         """Training's (and evaluation's) precision context: the parameters are in its dtype."""

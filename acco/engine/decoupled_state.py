@@ -17,13 +17,16 @@ from acco.engine.flat import FLAT_ORDER, ShardLayout
 def state_dict(engine) -> dict:
     """This worker's training state, each distinct tensor once across workers: its fp32 optimizer
     shard (master, moments), acco's estimate-error shard, wp's predicted-weights shard, and the
-    gradient accumulator only where an exact resume needs it (a fixed batch). The parameters
-    are not saved: the committed ones are the gathered master (`load_state_dict`). With
-    accumulate_while_waiting (the default) the micro-batch counts follow timing, so a resume
-    restarts the overlapped regime from its warm start and the accumulator's micro-batches
-    are read again (``dropped_micro_batches``: the data position goes back by that many)."""
+    gradient accumulator only where an exact resume needs it (a fixed batch, EngineConfig.fixed_batch:
+    train=acco's default is one). The accumulator holds the next round's payload, computed while
+    the last round ran (acco: at the estimate theta~): computing it again at a resume, at the
+    committed parameters, gives other gradients. The parameters are not saved: the committed ones
+    are the gathered master (`load_state_dict`). Where the micro-batch counts follow timing (a
+    round's minimum can grow under accumulate_cap) a resume restarts the overlapped regime from
+    its warm start and the accumulator's micro-batches are read again (``dropped_micro_batches``:
+    the data position goes back by that many)."""
     opt = engine.comm.optimizer
-    keep_accumulator = engine._in_overlap and not engine.cfg.accumulate_while_waiting
+    keep_accumulator = engine._in_overlap and engine.cfg.fixed_batch
     dropped = int(engine.stats[MICRO_BATCHES].item()) if engine._in_overlap and not keep_accumulator else 0
     return {
         "method": engine.cfg.method,
@@ -88,6 +91,8 @@ def load_state_dict(engine, state: dict, old_state: Callable[[int], dict] | None
     predicted = state.get("predicted") if exact and engine.wp else None
     engine._gather(predicted if predicted is not None else opt.master, engine.flat.params)
     engine._predicting = predicted is not None
+    # micro-batches the saved run had accumulated that this one computes again (their data is read again)
+    engine.recomputed_micro_batches = int(state.get("dropped_micro_batches", 0))
     if not exact:
         return False
     if state.get("split") is not None:

@@ -353,6 +353,35 @@ class DiLoCoEngine:
         finally:
             self.flat.params.copy_(self.local)
 
+    def sync_note(self) -> str:
+        """What an evaluation sees, for its log line (it is not what the training loss is taken at,
+        each worker's local parameters): the global parameters as of each fragment's last sync, and
+        the inner step of the next one (the run's last step syncs every fragment)."""
+        merged = self.last_merge
+        if not any(merged):
+            seen = "global parameters: the initial ones, no sync yet"
+        elif len(merged) == 1:
+            seen = f"global parameters as synced at step {merged[0]}"
+        else:
+            steps = ", ".join(str(s) if s else "-" for s in merged)
+            seen = f"global parameters, fragments 1-{len(merged)} as synced at steps {steps}"
+            seen += " (-: not yet)" if not all(merged) else ""
+        nxt = self._next_sync()
+        return f"{seen}; " + (f"next sync at step {nxt}" if nxt is not None else "the run's last sync")
+
+    def _next_sync(self) -> int | None:
+        """The inner step at which a fragment next takes the averaged parameters: the first one due
+        (offset + delay, then every sync_every), or the run's last step if it comes first (as the
+        budget stands: data may run out sooner); None once the run is over."""
+        per_step = self.world_size * self.cfg.n_grad_accumulation
+        last = self.step + -(-max(self.cfg.nb_steps_tot - self.samples, 0) // per_step)
+        if last == self.step:
+            return None
+        H, tau = self.cfg.sync_every, self.cfg.fragment_sync_delay
+        due = [o + tau if self.step < o + tau else o + tau + ((self.step - o - tau) // H + 1) * H
+               for o in self.offsets]  # fmt: skip
+        return min(min(due), last)
+
     def quiesce(self) -> None:
         """No all-reduce in flight: the caller may run collectives of its own (its result is kept
         and applied at its scheduled step, as if it had landed then). NCCL matches a group's

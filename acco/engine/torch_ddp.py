@@ -321,6 +321,9 @@ class TorchDDPEngine:
     def quiesce(self) -> None:
         """Nothing runs in the background."""
 
+    def sync_note(self) -> None:
+        """An evaluation sees the parameters that training takes its steps at: nothing to add."""
+
     def finish(self) -> None:
         """Nothing to finish: the model always holds the committed parameters."""
 
