@@ -3,8 +3,11 @@ save_model) with acco's train keys for its args, training with acco (or a baseli
 
     trainer = DecoupledTrainer(model=model, tokenizer=tokenizer,
                                train_dataset=ds["train"], eval_dataset=ds["validation"],
-                               text_column_name="text", args=train_config)
+                               text_column_name="text", args={"method": "acco", "nb_steps_tot": 4000})
     trainer.train()
+
+`args` holds acco's train keys (``method`` or the seed's ``method_name`` for the method); those it
+leaves out are the command line's for that method (``acco.config.train_defaults``).
 
 The loop is thin: it turns the datasets into per-worker micro-batch streams, hands the engine a
 loss function, and around the engine's updates it logs, evaluates and saves.
