@@ -396,12 +396,16 @@ def entry() -> None:
 
 def exit_without_finalizing(code: int) -> None:
     """What a normal exit does that a run's outputs can depend on, then ``os._exit(code)``: the
-    other non-daemon threads are joined (a background write lands), the atexit hooks run, and the
-    standard streams are flushed."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # CPython's own run of them (there is no public call)
+    interpreter's own first step (threading's exit hooks, which stop library thread pools, then
+    every other non-daemon thread joined), the atexit hooks, and the standard streams flushed.
+    acco's background checkpoint write is a daemon (a write stuck after a failure must not hold
+    the exit): the trainer waits for it before it returns, so a run's last checkpoint is on disk
+    before this starts."""
+    # CPython's own calls at exit, in its order (there is no public one). Joining the threads
+    # without the hooks waited forever on pools that only their hook stops: concurrent.futures'
+    # idle workers, inductor's compile pool among them (a compiled run never exited).
+    threading._shutdown()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

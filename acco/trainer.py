@@ -39,7 +39,7 @@ from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
 from acco.launch import preemption
 from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_at, init_distributed
-from acco.loss import causal_lm_loss
+from acco.loss import causal_lm_loss, loss_note
 from acco.metrics import RunLog
 from acco.models import check_fits, checkpoint_activations, token_rows
 
@@ -98,6 +98,8 @@ class DecoupledTrainer:
         self.rank, self.world_size, self.local_rank, self.device = init_distributed(self.args.timeout_s)
         torch.manual_seed(self.args.seed)
         self.model = model.to(self.device)
+        if self.rank == 0 and (note := loss_note(model)) is not None:  # right, but slower than the fused loss
+            print(note, flush=True)
         if self.args.gradient_checkpointing:  # activations recomputed layer by layer in the backward pass
             checkpoint_activations(model)
         self.engine = None
