@@ -92,8 +92,8 @@ TaskPlugin=task/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
-# a requeued job starts on the next backfill pass once its hold is over: every second, not every 30
-SchedulerParameters=bf_interval=1
+# a requeued job starts on the next scheduling pass once its hold is over: every second, not every 30-60
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 AccountingStorageType=accounting_storage/none
