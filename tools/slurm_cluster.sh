@@ -51,9 +51,10 @@ install() {
     printf '#!/bin/sh\nexit 101\n' > $policy && chmod +x $policy && added=1
   fi
   local pkgs=(slurmctld slurmd slurm-client munge)
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" > "$log" 2>&1 ||
-    { apt-get update -q >> "$log" 2>&1 &&
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}" >> "$log" 2>&1; } ||
+  local apt=(apt-get -q -o DPkg::Lock::Timeout=300)  # a second test run installing beside: wait for it
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends "${pkgs[@]}" > "$log" 2>&1 ||
+    { "${apt[@]}" update >> "$log" 2>&1 &&
+      DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends "${pkgs[@]}" >> "$log" 2>&1; } ||
     { [ -z "$added" ] || rm -f $policy; cannot "apt-get install ${pkgs[*]} failed: $(grep -E '^E:' "$log" | head -1)"; }
   [ -z "$added" ] || rm -f $policy
   echo "slurm_cluster: installed ${pkgs[*]} in $((SECONDS - started)) s" >&2
