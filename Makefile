@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # test: the library; test-slow: the tests that launch whole training jobs (marked slow): the
-# acco-bench runs, the CLI's resume, fault and end-to-end scenarios, and the timed overlap check.
+# acco-bench runs, the CLI's resume, fault and end-to-end scenarios, the timed overlap check, and the
+# examples' sbatch jobs on a one-machine SLURM cluster (tools/slurm_cluster.sh, which a fixture of
+# tests/test_slurm_cluster.py runs: it installs Debian's slurm-wlm where missing, as root, starts the
+# daemons once for those tests and stops them after; elsewhere they are skipped, with the reason).
 # CI (.ci/run) runs both, as the README says. The library's tests run in two pytest processes
 # (pytest-xdist), a test file each at a time: many of them wait (timeouts, workers importing torch)
 # more than they compute.

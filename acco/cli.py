@@ -277,8 +277,20 @@ def error_lines(e: BaseException) -> list[str]:
     return [one_line_error(e)]
 
 
+def _launched_rank() -> str | None:
+    """This worker's rank as its launcher set it: RANK (torchrun, acco's local launcher), else
+    SLURM_PROCID in an srun step; None outside any."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"]
+    try:
+        env = dist_env()
+    except ValueError:  # a malformed SLURM variable: the run's own check says so
+        return None
+    return None if env is None else str(env["rank"])
+
+
 def _report(e: BaseException) -> None:
-    rank = os.environ.get("RANK")
+    rank = _launched_rank()
     where = f"[rank {rank}] " if rank is not None else ""
     # acco's own input errors are worded for the user: no class name in front (as acco-prepare)
     kind = "" if isinstance(e, InputError | DataError) else f"{type(e).__name__}: "
@@ -294,7 +306,7 @@ def _one_line_warnings(show):
     def showwarning(message, category, *args, **kwargs):
         if not issubclass(category, ConfigWarning):
             return show(message, category, *args, **kwargs)
-        if os.environ.get("RANK", "0") == "0":
+        if _launched_rank() in (None, "0"):  # once per job, also under srun
             sys.stderr.write(f"acco: warning: {message}\n")
 
     return showwarning

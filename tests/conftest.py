@@ -12,7 +12,8 @@ def pytest_configure(config):
         "markers",
         "slow: an acco-bench run, a CLI scenario that launches whole training jobs (resumes, "
         "faults, torchrun, errors raised in the workers, a stalled worker named within its timeout) "
-        "or a test that times the engine (overlap against C + M): `make test` leaves them out, "
+        "or a test that times the engine (overlap against C + M), the examples' sbatch jobs on a "
+        "one-machine SLURM cluster: `make test` leaves them out, "
         "`make test-slow` runs them, serially",
     )
 

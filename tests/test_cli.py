@@ -49,6 +49,23 @@ def test_one_function_decides_the_role(monkeypatch, env, nproc, role, world_size
         assert cli.process_role(None) == (role, world_size)
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_srun_an_error_names_its_rank_and_a_warning_comes_once(monkeypatch, capsys, rank):
+    """srun sets SLURM_PROCID, not RANK: a worker's error line still names it, and acco's config
+    warnings come from rank 0 alone, not once per task (as under torchrun and the local launcher)."""
+    from acco.engine.config import ConfigWarning
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_PROCID": rank, "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    cli._report(RuntimeError("ring exchange failed"))
+    cli._one_line_warnings(None)("train.warmup=48 is not below ...", ConfigWarning, "f.py", 1)
+    err = capsys.readouterr().err
+    warned = "acco: warning: train.warmup=48 is not below ...\n" if rank == "0" else ""
+    assert err == f"acco: error: [rank {rank}] RuntimeError: ring exchange failed\n{warned}"
+
+
 def test_a_lone_worker_validates_once_and_hands_the_trainer_rows(tmp_path, monkeypatch):
     """launch.nproc=1, in-process: one validation pass, whose corpus and tokenizer the worker takes
     (nothing of it kept while training), and the trainer is handed ready rows, not documents."""
