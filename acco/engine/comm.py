@@ -1,4 +1,5 @@
-"""The comm round (docs/algorithm.md, "The comm round") and the background worker that overlaps it.
+"""The comm round (docs/algorithm.md, "The comm round"); acco/engine/background.py runs it beside the
+next micro-batches.
 
 A round takes a flat gradient payload and its statistics (summed loss weight, summed loss,
 micro-batch count, data-exhausted flag) and, on every worker:
@@ -38,16 +39,13 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from acco.engine import collectives, progress, quantize
 from acco.engine.config import EngineConfig
-from acco.engine.device import device_ops
 from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
 
@@ -65,9 +63,6 @@ SPLIT_PROPOSAL = N_STATS + 1
 N_SENT = N_STATS + 2
 # auto split: weight of the newest update's round durations in their running average
 SPLIT_SMOOTHING = 0.25
-
-T = TypeVar("T")
-
 
 class RoundKind(enum.Enum):
     """The two kinds of comm round (docs/algorithm.md, "The schedules"); the value is the label
@@ -367,53 +362,3 @@ class CommRound:
             self.int8.all_gather_delta(new_params, estimate, self.params)
         else:
             collectives.all_gather(new_params, sent, group=self.group)
-
-
-@dataclass
-class Timed(Generic[T]):
-    """What `BackgroundComm` hands back, on every device: the round's value and its busy seconds,
-    the span on the comm stream from its payload being ready to its last kernel (on the CPU, the
-    host clock's span of the round's work)."""
-
-    value: T
-    busy_s: float
-
-
-class BackgroundComm:
-    """Runs comm rounds on one background thread and its own stream (acco/engine/device.py).
-
-    The compute stream only records an event for the comm stream to wait on: no host sync on the
-    compute side. The comm thread waits for its own stream's work (a blocking event) before
-    reporting a round done, so `Future.done()` means the new parameters are really there.
-    """
-
-    def __init__(self, device: torch.device):
-        self.ops = device_ops(device)
-        # High priority (lower is higher): the round's kernels go first when both streams have
-        # work queued, so a round is not held up behind the next micro-batch's compute.
-        self.stream = self.ops.new_stream(priority=-1)
-        self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="acco-comm", initializer=self.ops.bind_thread
-        )
-
-    def submit(self, round_fn: Callable[[], T]) -> Future[Timed[T]]:
-        payload_ready = self.ops.event()
-        payload_ready.record(self.ops.current_stream())
-
-        def on_comm_stream() -> Timed[T]:
-            with self.ops.use_stream(self.stream):
-                self.stream.wait_event(payload_ready)
-                started = self.ops.event(enable_timing=True)
-                started.record(self.stream)
-                value = round_fn()
-                # the comm thread sleeps, it does not spin a core
-                done = self.ops.event(enable_timing=True, blocking=True)
-                done.record(self.stream)
-            done.synchronize()
-            # The round's span on its stream (the host's part alone would miss the kernels still queued).
-            return Timed(value, started.elapsed_time(done) / 1000)
-
-        return self.executor.submit(on_comm_stream)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=True)

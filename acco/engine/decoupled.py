@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from acco.engine import collectives, decoupled_state
+from acco.engine.background import BackgroundComm
 from acco.engine.comm import (
     EXHAUSTED,
-    BackgroundComm,
     CommRound,
     EstimateSplit,
     RoundKind,

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from acco.engine import collectives, diloco_state, progress
-from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
+from acco.engine.background import BackgroundComm
+from acco.engine.comm import LOSS, WEIGHT, backward_and_count, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn
 from acco.engine.device import device_ops
