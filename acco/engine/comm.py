@@ -49,7 +49,8 @@ from acco.engine.config import EngineConfig
 from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
 
-# Layout of the per-worker statistics vector that the compute side fills for each payload.
+# Layout of the per-worker statistics vector that the compute side fills for each payload
+# (decoupled.backward_and_count).
 # STOP: this worker was asked to stop (a signal, acco.trainer): the flag travels with the statistics,
 # so every worker learns it in the same round and they stop after the same update, with no
 # collective of its own.
@@ -77,16 +78,6 @@ class RoundKind(enum.Enum):
 
 def new_stats(device: torch.device) -> torch.Tensor:
     return torch.zeros(N_STATS, dtype=torch.float64, device=device)
-
-
-def backward_and_count(out, stats: torch.Tensor) -> None:
-    """Backpropagate one micro-batch's loss_fn output, `loss` or `(loss, weight)`, and add it to
-    the statistics, on the device (no host sync)."""
-    loss, weight = out if isinstance(out, tuple) else (out, 1.0)
-    loss.backward()
-    stats[WEIGHT] += weight
-    stats[LOSS] += loss.detach()
-    stats[MICRO_BATCHES] += 1
 
 
 @dataclass

@@ -31,11 +31,13 @@ from acco.engine import collectives, decoupled_state
 from acco.engine.background import BackgroundComm
 from acco.engine.comm import (
     EXHAUSTED,
+    LOSS,
+    MICRO_BATCHES,
+    WEIGHT,
     CommRound,
     EstimateSplit,
     RoundKind,
     RoundResult,
-    backward_and_count,
     new_stats,
 )
 from acco.engine.config import EngineConfig, UpdateRecord, advise
@@ -49,6 +51,7 @@ LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 _END = object()
 
+
 # The kinds of the comm rounds that make one update, in order (docs/algorithm.md): acco
 # alternates an estimate round and an update round, every other method runs update rounds only.
 ROUND_SCHEDULE: dict[str, tuple[RoundKind, ...]] = {
@@ -57,6 +60,17 @@ ROUND_SCHEDULE: dict[str, tuple[RoundKind, ...]] = {
     "dpu": (RoundKind.UPDATE,),
     "wp": (RoundKind.UPDATE,),
 }
+
+
+def backward_and_count(out, stats: torch.Tensor) -> None:
+    """The compute side of every engine (torch-ddp and diloco call it too): backpropagate one
+    micro-batch's loss_fn output, `loss` or `(loss, weight)`, and add it to the statistics
+    (comm.py's layout), on the device (no host sync)."""
+    loss, weight = out if isinstance(out, tuple) else (out, 1.0)
+    loss.backward()
+    stats[WEIGHT] += weight
+    stats[LOSS] += loss.detach()
+    stats[MICRO_BATCHES] += 1
 
 
 class DecoupledEngine:

@@ -37,9 +37,9 @@ from torch import nn
 
 from acco.engine import collectives, diloco_state, progress
 from acco.engine.background import BackgroundComm
-from acco.engine.comm import LOSS, WEIGHT, backward_and_count, new_stats
+from acco.engine.comm import LOSS, WEIGHT, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
-from acco.engine.decoupled import LossFn
+from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.device import device_ops
 from acco.engine.flat import FlatParams, broadcast_module, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate

@@ -58,11 +58,10 @@ from acco.engine.comm import (
     N_STATS,
     STOP,
     WEIGHT,
-    backward_and_count,
     new_stats,
 )
 from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord
-from acco.engine.decoupled import LossFn
+from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.flat import ShardLayout, world_of
 from acco.engine.optim import learning_rate
 
