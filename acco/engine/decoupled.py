@@ -35,13 +35,13 @@ from acco.engine.comm import (
     MICRO_BATCHES,
     WEIGHT,
     CommRound,
-    EstimateSplit,
     RoundKind,
     RoundResult,
     new_stats,
 )
 from acco.engine.config import EngineConfig, UpdateRecord, advise
 from acco.engine.device import device_ops
+from acco.engine.estimate import EstimateSplit, Lookahead
 from acco.engine.flat import FlatParams, broadcast_module, world_of
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
@@ -91,7 +91,9 @@ class DecoupledEngine:
         self.device = self.flat.params.device
         # acco's split of an update between its two rounds: decided here, read by the round
         self.split = EstimateSplit(cfg, self.flat.layout.shard_numel, self.flat.params.element_size())
-        self.comm = CommRound(self.flat, cfg, group, self.split)
+        # what a round sends ahead of theta_{t+1} (wp's prediction, acco's estimate) and its state
+        self.lookahead = Lookahead(cfg, self.flat.master_shard)
+        self.comm = CommRound(self.flat, cfg, group, self.split, self.lookahead)
         self.overlapped = cfg.method != "ddp"
         # n_warmup_steps sequential updates, each of every round's share, on every worker
         rounds = len(ROUND_SCHEDULE[cfg.method])
@@ -218,11 +220,6 @@ class DecoupledEngine:
         # every round's share at once (acco k matches ddp 2k).
         micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
 
-        def during(kind: RoundKind) -> int:
-            """Computed while a round of `kind` runs: acco's split, e and 2k - e (EstimateSplit.e)."""
-            e = self.split.e
-            return e if kind is RoundKind.ESTIMATE else micro_batches_per_update - e * (len(round_kinds) - 1)
-
         def finished() -> bool:
             return self.comm.samples >= cfg.nb_steps_tot or self._exhausted
 
@@ -242,7 +239,7 @@ class DecoupledEngine:
         # overlap (unless a checkpoint restored the accumulator that the last round filled).
         compute_s = 0.0
         if not self._resume_overlap:
-            compute_s = self._accumulate(batches, loss_fn, during(round_kinds[-1]))
+            compute_s = self._accumulate(batches, loss_fn, self.split.during(round_kinds[-1]))
         self._resume_overlap = False
         self._in_overlap = True
         wait_s = comm_s = 0.0
@@ -250,7 +247,7 @@ class DecoupledEngine:
             if kind is RoundKind.UPDATE:
                 self.split.adopt()
             handle = self._launch(kind)
-            compute_s += self._accumulate(batches, loss_fn, during(kind), handle)
+            compute_s += self._accumulate(batches, loss_fn, self.split.during(kind), handle)
             start = time.perf_counter()
             timed = handle.result()
             wait_s += time.perf_counter() - start

@@ -48,7 +48,7 @@ def state_dict(engine) -> dict:
         "accumulator_stats": engine.stats if keep_accumulator else None,
         "dropped_micro_batches": dropped,
         # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
-        "estimate_error": engine.comm.estimate_error,
+        "estimate_error": engine.lookahead.estimate_error,
         "split": engine.split.state_dict(),  # acco: the accumulator's payload was computed with 2k - e
     }
 
@@ -97,9 +97,10 @@ def load_state_dict(engine, state: dict, old_state: Callable[[int], dict] | None
         return False
     if state.get("split") is not None:
         engine.split.load_state_dict(state["split"])
-    if engine.comm.estimate_error is not None:  # older checkpoints and other estimates: none
+    error = engine.lookahead.estimate_error
+    if error is not None:  # older checkpoints and other estimates: none
         saved = state.get("estimate_error")
-        engine.comm.estimate_error.copy_(saved) if saved is not None else engine.comm.estimate_error.zero_()
+        error.copy_(saved) if saved is not None else error.zero_()
     if state.get("accumulator") is not None:
         engine.accumulator.copy_(state["accumulator"])
         saved = state["accumulator_stats"]  # (4 numbers before the stop flag existed)
@@ -139,8 +140,8 @@ def state_bytes(engine) -> dict[str, int]:
         "exp_avg_sq": opt.exp_avg_sq,
         "grad_shard": comm.grad_shard,
         "trial_workspace": opt._work,
-        "estimate_error": comm.estimate_error,
-        "wp_previous_master": comm.previous_master,
+        "estimate_error": engine.lookahead.estimate_error,
+        "wp_previous_master": engine.lookahead.previous_master,
         **(
             {
                 "int8_send": comm.int8.send.words,
