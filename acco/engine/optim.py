@@ -85,7 +85,7 @@ class ShardedAdamW:
         # one chunk (`chunk` elements, else TRIAL_CHUNK) of the master and of each moment, and the
         # step count the kernel reads
         self._chunk = max(1, min(chunk or TRIAL_CHUNK, -(-master.numel() // 3)))
-        self._work = master.new_empty(3 * self._chunk) if trial else None
+        self.trial_workspace = master.new_empty(3 * self._chunk) if trial else None
         self._trial_step = master.new_zeros(()) if trial else None
         # What the gradient is divided by inside the kernel (torch's AMP grad_scale argument, which
         # the kernel divides by and writes the quotient back to the gradient): the round's global
@@ -134,7 +134,7 @@ class ShardedAdamW:
         self._trial_step.fill_(self._steps + 1)  # the kernel reads the step it takes
         grad_scale = self._divide_by(divisor)
         n = self._chunk
-        p, m, v = self._work.view(3, n)
+        p, m, v = self.trial_workspace.view(3, n)
         for (_, r), group in zip(self.views, self.opt.param_groups):
             for start in range(r.start, r.stop, n):
                 c = slice(start, min(start + n, r.stop))
