@@ -58,9 +58,11 @@ class RoundKind(enum.Enum):
     that progress marks, and so errors naming a stalled rank, show."""
 
     # acco only: theta~_{t+1} = Opt_trial(theta_t, g~_t); the optimizer state, the step count and
-    # the samples are left as they were, and the accumulator is kept (g_t adds to g~_t).
+    # the committed micro-batches are left as they were, and the accumulator is kept (g_t adds to
+    # g~_t).
     ESTIMATE = "estimate round"
-    # Every method's update: theta_{t+1} = Opt(theta_t, g) is committed (step and samples advance).
+    # Every method's update: theta_{t+1} = Opt(theta_t, g) is committed (the step and the committed
+    # micro-batches advance).
     UPDATE = "update round"
 
 
@@ -74,7 +76,7 @@ class RoundResult:
     lr: float
     loss: float  # weighted mean loss of the payload's micro-batches, all workers
     micro_batches: list[int]  # the payload's micro-batches, per worker
-    samples: int  # micro-batches over all workers in committed updates so far (after this round)
+    committed_micro_batches: int  # over all workers, in committed updates so far (after this round)
     step: int  # committed updates (update rounds that applied a gradient) so far, after this round
     exhausted: bool  # some worker ran out of data
     stop: bool  # some worker was asked to stop (every worker stops after this update)
@@ -128,7 +130,7 @@ class CommRound:
         self.lookahead = lookahead
         # set by the engine's request_stop (any thread): sent from the next round on
         self.stop_requested = False
-        self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
+        self.committed_micro_batches = 0  # over all workers, in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
         self.delay_hook: Callable[[], None] | None = None
@@ -152,7 +154,7 @@ class CommRound:
         # (after the summed shard, which may be the same memory, was read).
         sent = self._own(new_params)
         estimate = self._step(result, predict, int8, sent)
-        self.samples, self.step = result.samples, result.step
+        self.committed_micro_batches, self.step = result.committed_micro_batches, result.step
         if self.delay_hook is not None:
             self.delay_hook()
         self._gather(new_params, sent, estimate, int8)
@@ -203,10 +205,10 @@ class CommRound:
             grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in rows)) / weight
         return RoundResult(
             kind=kind,
-            lr=learning_rate(self.cfg, self.samples, update_micro_batches),
+            lr=learning_rate(self.cfg, self.committed_micro_batches, update_micro_batches),
             loss=sum(row[LOSS] for row in rows) / weight if weight > 0 else float("nan"),
             micro_batches=micro_batches,
-            samples=self.samples + total if commits else self.samples,
+            committed_micro_batches=self.committed_micro_batches + (total if commits else 0),
             step=self.step + 1 if commits else self.step,
             exhausted=any(row[EXHAUSTED] > 0 for row in rows),
             stop=any(row[STOP] > 0 for row in rows),

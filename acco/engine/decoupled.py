@@ -112,18 +112,17 @@ class DecoupledEngine:
         )
         self.stats = new_stats(self.device)  # statistics of what the accumulator holds
         if self.overlapped:
-            # docs/algorithm.md's one communication buffer, named for each of its two roles: a round
-            # reduce-scatters its `payload` (the gradients swapped out) before it all-gathers the
-            # new parameters into `gathered_params`, so one model-sized buffer serves both.
-            self.payload = torch.zeros_like(self.flat.params)
-            self.gathered_params = self.payload
+            # docs/algorithm.md's one communication buffer: a round reduce-scatters the payload (the
+            # gradients swapped out) in it before it all-gathers the new parameters into it, so one
+            # model-sized buffer serves both.
+            self.comm_buffer = torch.zeros_like(self.flat.params)
             self.payload_stats = new_stats(self.device)
             self.background = BackgroundComm(self.device)
         # wp computes at its prediction, which the comm round forms on the fp32 master shard; the
         # committed parameters are the master shards, gathered on demand (`committed_params`).
         self.wp = cfg.method == "wp"
         self._predicting = False  # wp: the model holds the prediction, not the committed parameters
-        self._prediction_stashed = False  # inside committed_params: the prediction waits in `payload`
+        self._prediction_stashed = False  # inside committed_params: the prediction waits in `comm_buffer`
         self.ops = device_ops(self.device)
         self._inflight: list = []  # events behind the last micro-batches queued
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
@@ -191,18 +190,18 @@ class DecoupledEngine:
         and the zeroing are queued on the compute stream and the payload-ready event is recorded
         behind them (`BackgroundComm.submit`): the round reads the payload only once it is whole,
         and the next micro-batches add to the accumulator only after it was copied."""
-        self.payload.copy_(self.accumulator)
+        self.comm_buffer.copy_(self.accumulator)
         self.payload_stats.copy_(self.stats)
         if kind is RoundKind.UPDATE:
             self.accumulator.zero_()
             self.stats.zero_()
         predict = self.wp and kind is RoundKind.UPDATE  # wp: the round gathers 2 theta_{t+1} - theta_t
         return self.background.submit(
-            lambda: self.comm.run(self.payload, self.payload_stats, self.gathered_params, kind, predict)
+            lambda: self.comm.run(self.comm_buffer, self.payload_stats, self.comm_buffer, kind, predict)
         )
 
-    def _swap_in(self, kind: RoundKind) -> None:
-        self.flat.params.copy_(self.gathered_params)
+    def _swap_in(self) -> None:
+        self.flat.params.copy_(self.comm_buffer)
         self._predicting = self.wp
 
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
@@ -221,7 +220,7 @@ class DecoupledEngine:
         micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
 
         def finished() -> bool:
-            return self.comm.samples >= cfg.nb_steps_tot or self._exhausted
+            return self.comm.committed_micro_batches >= cfg.nb_steps_tot or self._exhausted
 
         self._exhausted = False
         # n_warmup_steps counts updates (not micro-batches, as `warmup` does): that many first
@@ -254,7 +253,7 @@ class DecoupledEngine:
             result: RoundResult = timed.value
             self.split.note_round(kind, timed.busy_s)
             comm_s += timed.busy_s
-            self._swap_in(kind)
+            self._swap_in()
             if kind is RoundKind.ESTIMATE:  # its update round completes the update
                 continue
             record = self._record(result, compute_s, wait_s, comm_s)
@@ -270,7 +269,7 @@ class DecoupledEngine:
         self.split.agree(result.agreed_split)
         return UpdateRecord(
             step=result.step,
-            samples=result.samples,
+            samples=result.committed_micro_batches,
             loss=result.loss,
             lr=result.lr,
             micro_batches=result.micro_batches,
@@ -317,8 +316,8 @@ class DecoupledEngine:
         return contextlib.nullcontext()
 
     @property
-    def samples(self) -> int:  # micro-batches over all workers in committed updates so far
-        return self.comm.samples
+    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
+        return self.comm.committed_micro_batches
 
     @property
     def step(self) -> int:  # committed updates so far
@@ -346,7 +345,7 @@ class DecoupledEngine:
             "numel": self.flat.layout.numel,
             "world_size": self.world_size,
             "rank": self.rank,
-            "samples": self.comm.samples,
+            "samples": self.comm.committed_micro_batches,
             "step": self.comm.step,
             "wall_time": self.last_wall_time,
             "master": opt.master,
@@ -384,7 +383,7 @@ class DecoupledEngine:
                 "it cannot be resumed by this version"
             )
         opt = self.comm.optimizer
-        self.comm.samples, self.comm.step = int(state["samples"]), int(state["step"])
+        self.comm.committed_micro_batches, self.comm.step = int(state["samples"]), int(state["step"])
         opt.restore_step(self.comm.step)
         self.wall_time_offset = float(state["wall_time"])
         exact = state["world_size"] == self.world_size and state["rank"] == self.rank
@@ -443,7 +442,7 @@ class DecoupledEngine:
             "params": self.flat.params,
             "grads": self.flat.grads,
             "grad_accumulator_fp32": self.accumulator,
-            "payload": self.payload if self.overlapped else None,
+            "comm_buffer": self.comm_buffer if self.overlapped else None,
             "master": opt.master,
             "exp_avg": opt.exp_avg,
             "exp_avg_sq": opt.exp_avg_sq,
@@ -476,7 +475,7 @@ class DecoupledEngine:
 
     def _prediction(self) -> torch.Tensor:
         """wp: the full vector of the predicted parameters, wherever it is now."""
-        return self.payload if self._prediction_stashed else self.flat.params
+        return self.comm_buffer if self._prediction_stashed else self.flat.params
 
     @contextlib.contextmanager
     def committed_params(self):
@@ -487,13 +486,13 @@ class DecoupledEngine:
         if not self._predicting or self._prediction_stashed:
             yield self.module
             return
-        self.payload.copy_(self.flat.params)
+        self.comm_buffer.copy_(self.flat.params)
         self._gather(self.comm.optimizer.master, self.flat.params)
         self._prediction_stashed = True
         try:
             yield self.module
         finally:
-            self.flat.params.copy_(self.payload)
+            self.flat.params.copy_(self.comm_buffer)
             self._prediction_stashed = False
 
     def close(self) -> None:

@@ -126,7 +126,7 @@ class DiLoCoEngine:
         self.averaged_fragment: int | None = None  # `averaged` holds this fragment's landed result
         self.last_merge = [0] * F  # inner step at which each fragment last took the global parameters
         self.step = 0  # inner steps
-        self.samples = 0  # micro-batches over all workers in inner steps so far
+        self.committed_micro_batches = 0  # micro-batches over all workers in inner steps so far
         self._stop = False  # some worker ran out of data (learnt from an all-reduce)
         self._exhausted = False  # this worker ran out of data
         self._stop_requested = self._stop_agreed = False  # request_stop: sent with the next all-reduce
@@ -154,7 +154,8 @@ class DiLoCoEngine:
     def _apply(self, n: int) -> float:
         """One AdamW step on the accumulated `n` micro-batches (none: no step); returns the LR.
         The step's statistics are queued for the host (`_read_stats`), not read."""
-        lr = learning_rate(self.cfg, self.samples, self.world_size * self.cfg.n_grad_accumulation)
+        per_step = self.world_size * self.cfg.n_grad_accumulation
+        lr = learning_rate(self.cfg, self.committed_micro_batches, per_step)
         norm = self.norm.zero_()
         if n:
             if self.grad is not self.flat.grads and not self.sum_fp32:
@@ -178,7 +179,7 @@ class DiLoCoEngine:
         # the inner steps without data that keep the schedule until the all-reduce that tells every
         # worker some worker's data ran out (no record is yielded for those, `run`).
         self.step += 1
-        self.samples += self.world_size * self.cfg.n_grad_accumulation
+        self.committed_micro_batches += per_step
         return lr
 
     def _read_stats(self, n: int) -> tuple[float, float]:
@@ -310,7 +311,7 @@ class DiLoCoEngine:
             lr = self._apply(n)
             compute += time.perf_counter() - start
             wait, busy = self._fragments_step()
-            finished = self.samples >= self.cfg.nb_steps_tot or self._stop
+            finished = self.committed_micro_batches >= self.cfg.nb_steps_tot or self._stop
             if finished:
                 w, b = self._synchronise_all()
                 wait, busy = wait + w, busy + b
@@ -323,7 +324,7 @@ class DiLoCoEngine:
             if n:  # an inner step with no data (after this worker's ran out) is no update: no record
                 yield UpdateRecord(
                     step=self.step,
-                    samples=self.samples,
+                    samples=self.committed_micro_batches,
                     loss=self._last_loss,
                     lr=lr,
                     micro_batches=[n] * self.world_size,
@@ -338,6 +339,10 @@ class DiLoCoEngine:
             if finished:
                 return
             n, compute, self.computed_ahead = self.computed_ahead, next_compute, 0
+
+    @property
+    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
+        return self.committed_micro_batches
 
     def request_stop(self) -> None:
         """Signal-safe: the next fragment all-reduce tells every worker to stop at the step it lands
@@ -375,7 +380,7 @@ class DiLoCoEngine:
         (offset + delay, then every sync_every), or the run's last step if it comes first (as the
         budget stands: data may run out sooner); None once the run is over."""
         per_step = self.world_size * self.cfg.n_grad_accumulation
-        last = self.step + -(-max(self.cfg.nb_steps_tot - self.samples, 0) // per_step)
+        last = self.step + -(-max(self.cfg.nb_steps_tot - self.committed_micro_batches, 0) // per_step)
         if last == self.step:
             return None
         H, tau = self.cfg.sync_every, self.cfg.fragment_sync_delay
@@ -447,7 +452,7 @@ class DiLoCoEngine:
             "numel": self.flat.layout.numel,
             "world_size": self.world_size,
             "rank": self.rank,
-            "samples": self.samples,
+            "samples": self.committed_micro_batches,
             "step": self.step,
             "wall_time": self.last_wall_time,
             "fragments": self.cfg.num_fragments,
@@ -489,7 +494,7 @@ class DiLoCoEngine:
                 f"checkpoint synchronised {state['fragments']} fragment(s) every {state['sync_every']} "
                 f"steps; this run: {self.cfg.num_fragments} every {self.cfg.sync_every}"
             )
-        self.samples, self.step = int(state["samples"]), int(state["step"])
+        self.committed_micro_batches, self.step = int(state["samples"]), int(state["step"])
         self.wall_time_offset = float(state["wall_time"])
         self.last_merge = list(state["last_merge"])
         self._stop = bool(state.get("stop", False))

@@ -25,22 +25,22 @@ from acco.engine.config import EngineConfig
 TRIAL_CHUNK = 1 << 22
 
 
-def learning_rate(cfg: EngineConfig, samples_before: int, batch: int) -> float:
-    """LR of an update that consumes `batch` micro-batches after `samples_before` were committed.
+def learning_rate(cfg: EngineConfig, micro_batches_before: int, batch: int) -> float:
+    """LR of an update that consumes `batch` micro-batches after `micro_batches_before` were committed.
 
-    Advanced by samples, not by updates, so every method and every worker speed follows the same
-    schedule as a function of data seen: `samples_before`, `batch`, `cfg.warmup` and
+    Advanced by micro-batches, not by updates, so every method and every worker speed follows the
+    same schedule as a function of data seen: `micro_batches_before`, `batch`, `cfg.warmup` and
     `cfg.nb_steps_tot` all count micro-batches over all workers (`cfg.n_warmup_steps`, which
     counts updates, plays no part here). Warm-up counts this update's batch (the first update
-    already moves); the decay starts from the samples before it.
+    already moves); the decay starts from the micro-batches before it.
     """
     lr = cfg.learning_rate
-    if cfg.warmup > 0 and samples_before < cfg.warmup:
-        return lr * min(1.0, (samples_before + batch) / cfg.warmup)
+    if cfg.warmup > 0 and micro_batches_before < cfg.warmup:
+        return lr * min(1.0, (micro_batches_before + batch) / cfg.warmup)
     if cfg.scheduler_name == "constant":
         return lr
     span = max(1, cfg.nb_steps_tot - cfg.warmup)
-    progress = min(1.0, max(0.0, (samples_before - cfg.warmup) / span))
+    progress = min(1.0, max(0.0, (micro_batches_before - cfg.warmup) / span))
     if cfg.scheduler_name == "linear":
         return lr * (1.0 - progress)
     return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
