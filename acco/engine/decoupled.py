@@ -42,7 +42,7 @@ from acco.engine.comm import (
 from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord, advise
 from acco.engine.device import device_ops
 from acco.engine.estimate import EstimateSplit, Lookahead
-from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout, broadcast_module, world_of
+from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout, broadcast_module, state_header, world_of
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
 # the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
@@ -340,14 +340,7 @@ class DecoupledEngine:
         keep_accumulator = self._in_overlap and self.cfg.fixed_batch
         dropped = int(self.stats[MICRO_BATCHES].item()) if self._in_overlap and not keep_accumulator else 0
         return {
-            "method": self.cfg.method,
-            "order": FLAT_ORDER,
-            "numel": self.flat.layout.numel,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "samples": self.comm.committed_micro_batches,
-            "step": self.comm.step,
-            "wall_time": self.last_wall_time,
+            **state_header(self),
             "master": opt.master,
             "exp_avg": opt.exp_avg,
             "exp_avg_sq": opt.exp_avg_sq,

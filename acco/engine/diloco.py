@@ -41,7 +41,7 @@ from acco.engine.comm import LOSS, WEIGHT, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, CheckpointError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.device import device_ops
-from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, world_of
+from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, state_header, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate
 
 _END = object()
@@ -447,14 +447,7 @@ class DiLoCoEngine:
         if landed is not None and n < self.averaged.numel():  # torch.save writes a view's whole storage:
             landed = landed.clone()  # a fragment shorter than the buffer (the largest one's) is copied out
         return {
-            "method": self.cfg.method,
-            "order": FLAT_ORDER,
-            "numel": self.flat.layout.numel,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "samples": self.committed_micro_batches,
-            "step": self.step,
-            "wall_time": self.last_wall_time,
+            **state_header(self),
             "fragments": self.cfg.num_fragments,
             "sync_every": self.cfg.sync_every,
             "last_merge": list(self.last_merge),
