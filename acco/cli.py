@@ -7,9 +7,10 @@ The path of a job, in the order it runs:
 2. ``run``: ``process_role`` decides, in one place, what this process is (``Role``):
 
    - a plain ``python main.py`` with ``launch.nproc`` > 1 is the local launcher
-     (acco/launch/local.py): it checks the job's folders (``check_folders``: a refused run starts
-     no worker), starts that many workers of the same command and, while they import torch, runs
-     the rest of the job's one validation pass (``validated``, acco/validate.py);
+     (acco/launch/local.py): it runs the job's checks that cost nothing (``check_at_once``: the
+     folders, the data's path, ...; a refused run starts no worker), starts that many workers
+     of the same command and, while they import torch, runs the rest of the job's one
+     validation pass (``validated``, acco/validate.py);
      then it hands each worker the validated ``Job`` (acco/job.py) through its start gate;
    - such a worker (``Role.LAUNCHED``) waits at its gate for that job and validates nothing;
    - under torchrun or srun, and a plain ``python main.py`` with one worker (``Role.WORKER``),
@@ -107,7 +108,7 @@ def validated(job: Job) -> str:
     except Exception as e:
         if job.launch.debug or os.environ.get("ACCO_DEBUG"):
             raise
-        return f"error {one_line_error(e)}"
+        return "error " + "\n".join(error_lines(e))
     return "ok "
 
 
@@ -119,12 +120,13 @@ def launch_workers(cfg: DictConfig, nproc: int) -> int:
     The job travels pickled: the workers are separate interpreters (started as torchrun starts
     them, so that a worker is the same process whoever launched it), and nothing but bytes
     crosses into them. They do not compose or parse the config again."""
-    from acco.validate import check_folders
+    from acco.validate import check_at_once
 
     job = job_of(cfg, nproc)
-    # The folders first, before any worker starts: a run that would overwrite another, or an
-    # output_dir that cannot be written, is said at once, no worker started for nothing.
-    check_folders(job)
+    # What costs nothing to check first, before any worker starts: a run that would overwrite
+    # another, an output_dir that cannot be written, a missing data file are said at once, together,
+    # no worker started for nothing.
+    check_at_once(job)
     threads = (
         {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // nproc)}
     )
@@ -267,13 +269,21 @@ def _build_model(job: Job, tokenizer, device, announce: bool):
     return model
 
 
+def error_lines(e: BaseException) -> list[str]:
+    """What an error says, a line each: the problems of an InputError (acco.validate.check_at_once
+    reports several together, one to a line), else the exception's one line."""
+    if isinstance(e, InputError):
+        return [" ".join(line.split()) for line in str(e).split("\n") if line.strip()] or [type(e).__name__]
+    return [one_line_error(e)]
+
+
 def _report(e: BaseException) -> None:
     rank = os.environ.get("RANK")
     where = f"[rank {rank}] " if rank is not None else ""
     # acco's own input errors are worded for the user: no class name in front (as acco-prepare)
     kind = "" if isinstance(e, InputError | DataError) else f"{type(e).__name__}: "
-    # one write of the whole line (print writes its newline apart where stderr is unbuffered)
-    sys.stderr.write(f"acco: error: {where}{kind}{one_line_error(e)}\n")
+    # one write of the whole text (print writes its newline apart where stderr is unbuffered)
+    sys.stderr.write("".join(f"acco: error: {where}{kind}{line}\n" for line in error_lines(e)))
     sys.stderr.flush()
 
 
@@ -386,12 +396,16 @@ def entry() -> None:
 
 def exit_without_finalizing(code: int) -> None:
     """What a normal exit does that a run's outputs can depend on, then ``os._exit(code)``: the
-    other non-daemon threads are joined (a background write lands), the atexit hooks run, and the
-    standard streams are flushed."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # CPython's own run of them (there is no public call)
+    interpreter's own first step (threading's exit hooks, which stop library thread pools, then
+    every other non-daemon thread joined), the atexit hooks, and the standard streams flushed.
+    acco's background checkpoint write is a daemon (a write stuck after a failure must not hold
+    the exit): the trainer waits for it before it returns, so a run's last checkpoint is on disk
+    before this starts."""
+    # CPython's own calls at exit, in its order (there is no public one). Joining the threads
+    # without the hooks waited forever on pools that only their hook stops: concurrent.futures'
+    # idle workers, inductor's compile pool among them (a compiled run never exited).
+    threading._shutdown()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

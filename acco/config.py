@@ -14,7 +14,9 @@ imports torch: the launcher composes and checks before its workers have finished
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -23,8 +25,8 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from acco.engine.config import ConfigError, ConfigWarning, EngineConfig, EngineSettings, unheard
-from acco.messages import did_you_mean, meant_train_key, one_line_error
+from acco.engine.config import METHODS, ConfigError, ConfigWarning, EngineConfig, EngineSettings, unheard
+from acco.messages import did_you_mean, key_hint, one_line_error
 from acco.model_config import ARCHS, GPT_NEO_WINDOW, ModelError, check_model_config, gpt_neo_attention_types
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "gpt_neo_attention_types",
     "one_line_error",
     "register_schema",
+    "train_defaults",
 ]
 
 DEFAULT_CACHE_DIR = "~/.cache/acco"
@@ -200,21 +203,56 @@ class TrainArgs(EngineSettings, _Method):
 
     @classmethod
     def from_any(cls, args: Any) -> TrainArgs:
-        """From a TrainArgs, a dict, an OmegaConf config, or any dataclass/object with the keys;
-        OmegaConf checks the types (and reads "6e-4" as a number), unknown keys are refused."""
+        """From a TrainArgs (taken as it is), or a dict, an OmegaConf config, any dataclass or object
+        holding train keys: those keys over the command line's for their method (``train_defaults``),
+        so that a script and ``python main.py train=METHOD`` train alike. ``method``, the engine's
+        name, is the same key as the seed's ``method_name``. OmegaConf checks the types (and reads
+        "6e-4" as a number); an unknown key is refused with the closest ones."""
         if isinstance(args, cls):
             return args
-        if args is None:
-            return cls()
-        if dataclasses.is_dataclass(args):
-            args = dataclasses.asdict(args)
-        elif not isinstance(args, Mapping | DictConfig):
-            if not hasattr(args, "__dict__"):
-                raise ConfigError(
-                    f"args must be a dict, an OmegaConf config or a dataclass of train keys, got {args!r}"
-                )
-            args = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-        return as_object(args, cls, "train")
+        values = _train_values(args)
+        method = values.get("method_name", "acco")
+        defaults = train_defaults(method if method in METHODS else "acco")  # an unknown one is refused below
+        return as_object({**defaults, **values}, cls, "train")
+
+
+def _train_values(args: Any) -> dict:
+    """The train keys given to ``TrainArgs.from_any``, as a plain dict, ``method`` as method_name."""
+    if args is None:
+        return {}
+    if dataclasses.is_dataclass(args):
+        args = dataclasses.asdict(args)
+    elif isinstance(args, DictConfig):  # resolved where it stands: ${launch.timeout_s} needs its root
+        args = OmegaConf.to_container(args, resolve=True)
+    elif not isinstance(args, Mapping):
+        if not hasattr(args, "__dict__"):
+            raise ConfigError(
+                f"args must be a dict, an OmegaConf config or a dataclass of train keys, got {args!r}"
+            )
+        args = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    values = dict(args)
+    if "method" in values:
+        method = values.pop("method")
+        if values.setdefault("method_name", method) != method:
+            raise ConfigError(
+                f"method={method!r} and method_name={values['method_name']!r}: the same key (method_name "
+                "is the seed's name for it), give one"
+            )
+    return values
+
+
+def train_defaults(method: str = "acco") -> dict:
+    """The train keys of ``python main.py train=METHOD``, resolved: acco/conf/train/METHOD.yaml over
+    base.yaml over TrainArgs' declarations (the paper's settings), the single source of the command
+    line's defaults and the Python API's. The tiny model's recipe (acco/conf/recipe/tiny.yaml) is
+    left out: it is model=tiny's, not the method's."""
+    return copy.deepcopy(_composed_train(method))
+
+
+@functools.cache
+def _composed_train(method: str) -> dict:
+    cfg = compose([f"train={method}", "~recipe", "~data_recipe"])
+    return OmegaConf.to_container(cfg.train, resolve=True)
 
 
 def as_object(values: Any, schema: type, group: str):
@@ -233,8 +271,7 @@ def as_object(values: Any, schema: type, group: str):
         if isinstance(e, ConfigKeyError | ConfigAttributeError):
             known = [f.name for f in dataclasses.fields(schema) if f.name not in SEED_ONLY_KEYS]
             key = str(getattr(e, "key", "?"))
-            meant = meant_train_key(key, known) if group == "train" else did_you_mean(key, known)
-            raise ConfigError(f"unknown {group} key {key!r}{meant} (known: {', '.join(known)})") from None
+            raise ConfigError(f"unknown {group} key {key!r}{key_hint(key, known, f'of {group}')}") from None
         if isinstance(e, OmegaConfBaseException):
             raise ConfigError(schema_message(e, prefix=f"{group}.")) from None
         raise
@@ -352,12 +389,20 @@ def compose(
     that does not parse."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
 
+    # Hydra holds one app at a time: a script under its own @hydra.main (the seed's) gets it back
+    app = GlobalHydra.instance().hydra
+    GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=config_module, version_base="1.3"):
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as e:
         raise InputError(hydra_message(e, overrides)) from e
+    finally:
+        if app is not None:
+            GlobalHydra.instance().clear()
+            GlobalHydra.instance().initialize(app)
     check_values(cfg, overrides)
     return cfg
 
@@ -382,11 +427,8 @@ def check_values(cfg: DictConfig, overrides: list[str] = ()) -> None:
                 name = f"{group}.{key}" if group else str(key)
                 override = next((a for a in overrides if a.split("=", 1)[0].lstrip("+~") == name), None)
                 names = sorted(k for k in known - {"hydra"} if k not in SEED_ONLY_KEYS)
-                close = did_you_mean(str(key), names, f"{group}." if group else "")
-                raise InputError(
-                    f"unknown config key {name!r}{f' in {override!r}' if override else ''}{close}; "
-                    f"keys of {group or 'the top level'}: {', '.join(names)}"
-                )
+                place, prefix = (f"of {group}", f"{group}.") if group else ("at the top level", "")
+                raise InputError(unknown_key_line(name, override, key_hint(str(key), names, place, prefix)))
     train = cfg.get("train")
     if isinstance(train, DictConfig) and train.get("eval") is True and train.get("eval_fraction") == 0:
         raise InputError(
@@ -407,6 +449,16 @@ def check_values(cfg: DictConfig, overrides: list[str] = ()) -> None:
             continue
 
 
+def unknown_key_line(key: str, override: str | None, hint: str) -> str:
+    """``unknown config key 'train.x' in 'train.x=1'`` and `hint` (``acco.messages.key_hint``), in
+    at most LINE_CHARS characters where the key allows: the override is left out if it would not fit."""
+    line = f"unknown config key {key!r}{f' in {override!r}' if override else ''}{hint}"
+    return line if len(line) <= LINE_CHARS else f"unknown config key {key!r}{hint}"
+
+
+LINE_CHARS = 200
+
+
 def hydra_message(e: Exception, argv: list[str]) -> str:
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -417,18 +469,18 @@ def hydra_message(e: Exception, argv: list[str]) -> str:
         parent = getattr(cause, "parent_node", None)
         known = ""
         if isinstance(parent, DictConfig):
-            names = [k for k in parent.keys() if k != "hydra" and k not in SEED_ONLY_KEYS]
-            where = key.rsplit(".", 1)[0] if "." in key else ""
-            meant = meant_train_key if where == "train" else did_you_mean
-            known = meant(key.rsplit(".", 1)[-1], list(map(str, names)), f"{where}." if where else "")
-            if not where and not known:  # a group's key given at the top level (nproc=4)
+            names = [str(k) for k in parent.keys() if k != "hydra" and k not in SEED_ONLY_KEYS]
+            where, leaf = key.rpartition(".")[::2]
+            place = f"of {where}" if where else "at the top level"
+            known = key_hint(leaf, names, place, f"{where}." if where else "")
+            if not where and not did_you_mean(leaf, names):  # a group's key given at the top level (nproc=4)
                 groups = [(g, parent.get(g)) for g in names]
-                known = next((hit for g, node in groups if isinstance(node, DictConfig)
+                meant = next((hit for g, node in groups if isinstance(node, DictConfig)
                               and (hit := did_you_mean(key, list(map(str, node.keys())), f"{g}."))), "")
-            known += f"; keys {'of ' + where if where else 'at the top level'}: {', '.join(map(str, names))}"
+                known = meant + known
         named = [a.split("=", 1)[0].lstrip("+~") for a in argv]  # a key, or a group under it ("lanch.nproc")
         override = next((a for a, k in zip(argv, named) if k == key or k.startswith(key + ".")), key)
-        return f"unknown config key {key!r} in {override!r}{known}"
+        return unknown_key_line(key, override, known)
     if isinstance(cause, OmegaConfBaseException) and key:
         return schema_message(cause)
     if isinstance(e, MissingConfigException) and getattr(e, "missing_cfg_file", None):

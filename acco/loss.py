@@ -6,15 +6,16 @@ counts each token once. It is the value of the textbook formula
 
     cross_entropy(logits[:, :-1].float(), labels[:, 1:], ignore_index=-100, reduction="sum")
 
-computed without its copies: the labels are shifted instead of the logits being sliced, and where
-the model's logits are exactly ``head(last hidden state)`` (GPT-Neo, Llama) the loss never makes
-the full logits. `linear_cross_entropy` takes the hidden states chunk by chunk (CHUNK_POSITIONS
-rows); for each chunk one pass computes the logits (hidden @ W^T, in the compute dtype), their
-fp32 log-sum-exp, the loss and, when gradients are wanted, the gradient of the logits
-(softmax - one-hot, in the compute dtype), from which the gradients of the hidden states and of
-the head are taken at once (dW accumulated over chunks). The backward pass only scales what the
-forward pass computed: no fp32 logits are kept, no head GEMM is recomputed, and with gradients
-off (evaluation, `torch.no_grad`) only the logits and the loss are computed.
+computed without its copies: the labels are shifted instead of the logits being sliced, and for
+the models whose logits are known to be exactly ``head(last hidden state)`` (FUSED_LOSS_MODELS:
+GPT-Neo, Llama, ...) the loss never makes the full logits. `linear_cross_entropy` takes the
+hidden states chunk by chunk (CHUNK_POSITIONS rows); for each chunk one pass computes the logits
+(hidden @ W^T, in the compute dtype), their fp32 log-sum-exp, the loss and, when gradients are
+wanted, the gradient of the logits (softmax - one-hot, in the compute dtype), from which the
+gradients of the hidden states and of the head are taken at once (dW accumulated over chunks).
+The backward pass only scales what the forward pass computed: no fp32 logits are kept, no head
+GEMM is recomputed, and with gradients off (evaluation, `torch.no_grad`) only the logits and the
+loss are computed.
 
 The head is padded to a multiple of VOCAB_MULTIPLE rows inside the loss only (50257 -> 50304 for
 GPT-Neo: rows of an odd number of bf16 elements keep a GPU's fast GEMM kernels off); the padded
@@ -37,6 +38,16 @@ from acco.data.instruct import IGNORE_INDEX
 CHUNK_POSITIONS = 1024  # positions per chunk: 1024 x 50304 fp32 logits are 0.2 GB
 VOCAB_MULTIPLE = 128  # the head is padded to a multiple of this many rows, inside the loss only
 
+# The transformers causal LMs whose logits are exactly lm_head(base_model(...).last_hidden_state),
+# each checked against its own loss and gradients on a tiny config (tests/test_loss.py): the fused
+# loss is taken for these classes only. Any other model (one that scales or caps its logits, as
+# Cohere, Gemma 2 or Granite do; a subclass or a module of the user's own) goes through its own
+# logits: right whatever its forward does, with the full logits in memory.
+FUSED_LOSS_MODELS = frozenset(
+    {"GPT2LMHeadModel", "GPTNeoForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+     "Qwen3ForCausalLM"}
+)  # fmt: skip
+
 
 def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -54,20 +65,23 @@ def causal_lm_loss(model, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tens
 
 
 def _output_head(model):
-    """The LM head of a transformers causal LM whose logits are exactly head(last hidden state),
-    else None (the loss then goes through the model's own logits)."""
-    get_head, base = getattr(model, "get_output_embeddings", None), getattr(model, "base_model", None)
-    head = get_head() if callable(get_head) else None
-    config = getattr(model, "config", None)
-    if (
-        not isinstance(head, torch.nn.Linear)
-        or base is None
-        or base is model
-        or getattr(config, "final_logit_softcapping", None)
-        or getattr(config, "logits_scaling", None)
-    ):
+    """The LM head of a model of FUSED_LOSS_MODELS (transformers' own class), else None: the loss
+    then goes through the model's own logits."""
+    cls = type(model)
+    if cls.__name__ not in FUSED_LOSS_MODELS or not cls.__module__.startswith("transformers.models."):
         return None
-    return head
+    head = model.get_output_embeddings()
+    return head if isinstance(head, torch.nn.Linear) else None
+
+
+def loss_note(model) -> str | None:
+    """The line that says a model's loss goes through its own logits (None: the fused loss)."""
+    if _output_head(model) is not None:
+        return None
+    return (
+        f"loss: through {type(model).__name__}'s own logits (the fused loss is proven on "
+        f"{', '.join(sorted(FUSED_LOSS_MODELS))} only: docs/training.md)"
+    )
 
 
 def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

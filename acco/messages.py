@@ -1,5 +1,5 @@
-"""Messages in one line: an exception's text, the closest name to a misspelt one (or the acco key
-for a transformers.TrainingArguments name), a size."""
+"""Messages in one line: an exception's text, the closest name to a misspelt one, an unknown key's
+hint (the closest keys, or the acco key for a transformers.TrainingArguments name), a size."""
 
 from __future__ import annotations
 
@@ -32,14 +32,23 @@ TRAINER_NAMES = {
 }
 
 
-def meant_train_key(name: str, names: list[str], prefix: str = "") -> str:
-    """did_you_mean for a train key, and for transformers' name of one, acco's key and where its
-    unit is said (nb_steps_tot counts micro-batches where max_steps counts updates)."""
+def key_hint(name: str, names: list[str], where: str, prefix: str = "") -> str:
+    """What follows "unknown key NAME" in its line, for `where` ("of train", "at the top level")
+    holding `names`: acco's key for a transformers.TrainingArguments name (where its unit is said:
+    nb_steps_tot counts micro-batches where max_steps counts updates); else the closest name if one
+    is close, and the keys themselves where there are a few, the three closest (difflib) where
+    there are many: the line stays short whatever the group."""
     meant = TRAINER_NAMES.get(name)
     if meant in names:
         return (f" (transformers' name: acco's key is {prefix + meant!r}; docs/training.md, 'Glossary', "
                 "gives its unit)")
-    return did_you_mean(name, names, prefix)
+    if len(names) <= FEW_KEYS:
+        return f"{did_you_mean(name, names, prefix)}; keys {where}: {', '.join(names)}"
+    closest = difflib.get_close_matches(name, names, n=3, cutoff=0.0)
+    return f"{did_you_mean(name, names, prefix)}; closest keys {where}: {', '.join(closest)}"
+
+
+FEW_KEYS = 5  # a group with so few keys has them all listed (the top level: train, model, data, launch)
 
 
 def size_text(n_bytes: float) -> str:

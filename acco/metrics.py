@@ -116,6 +116,12 @@ class RunLog:
             self._unprinted = (record, tokens_per_s)  # printed at the end if it stays the last
         return line
 
+    def print_pending(self) -> None:
+        """The latest update's line, if log_step left it out: before its evaluation's and its
+        checkpoint's lines (the console's order is the run's), and at the end of the run."""
+        if self._unprinted is not None:
+            self._print(*self._unprinted)
+
     def _print(self, record: UpdateRecord, tokens_per_s: float) -> None:
         self._unprinted = None
         print(
@@ -150,8 +156,7 @@ class RunLog:
     # ---- end of run ----------------------------------------------------------------------
 
     def summary(self, method: str, device, extra: dict | None = None) -> dict:
-        if self._unprinted is not None:  # the last update's line, whatever log_step
-            self._print(*self._unprinted)
+        self.print_pending()  # the last update's line, whatever log_step
         recs = self.records
         wall = recs[-1].wall_time if recs else 0.0
         samples = recs[-1].samples if recs else 0

@@ -31,6 +31,28 @@ from acco.data.errors import DataError
 
 USAGE = "usage: acco-prepare [--num-proc N] [OVERRIDE ...]   (the training command's overrides)"
 
+HELP = f"""{USAGE}
+
+Tokenize a training run's corpus once, before the run, so that the run starts at once instead of
+having every worker wait while rank 0 tokenizes it. Give it the overrides you give the training
+command:
+
+  acco-prepare train=acco data=openwebtext data.path=owt/ model=gptneo-125m
+  torchrun --nproc-per-node 8 main.py train=acco data=openwebtext data.path=owt/ model=gptneo-125m
+
+It reads and splits the corpus as the run will (train.seed, train.eval_fraction), builds the run's
+tokenizer (model.tokenizer=bpe: trained on the training split, and kept in train.cache_dir), and
+writes the tokens of the training and eval splits to train.cache_dir, with a progress bar. Nothing
+is written to train.output_dir. One preparation serves every train.max_length. A run on a corpus
+above 100M tokens that was not prepared stops before training with a line naming this command.
+Instruction records (data=alpaca) are tokenized by the run itself.
+
+options:
+  --num-proc N   processes that tokenize (default: one per CPU, {{cpus}} here)
+  -h, --help     show this help
+
+More: docs/training.md, "Prepare the data once"."""
+
 
 def default_num_proc() -> int:
     """The CPUs this process may run on."""
@@ -59,8 +81,9 @@ def parse_args(argv: list[str]) -> tuple[int, list[str]]:
 
 def prepare(cfg, num_proc: int | None = None) -> dict:
     """Tokenize the run's training and eval splits into train.cache_dir; returns what was done:
-    ``{"splits": {name: {"tokens", "path", "cached"}}, "tokens", "seconds", "tokenize_seconds"}``."""
-    from acco.data.packing import cache_path, token_stream
+    ``{"splits": {name: {"tokens", "path", "cached", "processes"}}, "tokens", "seconds",
+    "tokenize_seconds"}``, processes being those that tokenized the split (0: already prepared)."""
+    from acco.data.packing import cache_path, token_stream, tokenize_processes
     from acco.data.prepare import split_corpus
     from acco.data.text import temporary_environ
     from acco.data.tokenizer import as_saved
@@ -98,7 +121,8 @@ def prepare(cfg, num_proc: int | None = None) -> dict:
             path = cache_path(docs, tokenizer, args.cache_dir, data.text_column)
             cached = path.exists()
             stream = token_stream(docs, tokenizer, args.cache_dir, data.text_column, num_proc=num_proc)
-            done[name] = {"tokens": len(stream), "path": str(path), "cached": cached}
+            done[name] = {"tokens": len(stream), "path": str(path), "cached": cached,
+                          "processes": 0 if cached else tokenize_processes(len(docs), num_proc)}  # fmt: skip
     end = time.perf_counter()
     return {
         "splits": done,
@@ -113,10 +137,13 @@ def report(result: dict) -> str:
     """What was prepared, one line per split and one for the time and rate."""
     lines = []
     for name, split in result["splits"].items():
+        procs = split.get("processes", 0)
+        by = "" if split["cached"] else f" by {procs} process{'es' * (procs > 1)}"
         state = "already prepared" if split["cached"] else "written"
-        lines.append(f"{name}: {split['tokens']:,} tokens, {state}: {split['path']}")
+        lines.append(f"{name}: {split['tokens']:,} tokens{by}, {state}: {split['path']}")
     new = sum(s["tokens"] for s in result["splits"].values() if not s["cached"])
-    seconds, procs = result["tokenize_seconds"], result["num_proc"]
+    # as many as tokenized (a split of fewer batches than --num-proc takes fewer, as its bar says)
+    seconds, procs = result["tokenize_seconds"], max(s.get("processes", 0) for s in result["splits"].values())
     if new:
         done = (
             f"{new:,} tokenized in {seconds:.1f} s, {new / max(seconds, 1e-9):,.0f} tokens/s with {procs} "
@@ -134,7 +161,7 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(f"{USAGE}\n\n{__doc__}")
+        print(HELP.format(cpus=default_num_proc()))
         return
     handler = logging.StreamHandler(sys.stdout)  # acco's notes (caches found) as print's lines
     handler.setFormatter(logging.Formatter("%(message)s"))

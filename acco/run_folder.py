@@ -1,6 +1,7 @@
 """What a run's output folder holds (its complete checkpoints, the files of a run that wrote to
 it), read without torch: the local launcher checks the folder before its workers start
-(acco/validate.py's check_folders), so that a run that would overwrite another is refused at once."""
+(acco/validate.py's check_folders, in check_at_once), so that a run that would overwrite another
+is refused at once."""
 
 from __future__ import annotations
 

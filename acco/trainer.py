@@ -3,8 +3,11 @@ save_model) with acco's train keys for its args, training with acco (or a baseli
 
     trainer = DecoupledTrainer(model=model, tokenizer=tokenizer,
                                train_dataset=ds["train"], eval_dataset=ds["validation"],
-                               text_column_name="text", args=train_config)
+                               text_column_name="text", args={"method": "acco", "nb_steps_tot": 4000})
     trainer.train()
+
+`args` holds acco's train keys (``method`` or the seed's ``method_name`` for the method); those it
+leaves out are the command line's for that method (``acco.config.train_defaults``).
 
 The loop is thin: it turns the datasets into per-worker micro-batch streams, hands the engine a
 loss function, and around the engine's updates it logs, evaluates and saves.
@@ -36,7 +39,7 @@ from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
 from acco.launch import preemption
 from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_at, init_distributed
-from acco.loss import causal_lm_loss
+from acco.loss import causal_lm_loss, loss_note
 from acco.metrics import RunLog
 from acco.models import check_fits, checkpoint_activations, token_rows
 
@@ -95,6 +98,8 @@ class DecoupledTrainer:
         self.rank, self.world_size, self.local_rank, self.device = init_distributed(self.args.timeout_s)
         torch.manual_seed(self.args.seed)
         self.model = model.to(self.device)
+        if self.rank == 0 and (note := loss_note(model)) is not None:  # right, but slower than the fused loss
+            print(note, flush=True)
         if self.args.gradient_checkpointing:  # activations recomputed layer by layer in the backward pass
             checkpoint_activations(model)
         self.engine = None
@@ -219,7 +224,7 @@ class DecoupledTrainer:
                         # Every worker's record of the same update says stop: all checkpoint it and leave.
                         on_signal = record.stop and record.samples < args.nb_steps_tot
                         if (args.save_step and record.step % args.save_step == 0) or on_signal:
-                            self._checkpoint(record, position)
+                            self._checkpoint(record, position, log)
                     if stopped or on_signal:
                         break
                 # Every rank, also after a stop: nothing in flight and the model at the committed
@@ -230,7 +235,7 @@ class DecoupledTrainer:
                     if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
                         self._evaluate_and_log(log, last)
                     if args.save and not (args.save_step and last.step % args.save_step == 0):
-                        self._checkpoint(last, position)
+                        self._checkpoint(last, position, log)
                 self._writer.wait()  # the last checkpoint is whole before the run reports or exits
                 facts = {**self._utilisation(log), **self._run_facts(stopped)}
                 if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
@@ -251,7 +256,8 @@ class DecoupledTrainer:
     def _evaluate_and_log(self, log: RunLog, record) -> bool:
         """Evaluate and log the loss with the evaluation's own seconds (training time excludes
         them); True when train.stop_at_eval_loss is reached (the loss is all-reduced: every rank
-        decides alike)."""
+        decides alike). The update's own line comes first, if log_step left it out."""
+        log.print_pending()
         self.engine.quiesce()  # no collective of ours while one of the engine's may be in flight
         if self.world_size > 1:
             # Overlapped methods' ranks leave a round up to a micro-batch apart: the wait for the
@@ -331,8 +337,10 @@ class DecoupledTrainer:
         per_worker = per_token * tokens_per_s / self.world_size
         return {"flops_per_token": per_token, "mfu": per_worker / peak if peak else None}
 
-    def _checkpoint(self, record, position) -> None:
-        """Checkpoint `record`'s update; training goes on while it is written (train.async_save)."""
+    def _checkpoint(self, record, position, log: RunLog) -> None:
+        """Checkpoint `record`'s update; training goes on while it is written (train.async_save).
+        The update's own line comes first, if log_step left it out."""
+        log.print_pending()
         start = time.perf_counter()
         self.engine.quiesce()
         progress.mark(f"the checkpoint of update {record.step}")  # names a rank that misses it

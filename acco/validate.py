@@ -13,7 +13,9 @@ modules that own a thing expose what the checks need (``acco.models.trainable_pa
 ``acco.checkpoint.check_resumable``). In order, cheap checks first:
 
 - mandatory values set and interpolations resolvable (``acco.job.job_of``, for ``validate_job``);
-- ``check_folders``: output and cache dirs writable, no run overwritten (before any worker starts);
+- ``check_at_once``, before any worker starts, every check that costs nothing, their problems
+  reported together: ``check_folders`` (output and cache dirs writable, no run overwritten), the
+  data's path, model.tokenizer set, the pretrained model's folder or the new model's positions;
 - the model config, or the pretrained model's ``config.json``, against train.max_length;
 - the tokenizer, loaded as rank 0 loads it, against the model's embedding;
 - ``train.resume_from_checkpoint``: a whole checkpoint this run can continue;
@@ -23,9 +25,10 @@ modules that own a thing expose what the checks need (``acco.models.trainable_pa
   have been tokenized into the cache before the job, by ``acco-prepare`` (acco/prepare.py).
 
 Every failure is an ``InputError`` (a ValueError) whose message is one line naming the config key
-and the file, value or numbers at fault. Nothing here writes to ``train.output_dir``; writability
-is probed with a temporary file that is removed at once. torch and transformers are imported only
-where a check needs them (a named tokenizer, a small corpus, a pretrained model, a resume).
+and the file, value or numbers at fault (``check_at_once``'s: a line per problem). Nothing here
+writes to ``train.output_dir``; writability is probed with a temporary file that is removed at
+once. torch and transformers are imported only where a check needs them (a named tokenizer, a
+small corpus, a pretrained model, a resume).
 """
 
 from __future__ import annotations
@@ -52,13 +55,14 @@ from acco.config import (
     one_line_error,
 )
 from acco.data.errors import DataError, looks_like_local_path
-from acco.data.text import load_corpus, quiet_datasets, text_bytes
+from acco.data.text import corpus_sources, load_corpus, quiet_datasets, text_bytes
 from acco.job import Job, Loaded, job_of
 from acco.run_folder import RUN_MARKERS, list_checkpoints
 
 __all__ = [
     "PREPARE_FROM_TOKENS",
     "InputError",
+    "check_at_once",
     "check_folders",
     "check_job",
     "check_output_dir",
@@ -144,15 +148,21 @@ def check_output_dir(output_dir: str, overwrite: bool = False, resume: Any = Non
     return out
 
 
-def _pretrained_config(name: str):
-    from transformers import AutoConfig
-
+def check_pretrained_path(name: str) -> str:
+    """model.pretrained, a local path: a folder with a config.json (a Hub name is asked later)."""
     path = os.path.expanduser(str(name))
     if looks_like_local_path(path):
         if not os.path.isdir(path):
             _fail(f"model.pretrained {name!r}: no such folder")
         if not os.path.isfile(os.path.join(path, "config.json")):
             _fail(f"model.pretrained {name!r}: folder has no config.json")
+    return path
+
+
+def _pretrained_config(name: str):
+    path = check_pretrained_path(name)
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(path)
     except Exception as e:  # the Hub and the config parser raise many types
@@ -179,13 +189,18 @@ def check_model(model: Mapping, max_length: int) -> Any:
                 f"of model.pretrained {str(pretrained)!r}"
             )
         return config
+    check_positions(model, max_length)
+    return None
+
+
+def check_positions(model: Mapping, max_length: int) -> None:
+    """A new model (no model.pretrained) has positions for train.max_length tokens."""
     limit = model.get("max_position_embeddings")
     if isinstance(limit, int) and not isinstance(limit, bool) and max_length > limit:
         _fail(
             f"train.max_length {max_length} exceeds model.max_position_embeddings {limit} "
             f"(model {model.get('name', '?')!r})"
         )
-    return None
 
 
 def check_model_fits(model: Mapping, pretrained_config: Any, vocab_size: int, what: str) -> None:
@@ -254,18 +269,24 @@ def job_tokenizer(cfg: DictConfig, train_corpus=None):
 def check_tokenizer(cfg: DictConfig, model: Mapping, pretrained_config: Any):
     """A named tokenizer, loaded, fits the model; for the BPE (trained by the workers, or below on a
     small corpus) model.vocab_size does. Returns the loaded tokenizer, or None for the BPE."""
+    spec = check_tokenizer_spec(model)
+    if spec != "bpe":
+        tokenizer = job_tokenizer(cfg)
+        check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {spec!r}")
+        return tokenizer
+    check_model_fits(model, pretrained_config, model["vocab_size"], "model.tokenizer=bpe (model.vocab_size)")
+    return None
+
+
+def check_tokenizer_spec(model: Mapping) -> str:
+    """model.tokenizer is set, and for the BPE model.vocab_size is a size it can train to."""
     spec = model.get("tokenizer")
     if not spec:
         _fail("model.tokenizer is not set (a folder, a Hub name, or bpe)")
-    if str(spec) != "bpe":
-        tokenizer = job_tokenizer(cfg)
-        check_model_fits(model, pretrained_config, len(tokenizer), f"model.tokenizer {str(spec)!r}")
-        return tokenizer
     vocab = model.get("vocab_size")
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 257:
+    if str(spec) == "bpe" and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 257):
         _fail(f"model.vocab_size must be an integer above 257 for model.tokenizer=bpe, got {vocab!r}")
-    check_model_fits(model, pretrained_config, vocab, "model.tokenizer=bpe (model.vocab_size)")
-    return None
+    return str(spec)
 
 
 # --------------------------------------------------------------------------- resume
@@ -322,10 +343,20 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
 # --------------------------------------------------------------------------- data
 
 
+def check_data_path(data: DataConfig) -> None:
+    """data.path is set where the data needs one, and names files that are there (a Hub name is
+    asked when the corpus is read)."""
+    if data.name == "synthetic":
+        return
+    if not data.path:
+        _fail(f"data.path is not set (data={data.name} needs a file, a folder or a Hub name)")
+    with _named("data.path"):
+        corpus_sources(str(data.path))
+
+
 def read_corpus(data: DataConfig):
     """Documents or instruction records, loaded as the workers load them (acco.data.text)."""
-    if data.name != "synthetic" and not data.path:
-        _fail(f"data.path is not set (data={data.name} needs a file, a folder or a Hub name)")
+    check_data_path(data)
     try:
         with quiet_datasets():
             return load_corpus(OmegaConf.structured(data))
@@ -432,12 +463,35 @@ def check_folders(job: Job) -> None:
         check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
 
 
+def check_at_once(job: Job) -> None:
+    """Every check that costs nothing (a look at the file system, the config's own numbers), all
+    run: their problems come in one ``InputError``, a line each, so that none hides another (a
+    missing data file behind an output folder that holds a run). The local launcher runs them
+    before it starts any worker; each is run again by the check that owns it, in check_job."""
+    model, args = job.model, job.args
+    checks = [
+        lambda: check_folders(job),
+        lambda: check_data_path(job.data),
+        lambda: check_tokenizer_spec(model),
+        (lambda: check_pretrained_path(str(model["pretrained"]))) if model.get("pretrained")
+        else (lambda: check_positions(model, args.max_length)),
+    ]  # fmt: skip
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except InputError as e:
+            problems.append(str(e))
+    if problems:
+        raise InputError("\n".join(problems))
+
+
 def check_job(job: Job) -> None:
     """Check a job's output folders, model, tokenizer, checkpoint and data for its workers; raise
     ``InputError`` (or ``acco.config.AlreadyCompleted``). What it loads is left in ``job.loaded``,
     for a worker of this process to take."""
     args, data = job.args, job.data
-    check_folders(job)
+    check_at_once(job)
     job.loaded = loaded = Loaded()
     pretrained_config = check_model(job.model, args.max_length)
     loaded.tokenizer = check_tokenizer(job.config, job.model, pretrained_config)

@@ -8,8 +8,12 @@ compute, and its comm round, a ring reduce-scatter + all-gather of the whole mod
 2. computed for the paper's settings (GPT-Neo 125M and 2.7B on A100s) with C from the FLOPs per
    token, an assumed peak and MFU, and M from the bytes of the ring over an assumed bus bandwidth
    and latency;
-3. computed for the user's own C and M (``--compute-s``, ``--comm-s``, or ``--bench`` a
-   ``bench.json`` / ``sweep.json`` of ``acco-bench cluster`` / ``sweep``).
+3. computed for the user's own C and M: read from a ddp run's folder (``--from``: ``from_run``),
+   given as ``--compute-s`` and ``--comm-s``, or ``--bench`` a ``bench.json`` / ``sweep.json`` of
+   ``acco-bench cluster`` / ``sweep``.
+
+The user's figures are printed first; the check against BENCHMARKS.md and the paper's settings
+only with ``--tables`` (or when no figures of the user's are given), and are always in map.json.
 
 The formulas are map_bounds.py's ``bounds`` (acco's, every variant's, ``acco_bound.acco_update_time``,
 which ``acco-bench cluster`` uses too); the assumptions are written into the output (``assumptions``).
@@ -20,9 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+import yaml
+
+from acco.run_folder import list_checkpoints
 from acco_bench import BenchError
 from acco_bench.acco_bound import INT8_BLOCK, acco_update_time, bench_settings, method_acco_spec
 from acco_bench.map_bounds import (
@@ -91,11 +99,20 @@ def check_rows(extra: list[dict] | None = None) -> list[dict]:
 
 
 def from_bench_json(path: Path) -> list[dict]:
-    """Measured rows from an ``acco-bench cluster`` bench.json or a ``sweep`` sweep.json."""
+    """Measured rows from an ``acco-bench cluster`` bench.json or a ``sweep`` sweep.json (or a
+    folder holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        found = [path / name for name in ("bench.json", "sweep.json") if (path / name).is_file()]
+        if not found:
+            run = " (a training run's folder: --from)" if (path / "metrics.jsonl").exists() else ""
+            raise BenchError(f"--bench {path} is a folder with no bench.json or sweep.json: --bench takes "
+                             f"acco-bench cluster's bench.json or sweep's sweep.json{run}")
+        path = found[0]
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise BenchError(f"--bench {path}: {e}") from None
+        raise BenchError(f"--bench {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     cfg = data.get("config", {})
     points = data.get("points") or [
         {
@@ -151,6 +168,55 @@ def from_bench_json(path: Path) -> list[dict]:
                     )
                 )
     return rows
+
+
+# ----------------------------------------------------------------------- a training run's figures
+
+
+def _json_lines(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        raise BenchError(f"--from: {path}: cannot read it ({e})") from None
+
+
+def from_run(run_dir: Path) -> dict:
+    """ddp's C and M from the folder of a ddp run (``python main.py train=ddp``, or a
+    DecoupledTrainer's output_dir): the medians of ``compute_s`` and ``comm_s`` in its
+    metrics.jsonl over the updates after the first (warm start, first collectives: as summary.json's
+    per-update figures), the workers and method (summary.json, else the newest checkpoint's
+    meta.json), precision and micro-batches per update (config.yaml's train group, else that
+    meta.json's), the parameters (that meta.json's: None without a checkpoint)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BenchError(f"--from {run_dir}: no such folder (a training run's train.output_dir)")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise BenchError(f"--from {run_dir}: no metrics.jsonl: not the folder of a training run "
+                         "(train.output_dir of python main.py train=ddp ...)")
+    updates = [e for e in _json_lines(run_dir / "metrics.jsonl") if e.get("type") == "train"]
+    if not updates:
+        raise BenchError(f"--from {run_dir}: metrics.jsonl holds no update yet")
+    checkpoints = list_checkpoints(run_dir)
+    meta = json.loads((checkpoints[-1] / "meta.json").read_text()) if checkpoints else {}
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    config_path = run_dir / "config.yaml"
+    train = yaml.safe_load(config_path.read_text())["train"] if config_path.is_file() else meta.get("train")
+    method = summary.get("method", meta.get("method"))
+    workers = summary.get("world_size", meta.get("world_size"))
+    if method is None or workers is None or not train:
+        raise BenchError(f"--from {run_dir}: neither summary.json and config.yaml nor a checkpoint say the "
+                         "run's method and workers")
+    if method != "ddp":
+        raise BenchError(f"--from {run_dir}: the run is {method}'s; the bounds start from ddp's compute and "
+                         "comm per update: give the folder of a train=ddp run on the same model and machines")
+    steady = updates[1:] or updates
+    return {"run_dir": str(run_dir), "updates": len(updates), "workers": int(workers),
+            "compute_s": statistics.median(u["compute_s"] for u in steady),
+            "comm_s": statistics.median(u["comm_s"] for u in steady),
+            "params": int(meta["numel"]) if meta.get("numel") else None,
+            "dtype": "bf16" if train.get("use_mixed_precision") else "fp32",
+            "grad_accum": int(train.get("n_grad_accumulation") or 1)}  # fmt: skip
 
 
 # ----------------------------------------------------------------------- the paper's settings
@@ -302,22 +368,46 @@ def build(a) -> dict:
                  sync_every=a.sync_every, s_sync_every=a.s_sync_every, fragments=a.fragments,
                  fragment_delay=a.fragment_delay)
         result["user"] = summarize(k, int(a.params) if a.params else None, a.gpu_gib if a.params else None)
+        result["user"]["from_run"] = getattr(a, "run", None)
     return result
 
 
-def markdown(r: dict) -> str:
+def markdown(r: dict, tables: bool = True) -> str:
+    """The user's figures first, then (`tables`, or without the user's figures) the bounds against
+    BENCHMARKS.md's measurements and the paper's settings, then the assumptions."""
     lines = ["# acco-bench map: where each method wins", ""]
     if r["user"]:
-        u = r["user"]
-        lines += ["## Your figures", ""]
-        gib = u["gib_per_gpu"]
-        unit, scale = ("GiB", 1) if gib and max(gib.values()) >= 1 else ("MiB", 1024)
-        rows = [[n, _f(u["time_s"][n], 3), _f(u["speedup"][n], 2, "x"), _f(u["bytes_per_param"][n], 2),
-                 _f(gib[n] * scale, 1) if gib else "-", "yes" if n in u["fits"] else "no"] for n in METHODS]
-        lines += _table(["method", "bound s/update", "vs ddp", "bytes/param", f"{unit}/GPU", "fits"], rows)
-        lines += ["", f"Fastest that follows ddp: **{u['winner_follow_ddp']}**; fastest of all: "
-                      f"**{u['winner_all']}**. {LEGEND}", ""]
-    lines += ["## Bounds against the measured speedups (BENCHMARKS.md)", "",
+        lines += _user_section(r["user"])
+    if tables or not r["user"]:
+        lines += _measured_section(r)
+    else:
+        lines += ["The bounds against BENCHMARKS.md's measured speedups and the paper's settings: "
+                  "--tables.", ""]
+    lines += ["## Assumptions", ""] + [f"- {x}" for x in r["assumptions"]]
+    return "\n".join(lines) + "\n"
+
+
+def _user_section(u: dict) -> list[str]:
+    lines = ["## Your figures", ""]
+    run = u.get("from_run")
+    if run:
+        params = (f"{run['params']:,} parameters" if run["params"]
+                  else "parameters unknown (no checkpoint: --params)")  # fmt: skip
+        lines += [f"From {run['run_dir']} (ddp, {run['workers']} workers, {run['updates']} updates): C = "
+                  f"{run['compute_s']:.4f} s and M = {run['comm_s']:.4f} s per update (medians of compute_s "
+                  f"and comm_s after the first update), {params}, {run['dtype']}, {run['grad_accum']} "
+                  "micro-batches per worker per update.", ""]  # fmt: skip
+    gib = u["gib_per_gpu"]
+    unit, scale = ("GiB", 1) if gib and max(gib.values()) >= 1 else ("MiB", 1024)
+    rows = [[n, _f(u["time_s"][n], 3), _f(u["speedup"][n], 2, "x"), _f(u["bytes_per_param"][n], 2),
+             _f(gib[n] * scale, 1) if gib else "-", "yes" if n in u["fits"] else "no"] for n in METHODS]
+    lines += _table(["method", "bound s/update", "vs ddp", "bytes/param", f"{unit}/GPU", "fits"], rows)
+    return lines + ["", f"Fastest that follows ddp: **{u['winner_follow_ddp']}**; fastest of all: "
+                        f"**{u['winner_all']}**. {LEGEND}", ""]
+
+
+def _measured_section(r: dict) -> list[str]:
+    lines = ["## Bounds against the measured speedups (BENCHMARKS.md)", "",
               "Each cell: measured speedup over ddp / bound = measured as a share of the bound.", ""]
     names = list(dict.fromkeys(n for n in (*METHODS, *(n for row in r["check"] for n in row["methods"]))
                                if any(n in row["methods"] for row in r["check"])))
@@ -347,13 +437,18 @@ def markdown(r: dict) -> str:
     lines += _table(["method"] + [f"{s} ({p['params'] / 1e6:.0f}M params)" for s, p in seen.items()],
                     [[n] + [_f(p["gib_per_gpu"][n], 2) + ("" if n in p["fits"] else " (no fit)")
                             for p in seen.values()] for n in METHODS]) + [""]
-    lines += ["## Assumptions", ""] + [f"- {x}" for x in r["assumptions"]]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--from", dest="run_dir", metavar="RUN_DIR", default=None,
+                   help="the folder of your ddp run (train.output_dir of python main.py train=ddp): C, M, "
+                   "workers, parameters, precision and micro-batches per update read from it")  # fmt: skip
     p.add_argument("--compute-s", type=float, default=None, help="your ddp's compute per update, seconds (C)")
     p.add_argument("--comm-s", type=float, default=None, help="your ddp's comm round per update, seconds (M)")
+    p.add_argument("--tables", action="store_true",
+                   help="also print the bounds against BENCHMARKS.md's measured speedups and the paper's "
+                   "settings (always in map.json; printed anyway without figures of yours)")  # fmt: skip
     p.add_argument(
         "--bench",
         action="append",
@@ -362,12 +457,12 @@ def add_arguments(p) -> None:
         help="a bench.json (acco-bench cluster) or sweep.json (sweep): its C, M and measured speedups "
         "join the check table (repeatable)",
     )
-    p.add_argument("--workers", type=int, default=8, help="W, with --compute-s (default 8)")
-    p.add_argument("--params", type=float, default=None, help="parameters, with --compute-s: GiB per GPU")
-    p.add_argument(
-        "--dtype", choices=("bf16", "fp32"), default="bf16", help="training precision (default bf16)"
-    )
-    p.add_argument("--grad-accum", type=int, default=2, help="ddp's micro-batches per worker per update")
+    p.add_argument("--workers", type=int, default=None, help="W (default: --from's, else 8)")
+    p.add_argument("--params", type=float, default=None, help="parameters (default: --from's): GiB per GPU")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="training precision (default: --from's, else bf16)")  # fmt: skip
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="ddp's micro-batches per worker per update (default: --from's, else 2)")  # fmt: skip
     p.add_argument("--buckets", type=int, default=None,
                    help="torch-ddp's DDP buckets (default: fp32 gradients / 25 MiB, or 1 without --params)")
     p.add_argument("--sync-every", type=int, default=10, help="diloco's H (inner steps per sync)")
@@ -384,11 +479,29 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="also write map.md and map.json there")
 
 
+def take_run_figures(a) -> None:
+    """--from's figures into the arguments; --workers, --params, --dtype, --grad-accum given win."""
+    a.run = from_run(Path(a.run_dir)) if getattr(a, "run_dir", None) else None
+    if a.run is not None:
+        if a.compute_s is not None or a.comm_s is not None:
+            raise BenchError("--from reads C and M from the run: give it, or --compute-s and --comm-s, "
+                             "not both")
+        a.compute_s, a.comm_s = a.run["compute_s"], a.run["comm_s"]
+    fallback = a.run or {"workers": 8, "params": None, "dtype": "bf16", "grad_accum": 2}
+    for name in ("workers", "params", "dtype", "grad_accum"):
+        if getattr(a, name) is None:
+            setattr(a, name, fallback[name])
+
+
 def run(a) -> int:
     try:
         a.gbits = [float(x) for x in str(a.gbits).split(",") if x.strip()]
     except ValueError:
         raise BenchError(f"--gbits takes comma-separated numbers, got {a.gbits!r}") from None
+    take_run_figures(a)
+    if a.run is not None and a.run["compute_s"] <= 0:
+        raise BenchError(f"--from {a.run_dir}: its median compute_s is {a.run['compute_s']}: no compute "
+                         "measured")
     if a.workers < 1 or a.grad_accum < 1 or a.sync_every < 1 or a.fragments < 1 or not 0 < a.mfu <= 1:
         raise BenchError("--workers, --grad-accum, --sync-every, --fragments must be >= 1 and 0 < --mfu <= 1")
     for name in ("compute_s", "comm_s", "params", "gpu_gib"):  # nan and inf would reach the table
@@ -397,7 +510,7 @@ def run(a) -> int:
             least = "0 or more" if name == "comm_s" else "above 0"
             raise BenchError(f"--{name.replace('_', '-')} must be a finite number {least}, got {value}")
     r = build(a)
-    md = markdown(r)
+    md = markdown(r, tables=a.tables)
     print(md)
     if a.out:
         out = Path(a.out)

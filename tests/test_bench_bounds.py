@@ -182,3 +182,57 @@ def test_the_map_s_memory_is_what_the_engine_holds(bf16):
             assert held == pytest.approx(memory_bytes(method, 1, 2 if bf16 else 4), rel=1e-3), method
         else:
             assert held == memory_bytes(method, 1, 2 if bf16 else 4), method
+
+
+def test_map_from_a_ddp_run_folder_reads_its_figures(tmp_path, capsys):
+    """`acco-bench map --from RUN_DIR`: C and M are the medians of a ddp run's compute_s and comm_s
+    after its first update (summary.json's per-update figures), with its workers, parameters,
+    precision and micro-batches per update; its figures come first and the measured tables only
+    with --tables. A folder given to --bench, or a run of another method, is one clear line."""
+    import statistics
+
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
+
+    from acco.models import count_parameters
+    from acco.trainer import DecoupledTrainer
+
+    run = tmp_path / "ddp"
+    model = tiny_model()
+    args = tiny_args("ddp", run, nb_steps_tot=16, save_step=0)
+    summary = DecoupledTrainer(model=model, train_dataset=tiny_data(), args=args).train()
+    capsys.readouterr()
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steady = [u for u in lines if u["type"] == "train"][1:]
+    median = {k: statistics.median(u[k] for u in steady) for k in ("compute_s", "comm_s")}
+    assert median == {"compute_s": summary["compute_s_per_update"], "comm_s": summary["comm_s_per_update"]}
+
+    out = tmp_path / "map"
+    assert main(["map", "--from", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    user = json.loads((out / "map.json").read_text())["user"]
+    params = count_parameters(model)
+    assert user["from_run"] == {"run_dir": str(run), "updates": 8, "workers": 1, **median, "params": params,
+                                "dtype": "fp32", "grad_accum": 2}  # fmt: skip
+    case = user["case"]
+    assert (case["c"], case["m"], case["workers"], case["elem_bytes"], case["grad_accum"]) == (
+        median["compute_s"], median["comm_s"], 1, 4, 2)
+    assert printed.index("## Your figures") < printed.index("## Assumptions")
+    assert "## Bounds against the measured" not in printed and "paper's settings: --tables" in printed
+    assert main(["map", "--from", str(run), "--tables", "--workers", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.index("## Your figures") < printed.index("## Bounds against the measured speedups")
+    assert "(ddp, 1 workers, 8 updates)" in printed and "| ddp | " in printed
+
+    for argv, said in (
+        (["--bench", str(run)], f"--bench {run} is a folder with no bench.json or sweep.json: --bench takes "
+                                "acco-bench cluster's bench.json or sweep's sweep.json (a training run's "
+                                "folder: --from)"),
+        (["--from", str(tmp_path)], f"--from {tmp_path}: no metrics.jsonl: not the folder of a training run"),
+        (["--from", str(run), "--compute-s", "1", "--comm-s", "1"], "--from reads C and M from the run"),
+    ):  # fmt: skip
+        assert main(["map", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"acco-bench: {said}") and err.count("\n") == 1, err
+    (run / "summary.json").write_text(json.dumps({**summary, "method": "acco"}))  # as an acco run's says
+    assert main(["map", "--from", str(run)]) == 2
+    assert capsys.readouterr().err.startswith(f"acco-bench: --from {run}: the run is acco's; the bounds")

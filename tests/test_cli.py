@@ -258,6 +258,137 @@ def test_the_entry_exits_with_main_s_code_after_threads_and_atexit_hooks_without
     assert proc.stdout == "buffered thread atexit", proc.stdout
 
 
+POOLS = """
+    import sys, threading
+    from concurrent.futures import ThreadPoolExecutor
+    import acco.cli
+
+    # Library pools, kept as inductor keeps its compile pool: their threads are no daemons, and
+    # concurrent.futures stops them from its own exit hook only (threading._register_atexit)
+    pools = []
+
+    def main():
+        idle, busy = ThreadPoolExecutor(2), ThreadPoolExecutor(1)
+        pools.extend((idle, busy))  # a pool let go of would stop its threads itself
+        idle.submit(print, "pool", end="").result()  # its worker now waits for more
+        busy.submit(threading.Event().wait, 0.2)  # still at work when main ends
+        busy.submit(print, " queued", end="")  # and work queued behind it: a normal exit runs it
+        alive = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+        print(f" {len(alive)} threads", end="")
+        raise SystemExit(int(sys.argv[1]))
+
+    acco.cli.main = main
+    acco.cli.entry()
+"""
+
+
+@pytest.mark.parametrize("code", [0, EXIT_SAVED_ON_SIGNAL])
+def test_the_entry_exits_with_library_thread_pools_alive(tmp_path, code):
+    """A compiled run's workers trained, said done, and then waited forever on inductor's idle
+    compile pool: the entry's exit stops library pools as Python's exit does, the work they were
+    given done first. The timeout fails a hang, it never hangs the suite."""
+    script = write_script(tmp_path, "pools.py", POOLS)
+    proc = subprocess.run([sys.executable, script, str(code)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "pool 2 threads queued", proc.stdout
+
+
+HELD_WRITE = """
+    import threading
+    import acco.checkpoint, acco.cli
+
+    exiting = threading.Event()
+    save, leave = acco.checkpoint.save, acco.cli.exit_without_finalizing
+
+    def held_save(*args, **kwargs):
+        # The run's one checkpoint, written in the background, holds itself until the exit has
+        # started (or 2 s): an exit that left without it would leave while it is held.
+        exiting.wait(2.0)
+        folder = save(*args, **kwargs)
+        print("written", folder.name, flush=True)
+        return folder
+
+    def exit_without_finalizing(code):
+        exiting.set()
+        print("exit", flush=True)
+        leave(code)
+
+    acco.checkpoint.save = held_save
+    acco.cli.exit_without_finalizing = exit_without_finalizing
+    acco.cli.entry()
+"""
+
+
+def test_the_last_background_checkpoint_lands_before_the_process_exits(tmp_path):
+    """A one-worker job through the entry, its final checkpoint written in the background
+    (train.async_save, the default) and held: the exit starts only once it is on disk, whole."""
+    from acco import checkpoint
+
+    script = write_script(tmp_path, "held.py", HELD_WRITE)
+    out = tmp_path / "out"
+    overrides = job_overrides(tmp_path, "launch.nproc=1", "train.nb_steps_tot=8", "train.save=true")
+    cmd = [sys.executable, script, *overrides]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith(("written", "exit"))]
+    saved = checkpoint.list_checkpoints(out)
+    assert len(saved) == 1, (said, proc.stdout[-2000:])
+    newest = saved[0]
+    assert said == [f"written {newest.name}", "exit"], proc.stdout
+    meta = checkpoint.load_meta(newest)
+    checkpoint.check_files(newest, meta)  # every shard whole
+    assert meta["samples"] == 8 and not list(out.glob("*.tmp")), meta
+
+
+# A worker that says which of its threads are alive and no daemons as its exit starts; inductor's
+# cache its own and empty (a warm one compiles nothing, and starts no pool).
+THREADS_AT_EXIT = """
+    import os, threading
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["INDUCTOR_CACHES"], os.environ["RANK"])
+    import acco.cli
+
+    leave = acco.cli.exit_without_finalizing
+
+    def exit_without_finalizing(code):
+        main = threading.main_thread()
+        alive = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not main)
+        print("threads at exit:", alive, flush=True)
+        leave(code)
+
+    acco.cli.exit_without_finalizing = exit_without_finalizing
+    acco.cli.entry()
+"""
+
+# The launcher of main.py, its workers started as `worker` instead.
+LAUNCH_AS = """
+    import sys
+    import acco.cli
+
+    worker, overrides = sys.argv[1], sys.argv[2:]
+    acco.cli.self_command = lambda: [sys.executable, worker, *overrides]
+    sys.argv[1:] = overrides
+    acco.cli.entry()
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_run_exits(tmp_path):
+    """train.compile=true (inductor) on 2 workers: both trained, said done and then waited forever
+    on inductor's compile pool (py-spy: Thread.join in the exit, idle ThreadPoolExecutor threads).
+    Both workers exit with the pool alive; the timeout fails a hang."""
+    worker = write_script(tmp_path, "worker.py", THREADS_AT_EXIT)
+    launcher = write_script(tmp_path, "launcher.py", LAUNCH_AS)
+    cmd = [sys.executable, launcher, worker, "launch.nproc=2", "train.compile=true",
+           *job_overrides(tmp_path, "train.nb_steps_tot=8")]  # fmt: skip  (the last value counts)
+    # the pool, whatever the cores: inductor starts none where it would compile with one thread
+    env = clean_env({"INDUCTOR_CACHES": str(tmp_path / "inductor"), "TORCHINDUCTOR_COMPILE_THREADS": "2"})
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "done: acco 8 micro-batches" in proc.stdout, proc.stdout[-2000:]
+    at_exit = [line for line in proc.stdout.splitlines() if line.startswith("threads at exit:")]
+    assert len(at_exit) == 2 and all("ThreadPoolExecutor" in line for line in at_exit), at_exit
+
+
 def test_after_a_failure_the_entry_exits_as_python_does(tmp_path):
     """A failed rank 0 keeps the rendezvous store it hosts up while it finalizes: its peers then
     say their own error rather than lose the store mid-read."""

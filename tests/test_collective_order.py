@@ -136,6 +136,7 @@ def _train_every_method(rank, world, out_dir, methods):
                 method_name=method,
                 batch_size=2,
                 n_grad_accumulation=1,
+                use_mixed_precision=False,
                 learning_rate=1e-3,
                 nb_steps_tot=OUT_OF_REACH,
                 max_length=16,

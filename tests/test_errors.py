@@ -293,6 +293,30 @@ def test_output_dir_holding_a_run_is_not_overwritten_unless_asked(tmp_path):
     check_output_dir(str(out))
 
 
+def test_the_checks_that_cost_nothing_are_reported_together(tmp_path):
+    """A missing data file is not hidden behind an output folder that holds a run, nor a missing
+    pretrained folder behind either: every check that costs nothing runs, a line each."""
+    out, missing, no_model = tmp_path / "out", tmp_path / "missing.jsonl", tmp_path / "no-model"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    with pytest.raises(InputError) as info:
+        validate_job(config(tmp_path, "data=text", f"data.path={missing}", f"model.pretrained={no_model}"))
+    lines = str(info.value).split("\n")
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"train.output_dir '{out}' already holds a run (summary.json)")
+    assert lines[1:] == [f"data.path: {missing}: no such file or folder",
+                         f"model.pretrained '{no_model}': no such folder"]  # fmt: skip
+    # a new model's positions, and the BPE's size, with the data file
+    with pytest.raises(InputError) as info:
+        validate_job(config(tmp_path, "train.overwrite_output_dir=true", "data=text", f"data.path={missing}",
+                            "train.max_length=512", "model.vocab_size=100"))  # fmt: skip
+    assert str(info.value).split("\n") == [
+        f"data.path: {missing}: no such file or folder",
+        "model.vocab_size must be an integer above 257 for model.tokenizer=bpe, got 100",
+        "train.max_length 512 exceeds model.max_position_embeddings 256 (model 'tiny')",
+    ]
+
+
 def test_auto_with_no_checkpoint_starts_afresh_but_never_over_a_finished_run(tmp_path):
     """resume_from_checkpoint=auto: a run stopped before its first checkpoint starts again; a
     finished one without checkpoints (train.save=false) is kept, as without auto."""
@@ -310,9 +334,11 @@ def test_auto_with_no_checkpoint_starts_afresh_but_never_over_a_finished_run(tmp
 
 
 def test_unknown_config_group_option_or_key(tmp_path):
-    # a misspelt name gets the closest known one, with its group; a name close to none gets none
-    with pytest.raises(InputError, match=r"^unknown config key 'train\.batch_sise' in 'train\.batch_sise=4' "
-                                         r"\(did you mean 'train\.batch_size'\?\); keys of train: "):
+    # a misspelt name gets the closest known one, with its group, and the group's three closest
+    # keys (difflib's; not all 53 of train); a name close to none gets no guess
+    said = (r"^unknown config key 'train\.batch_sise' in 'train\.batch_sise=4' \(did you mean "
+            r"'train\.batch_size'\?\); closest keys of train: batch_size, eval_batch_size, async_save$")
+    with pytest.raises(InputError, match=said):
         compose(["train.batch_sise=4"])
     with pytest.raises(
         InputError,
@@ -323,7 +349,7 @@ def test_unknown_config_group_option_or_key(tmp_path):
     with pytest.raises(InputError, match=r"^unknown config key 'lanch' in 'lanch\.nproc=2' \(did you mean "):
         compose(["lanch.nproc=2"])
     said = r"^unknown config key 'train\.lerning_rate' in '\+train\.lerning_rate=1' "
-    with pytest.raises(InputError, match=said + r"\(did you mean 'train\.learning_rate'\?\); keys of train"):
+    with pytest.raises(InputError, match=said + r"\(did you mean 'train\.learning_rate'\?\); closest keys "):
         compose(["+train.lerning_rate=1"])  # Hydra adds it; acco's own check refuses it
     with pytest.raises(
         InputError,
@@ -340,6 +366,36 @@ def test_unknown_config_group_option_or_key(tmp_path):
         validate_job(compose(["train=base"]))
 
 
+@pytest.mark.parametrize("typed", ["lerning_rate", "lr", "eval_steps_every", "zzz"])
+def test_an_unknown_keys_line_is_short_and_names_the_three_closest(typed):
+    """On the command line and in the Python API alike: under 200 characters (the whole list of
+    train's keys made it about 900), with the three keys difflib finds closest."""
+    import dataclasses
+    import difflib
+
+    from acco.config import SEED_ONLY_KEYS, ConfigError, TrainArgs
+
+    keys = [f.name for f in dataclasses.fields(TrainArgs) if f.name not in SEED_ONLY_KEYS]
+    closest = ", ".join(difflib.get_close_matches(typed, keys, n=3, cutoff=0.0))
+    with pytest.raises(InputError) as cli_error:
+        compose([f"train.{typed}=1"])
+    with pytest.raises(ConfigError) as api_error:
+        TrainArgs.from_any({typed: 1})
+    for line in (str(cli_error.value), str(api_error.value)):
+        assert len(line) < 200 and "\n" not in line, line
+        assert line.endswith(f"; closest keys of train: {closest}"), line
+    if typed == "lerning_rate":  # one close enough to be the one meant: named first
+        assert "(did you mean 'learning_rate'?)" in str(api_error.value)
+    long_value = compose_error([f"+train.{typed}={'x' * 400}"])  # the value typed is cut, not the hint
+    assert len(long_value) < 200 and long_value.endswith(closest), long_value
+
+
+def compose_error(overrides: list[str]) -> str:
+    with pytest.raises(InputError) as info:
+        compose(overrides)
+    return str(info.value)
+
+
 # --------------------------------------------------------------------------- the CLI as users run it
 
 
@@ -348,8 +404,8 @@ def test_unknown_config_group_option_or_key(tmp_path):
     [
         ("train.nb_steps=10", "unknown config key 'train.nb_steps' in 'train.nb_steps=10'"),
         ("+train.learning_rat=1", "unknown config key 'train.learning_rat' in '+train.learning_rat=1'"),
-        ("++model.foo=2", "unknown config key 'model.foo' in '++model.foo=2'; keys of model: arch, "),
-        ("+foo=1", "unknown config key 'foo' in '+foo=1'; keys of the top level: data, launch, model, train"),
+        ("++model.foo=2", "unknown config key 'model.foo' in '++model.foo=2'; closest keys of model: "),
+        ("+foo=1", "unknown config key 'foo' in '+foo=1'; keys at the top level: data, launch, model, train"),
         ("data=wikipedia", "unknown data 'wikipedia': no config data/wikipedia.yaml (available: alpaca"),
     ],
 )
@@ -402,6 +458,21 @@ def test_cli_finished_run_is_not_overwritten(tmp_path):
     one_error(proc, f"train.output_dir '{out}' already holds a run", "train.overwrite_output_dir=true")
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
     assert (out / "summary.json").read_text() == '{"final_eval_loss": 1.0}'
+
+
+def test_cli_says_every_cheap_problem_before_starting_a_worker(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"final_eval_loss": 1.0}')
+    proc = cli(tmp_path, "data=text", f"data.path={tmp_path / 'missing.jsonl'}")
+    assert error_lines(proc) == [
+        f"acco: error: train.output_dir '{out}' already holds a run (summary.json); choose another "
+        "train.output_dir or set train.overwrite_output_dir=true to replace it (it has no complete "
+        "checkpoint to continue from)",
+        f"acco: error: data.path: {tmp_path / 'missing.jsonl'}: no such file or folder",
+    ]
+    assert proc.stderr == "".join(line + "\n" for line in error_lines(proc)) and proc.stdout == ""
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
 
 
 @pytest.mark.slow

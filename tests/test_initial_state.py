@@ -67,6 +67,7 @@ def _evaluate_under_autocast(rank, world):
     args = dict(
         method_name="torch-ddp",
         use_mixed_precision=True,
+        n_grad_accumulation=1,
         batch_size=2,
         max_length=16,
         nb_steps_tot=2,

@@ -104,3 +104,97 @@ def test_checkpoint_activations_uses_transformers_current_name_and_refuses_other
     assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     with pytest.raises(ValueError, match="needs a transformers model"):
         checkpoint_activations(torch.nn.Linear(2, 2))
+
+
+# Tiny causal LMs built locally from transformers' own configs (no download), by class: those the
+# fused loss is taken for (acco.loss.FUSED_LOSS_MODELS), then two that transform their logits.
+_SIZES = dict(vocab_size=97, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              num_hidden_layers=2, intermediate_size=64, max_position_embeddings=64, head_dim=8)  # fmt: skip
+TINY_LMS = {
+    "GPT2LMHeadModel": ("GPT2Config", dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                           bos_token_id=0, eos_token_id=0)),
+    "GPTNeoForCausalLM": ("GPTNeoConfig", dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+                                               attention_types=[[["global", "local"], 1]], window_size=16,
+                                               max_position_embeddings=64)),
+    "LlamaForCausalLM": ("LlamaConfig", _SIZES),
+    "MistralForCausalLM": ("MistralConfig", _SIZES),
+    "Qwen2ForCausalLM": ("Qwen2Config", _SIZES),
+    "Qwen3ForCausalLM": ("Qwen3Config", _SIZES),
+    # logits * logit_scale (Cohere's default is 0.0625: any value but 1 changes the loss)
+    "CohereForCausalLM": ("CohereConfig", _SIZES | dict(logit_scale=0.5)),
+    # logits capped by a tanh at final_logit_softcapping (Gemma 2's default 30; 1 for a tiny model's logits)
+    "Gemma2ForCausalLM": ("Gemma2Config", _SIZES | dict(final_logit_softcapping=1.0)),
+}  # fmt: skip
+
+
+def tiny_lm(name: str):
+    import transformers
+
+    config_class, sizes = TINY_LMS[name]
+    torch.manual_seed(0)
+    # weights drawn 10x wider than transformers' 0.02: logits far from uniform, whose loss any
+    # change of them moves (a scale or a cap changed a loss of 4.6 by 1e-4 at 0.02)
+    config = getattr(transformers, config_class)(**sizes, initializer_range=0.2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == name
+    return model.eval()  # no dropout (GPT-2's is 0.1): the two losses see the same network
+
+
+def _own_and_acco_s(model):
+    """(the model's own mean loss, acco's mean loss), and the gradients of each, on one masked batch."""
+    gen = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 97, (3, 24), generator=gen)
+    labels[0, :5] = IGNORE_INDEX  # a masked prompt
+    batch = {"input_ids": torch.randint(0, 97, (3, 24), generator=gen), "labels": labels}
+    results = []
+    for compute in (lambda: model(**batch).loss, lambda: torch.div(*causal_lm_loss(model, batch))):
+        model.zero_grad()
+        loss = compute()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    return results
+
+
+def test_the_fused_loss_is_taken_for_the_tested_architectures_only():
+    """A class joins FUSED_LOSS_MODELS with its tiny model here, tested below; a subclass of one
+    (its forward may be another) is not taken."""
+    assert acco.loss.FUSED_LOSS_MODELS == set(TINY_LMS) - {"CohereForCausalLM", "Gemma2ForCausalLM"}
+    llama = tiny_lm("LlamaForCausalLM")
+
+    class MyLlama(type(llama)):
+        pass
+
+    assert acco.loss._output_head(llama) is not None and acco.loss._output_head(MyLlama(llama.config)) is None
+
+
+@pytest.mark.parametrize("name", list(TINY_LMS))
+def test_acco_s_loss_is_the_model_s_own(name):
+    """Each architecture's own loss (transformers' forward with labels: its logits, shifted, mean
+    over the unmasked tokens) and its gradients, from acco's loss: fused for the architectures it
+    is proven on, through the logits for the others. Cohere scales its logits (logit_scale) and
+    Gemma 2 caps them: the fused loss over lm_head(hidden) alone was another loss, without an error."""
+    model = tiny_lm(name)
+    (own, own_grads), (acco_s, acco_grads) = _own_and_acco_s(model)
+    torch.testing.assert_close(acco_s, own, rtol=1e-5, atol=1e-6)
+    for got, want in zip(acco_grads, own_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert (acco.loss._output_head(model) is not None) == (name in acco.loss.FUSED_LOSS_MODELS)
+
+
+def test_a_model_the_fused_loss_does_not_know_trains_on_its_own_logits_said_once(tmp_path, capsys):
+    """The line is said once, by the trainer (rank 0), not by every micro-batch's loss."""
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
+
+    from acco.trainer import DecoupledTrainer
+
+    args = tiny_args("ddp", tmp_path / "cohere", nb_steps_tot=4, n_grad_accumulation=1, save=False)
+    cohere = tiny_lm("CohereForCausalLM")
+    summary = DecoupledTrainer(model=cohere, train_dataset=tiny_data(), args=args).train()
+    assert summary["samples"] == 4
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loss:")]
+    proven = "GPT2LMHeadModel, GPTNeoForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"
+    assert said == [f"loss: through CohereForCausalLM's own logits (the fused loss is proven on {proven}, "
+                    "Qwen3ForCausalLM only: docs/training.md)"], said  # fmt: skip
+    args = tiny_args("ddp", tmp_path / "gpt-neo", nb_steps_tot=4, n_grad_accumulation=1, save=False)
+    DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args)  # says it here, if anything
+    assert "loss:" not in capsys.readouterr().out  # the fused loss: nothing to say

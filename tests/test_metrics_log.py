@@ -6,6 +6,7 @@ update whatever log_step."""
 from __future__ import annotations
 
 import json
+import re
 
 import matplotlib.figure
 import pytest
@@ -60,3 +61,21 @@ def test_the_console_prints_every_log_step_and_the_last_update(tmp_path, capsys,
     lines = [line.split() for line in out.splitlines() if line.startswith("step")]
     assert [int(words[1]) for words in lines] == printed
     assert (size_text(2.49e9), size_text(0.07e9), size_text(3.2e6)) == ("2.49 GB", "70.0 MB", "3.2 MB")
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_an_updates_line_comes_before_its_evaluation_and_its_checkpoint(tmp_path, capsys, async_save):
+    """The last update (8) is not a log step: its line is printed before the final evaluation's
+    and the final checkpoint's, not after them with the run's summary; an evaluation inside the run
+    (update 3) gets its update's line first too."""
+    from trainer_helpers import tiny_args, tiny_data, tiny_model
+
+    from acco.trainer import DecoupledTrainer
+
+    args = tiny_args("ddp", tmp_path / "run", nb_steps_tot=16, eval=True, eval_step=3, save_step=0,
+                     log_step=5, async_save=async_save)  # fmt: skip
+    DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train()
+    said = [(m.group(1).split()[0], int(m.group(2))) for line in capsys.readouterr().out.splitlines()
+            if (m := re.match(r"(step|eval  step|checkpoint)[ -]+(\d+)", line))]  # fmt: skip
+    assert said == [("step", 1), ("step", 3), ("eval", 3), ("step", 5), ("step", 6), ("eval", 6),
+                    ("step", 8), ("eval", 8), ("checkpoint", 8)]  # fmt: skip

@@ -13,6 +13,7 @@ Everything runs offline on files written under tmp_path.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,32 @@ def test_the_installed_command_is_one_line_and_exit_1():
     proc = subprocess.run([str(command), "train.batch_size=x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "acco: error: train.batch_size must be an integer, got 'x'"
+
+
+def test_help_is_for_users(capsys):
+    """`acco-prepare --help`: what it does and how to call it, not the module's notes for developers;
+    its example's overrides are a valid run."""
+    main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: acco-prepare [--num-proc N] [OVERRIDE ...]")
+    assert "--num-proc N" in text and 'docs/training.md, "Prepare the data once"' in text
+    for developer_word in ("train_worker", "split_corpus", "build_tokenizer", "token_stream", "``", "acco/"):
+        assert developer_word not in text, developer_word
+    example = next(line.split()[1:] for line in text.splitlines() if line.strip().startswith("acco-prepare "))
+    compose(example)
+
+
+@pytest.mark.parametrize("batch, processes", [(1000, 1), (16, 2)])
+def test_the_progress_bar_and_the_summary_count_the_same_processes(
+    tmp_path, corpora, monkeypatch, capsys, batch, processes
+):
+    """300 documents in one batch of 1000 take one process whatever --num-proc asks (the bar said
+    1, the summary 2); in batches of 16 the training split takes 2, its eval split of 15 one:
+    each split's line says what its bar says, the summary the most."""
+    monkeypatch.setattr(acco.data.packing, "_TOKENIZE_BATCH", batch)
+    main(["--num-proc", "2", *overrides(tmp_path, corpora["jsonl"])])
+    out, err = capsys.readouterr()
+    bars = [int(n) for n in re.findall(r"tokenizing \((\d+) process(?:es)?\):\s+0%", err)]  # a bar's start
+    said = [int(n) for n in re.findall(r"^\w+: [\d,]+ tokens by (\d+) process(?:es)?, written: ", out, re.M)]
+    assert said == bars == ([1, 1] if batch == 1000 else [2, 1]), (err, out)
+    assert f"with {processes} process" in out.splitlines()[-1], out

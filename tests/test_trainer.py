@@ -105,7 +105,8 @@ TRAINER_SCRIPT = textwrap.dedent(
     model = build_model(OmegaConf.load(tiny), vocab_size=len(tokenizer), max_length=32)
     train_config = dict(method_name="acco", batch_size=4, n_grad_accumulation=1, learning_rate=2e-3,
                         nb_steps_tot=48, max_length=32, warmup=8, eval_step=4, output_dir=out, seed=0,
-                        cache_dir=cache, save=False, accumulate_while_waiting=False)
+                        cache_dir=cache, save=False, accumulate_while_waiting=False,
+                        use_mixed_precision=False)
     trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=ds["train"],
                                eval_dataset=ds["validation"], text_column_name="text", args=train_config)
     summary = trainer.train()
@@ -157,6 +158,7 @@ def test_single_process_trainer_with_omegaconf_args_and_processing_class(tmp_pat
             method_name="ddp",
             batch_size=4,
             n_grad_accumulation=2,
+            use_mixed_precision=False,
             learning_rate=2e-3,
             nb_steps_tot=24,
             max_length=32,
@@ -198,8 +200,9 @@ def test_a_slow_worker_is_not_stretched_by_the_trainers_evaluations(tmp_path, mo
     monkeypatch.setattr(DecoupledTrainer, "_evaluate_and_log", slow_evaluation)
     docs = synthetic_corpus(120)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=320)
-    args = dict(method_name="ddp", batch_size=2, learning_rate=1e-3, nb_steps_tot=6, max_length=16,
-                eval_step=1, slowdown=2.0, output_dir=str(tmp_path / "run"), save=False)  # fmt: skip
+    args = dict(method_name="ddp", batch_size=2, n_grad_accumulation=1, use_mixed_precision=False,
+                learning_rate=1e-3, nb_steps_tot=6, max_length=16, eval_step=1, slowdown=2.0,
+                output_dir=str(tmp_path / "run"), save=False)  # fmt: skip
     trainer = DecoupledTrainer(
         model=build_model(SMALL, vocab_size=len(tokenizer), max_length=16),
         processing_class=tokenizer, train_dataset=docs, eval_dataset=docs[:8], args=args,
@@ -219,6 +222,44 @@ def test_unknown_train_key_is_rejected():
 
     with pytest.raises(ConfigError, match="unknown train key.*batchsize"):
         TrainArgs.from_any({"batchsize": 4})
+
+
+@pytest.mark.parametrize("method", ["acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco"])
+def test_the_api_takes_the_engines_method_key_and_the_command_lines_defaults(method):
+    """DecoupledTrainer's args as a dict: the engine's key `method` (the seed's `method_name` as
+    well), and every key it leaves out as `python main.py train=METHOD` sets it (the tiny model's
+    recipe aside, being model=tiny's: a model without one here)."""
+    from acco.config import ConfigError, TrainArgs, compose
+    from acco.job import typed_config
+
+    command_line = typed_config(compose([f"train={method}", "model=gptneo-36m"]))[0]
+    assert TrainArgs.from_any({"method": method}) == command_line
+    defaults = TrainArgs.from_any({"method": method})  # as docs/training.md, "In your own script", says
+    assert (defaults.batch_size, defaults.max_length, defaults.use_mixed_precision, defaults.nb_steps_tot,
+            defaults.eval_step, defaults.max_eval_batches, defaults.output_dir) == (
+        24, 1024, True, 50000, 100, 50, f"outputs/{method}")
+    assert TrainArgs.from_any({"method_name": method, "method": method}) == command_line
+    assert TrainArgs.from_any(OmegaConf.create({"method_name": method})) == command_line
+    given = TrainArgs.from_any({"method": method, "max_length": 64, "output_dir": "run"})
+    assert (given.max_length, given.output_dir, given.eval_step) == (64, "run", command_line.eval_step)
+    with pytest.raises(ConfigError, match=r"^method='ddp' and method_name='acco': the same key"):
+        TrainArgs.from_any({"method": "ddp", "method_name": "acco"})
+
+
+def test_the_api_s_defaults_compose_inside_a_hydra_app():
+    """The seed's scripts run under their own @hydra.main: Hydra holds one app at a time, and
+    reading train=METHOD's defaults hands theirs back as it was."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from acco.config import TrainArgs, compose
+
+    with initialize_config_module(config_module="acco.conf", version_base="1.3"):
+        app = GlobalHydra.instance().hydra
+        assert TrainArgs.from_any({"method": "wp"}).n_grad_accumulation == 2
+        compose(["train=ddp"])
+        assert GlobalHydra.instance().hydra is app
+    assert not GlobalHydra.instance().is_initialized()
 
 
 def test_the_seed_configs_keys_and_numbers_as_strings():

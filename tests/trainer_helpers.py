@@ -68,6 +68,7 @@ def tiny_args(method: str, output_dir, **more) -> dict:
             max_length=16,
             learning_rate=3e-3,
             accumulate_while_waiting=False,
+            use_mixed_precision=False,  # the CPU's fp32 (train=<method>'s default is the paper's bf16)
             eval=False,
             save_step=2,
             output_dir=str(output_dir),
@@ -86,6 +87,9 @@ def small_run(tmp_path, **overrides) -> dict:
         **dict(
             method_name="ddp",
             batch_size=4,
+            n_grad_accumulation=1,
+            use_mixed_precision=False,
+            max_eval_batches=None,
             nb_steps_tot=4,
             max_length=32,
             eval_step=1,

@@ -20,7 +20,7 @@ import importlib
 _MODULES = {
     "errors": ["DataError"],
     "instruct": ["ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "IGNORE_INDEX", "cached_instructions",
-                 "format_alpaca", "tokenize_instructions"],
+                 "format_alpaca", "prompt_ids", "tokenize_instructions"],
     "loader": ["MicroBatchStream", "Rows", "as_columns", "eval_batches", "split_train_eval"],
     "packing": ["blocks_of", "cache_path", "pack_documents", "packing_cache_key", "token_stream"],
     "prepare": ["build_tokenizer", "is_prepared", "load_corpus_rank0_first", "prepare_dataset",

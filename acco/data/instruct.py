@@ -54,6 +54,15 @@ def format_alpaca(record: dict, index: int | None = None) -> tuple[str, str]:
     return prompt, output
 
 
+def prompt_ids(tokenizer, instruction: str, input: str = "") -> list[int]:
+    """The token ids a model fine-tuned on these records was trained to answer: the Alpaca prompt of
+    `instruction` (and `input`), as ``tokenize_instructions`` writes it before the response, bos
+    first where the tokenizer adds one itself. Generate from them to query the model."""
+    prompt, _ = format_alpaca({"instruction": instruction, "input": input, "output": ""})
+    bos = bos_to_prepend(tokenizer)
+    return ([] if bos is None else [bos]) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
 def tokenize_instructions(records: list[dict], tokenizer, max_length: int) -> dict[str, torch.Tensor]:
     """Tensors `input_ids`, `labels`, `attention_mask`, each [n, max_length] (int64).
 

@@ -217,6 +217,16 @@ def _encode_from(start: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype, count=sum(map(len, rows)))
 
 
+def tokenize_processes(n_docs: int, num_proc: int) -> int:
+    """The processes that tokenize `n_docs` documents when `num_proc` are asked for: no more than
+    its batches of _TOKENIZE_BATCH documents, and one where processes cannot be forked."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(1, min(num_proc, -(-n_docs // _TOKENIZE_BATCH)))
+
+
 def _parallel_chunks(docs, tokenizer, text_column: str, dtype: np.dtype, num_proc: int):
     """The stream batch by batch, in corpus order, from `num_proc` forked processes that each read
     their batches of `docs` (a list, or a Dataset's memory-mapped table) and send back 2 or 4 bytes
@@ -229,7 +239,7 @@ def _parallel_chunks(docs, tokenizer, text_column: str, dtype: np.dtype, num_pro
     if is_hf_dataset(docs) and text_column not in docs.column_names:
         raise DataError(f"dataset has no column {text_column!r} (columns: {', '.join(docs.column_names)})")
     starts = range(0, len(docs), _TOKENIZE_BATCH)
-    procs = min(num_proc, len(starts)) if "fork" in multiprocessing.get_all_start_methods() else 1
+    procs = tokenize_processes(len(docs), num_proc)
     _set_worker(docs, tokenizer, text_column, dtype)
     pool = multiprocessing.get_context("fork").Pool(procs) if procs > 1 else None
     bar = tqdm(total=len(docs), unit="docs", desc=f"tokenizing ({procs} process{'es' if procs > 1 else ''})")

@@ -34,15 +34,13 @@ def load_documents(
     """
     spec = os.fspath(path_or_name)
     docs: list[str] = []
-    for source in _sources(spec):
+    for source in corpus_sources(spec):
         if isinstance(source, Path) and source.suffix == ".txt":
             docs.extend(_read_txt(source))
             continue
         rows = _load_table(source, cache_dir)
         if text_column not in rows.column_names:
-            raise DataError(
-                f"{_where(source)} has no column {text_column!r} (columns: {', '.join(rows.column_names)})"
-            )
+            raise _no_column(source, text_column, rows.column_names)
         for i, text in enumerate(rows[text_column]):
             if text is None:
                 continue
@@ -68,7 +66,7 @@ def open_documents(
     .txt files is read by `load_documents` into a list of strings.
     """
     spec = os.fspath(path_or_name)
-    sources = _sources(spec)
+    sources = corpus_sources(spec)
     if any(isinstance(s, Path) and s.suffix == ".txt" for s in sources):
         return load_documents(spec, text_column, cache_dir)
     import datasets
@@ -77,9 +75,7 @@ def open_documents(
     for source in sources:
         rows = _load_table(source, cache_dir)
         if text_column not in rows.column_names:
-            raise DataError(
-                f"{_where(source)} has no column {text_column!r} (columns: {', '.join(rows.column_names)})"
-            )
+            raise _no_column(source, text_column, rows.column_names)
         if getattr(rows.features[text_column], "dtype", None) not in ("string", "large_string"):
             raise DataError(_not_strings(source, rows, text_column))
         tables.append(rows.select_columns([text_column]))
@@ -90,6 +86,14 @@ def open_documents(
         signed = f"{corpus._fingerprint} {_files_signature(sources)}"
         corpus._fingerprint = hashlib.sha256(signed.encode()).hexdigest()
     return corpus
+
+
+def _no_column(source: Path | str, text_column: str, columns: list[str]) -> DataError:
+    """A table without the text column; instruction records (read as documents) say what reads them."""
+    instruct = {"instruction", "output"} <= set(columns)
+    hint = ("; these are instruction records: data=alpaca data.path=... fine-tunes on them "
+            "(docs/training.md, 'Instruction data')") if instruct else ""  # fmt: skip
+    return DataError(f"{_where(source)} has no column {text_column!r} (columns: {', '.join(columns)}){hint}")
 
 
 def _not_strings(source: Path | str, rows, text_column: str) -> str:
@@ -198,7 +202,7 @@ def load_records(path_or_name: str | os.PathLike, cache_dir: str | None = None) 
     """
     spec = os.fspath(path_or_name)
     records: list[dict] = []
-    for source in _sources(spec):
+    for source in corpus_sources(spec):
         if isinstance(source, Path) and source.suffix == ".txt":
             raise DataError(f"{source}: instruction records must be .jsonl, .json or .parquet, not .txt")
         table = _load_table(source, cache_dir).to_list()
@@ -257,8 +261,9 @@ def _row(source: Path | str, index: int) -> str:
     return f"{_where(source)}, " + (f"line {located[0]} (row {index})" if located else f"row {index}")
 
 
-def _sources(spec: str) -> list[Path | str]:
-    """The local files to read, in order, or [spec] itself when it is a Hub dataset name."""
+def corpus_sources(spec: str) -> list[Path | str]:
+    """The local files to read, in order, or [spec] itself when it is a Hub dataset name (nothing
+    is read: a missing file or an empty folder is told at once)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         files = sorted(
