@@ -18,7 +18,7 @@ batch (BENCHMARKS.md, "Scale").
 Resume and checkpoint metadata live here too: `check_resumable` (run once per job, by the
 validation pass: it reads every file once for its CRC), `save_run` and `resume_run` (the
 trainer's two calls). Resharding maps the old files (torch.load(mmap=True)) and each new worker
-copies only the slices of the old shards that overlap its new one (engine/decoupled_state.py): a
+copies only the slices of the old shards that overlap its new one (engine/decoupled.py, `_reshard`): a
 4 -> 2 resume of GPT-Neo 125M peaks at the memory of a fresh 2-worker run.
 
 Every worker writes its own file into checkpoint-N.tmp/; once all have, rank 0 writes the model

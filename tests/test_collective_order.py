@@ -51,7 +51,7 @@ class Recorder:
         for name in COLLECTIVES:
             if hasattr(dist, name):
                 monkeypatch.setattr(dist, name, self._wrap(name, getattr(dist, name), lock))
-        from acco.engine.comm import BackgroundComm
+        from acco.engine.background import BackgroundComm
 
         submit = BackgroundComm.submit
         recorder = self

@@ -165,7 +165,7 @@ def test_the_comm_thread_computes_on_one_host_thread_and_leaves_the_rest_to_trai
     """On the CPU a comm round runs beside the training thread: two OpenMP teams on the same cores
     spun against each other (acco at 0.82-0.85 of ddp's tokens/s on 2 cores, BENCHMARKS.md). The comm
     thread takes one intra-op thread; the training thread keeps its own setting."""
-    from acco.engine.comm import BackgroundComm
+    from acco.engine.background import BackgroundComm
 
     training_threads = torch.get_num_threads()
     comm = BackgroundComm(torch.device("cpu"))

@@ -134,12 +134,12 @@ def test_a_round_makes_only_its_passes_over_the_shard(estimate):
     # a shard of 33,088: the 32,768 decayed in 3 chunks of ceil(33,088 / 3), the 320 others in one
     # chunk too small to count here
     comm, chunks = engine.comm, 3
-    engine.payload.normal_()
+    engine.comm_buffer.normal_()
     engine.payload_stats[:3] = torch.tensor([2.0, 1.0, 2.0], dtype=torch.float64)  # weight, loss, count
     passes = {}
     for kind in (RoundKind.ESTIMATE, RoundKind.UPDATE):
         with Passes(comm.optimizer._chunk // 2) as seen:
-            comm.run(engine.payload, engine.payload_stats, engine.gathered_params, kind)
+            comm.run(engine.comm_buffer, engine.payload_stats, engine.comm_buffer, kind)
         passes[kind] = seen.ops
     engine.close()
     lean = estimate == "lean"
@@ -179,9 +179,7 @@ def test_bf16_buffers_and_loss_falls(method):
     assert comm.master.dtype == torch.float32 and comm.master.numel() == engine.flat.layout.shard_numel
     assert comm.optimizer.exp_avg.dtype == comm.optimizer.exp_avg_sq.dtype == torch.float32
     if method != "ddp":
-        assert engine.payload.dtype == torch.bfloat16
-        # payload and result share the spec's one communication buffer: no second model-sized one
-        assert engine.gathered_params.data_ptr() == engine.payload.data_ptr()
+        assert engine.comm_buffer.dtype == torch.bfloat16
     losses = [r.loss for r in engine.run(regression_batches(), mse)]
     engine.close()
     assert sum(losses[:5]) / 5 > 2 * sum(losses[-5:]) / 5, losses

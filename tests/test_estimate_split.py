@@ -192,7 +192,7 @@ def expected_auto_splits(updates: int, k: int = AUTO_K, prior: float = 0.5) -> l
     round(2k share) in [1, 2k - 1]; an update round carries every worker's current proposal, the
     largest is adopted when the next update round is launched. Returns the e of the warm start and
     of each update round."""
-    from acco.engine.comm import SPLIT_SMOOTHING
+    from acco.engine.estimate import SPLIT_SMOOTHING
 
     shares, adopted = dict.fromkeys(DURATIONS, prior), []
     proposal = {r: min(max(int(2 * k * prior + 0.5), 1), 2 * k - 1) for r in DURATIONS}

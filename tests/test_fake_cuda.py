@@ -12,7 +12,7 @@ from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
 from acco import checkpoint
 from acco.engine import build_engine
-from acco.engine.comm import BackgroundComm, Timed
+from acco.engine.background import BackgroundComm, Timed
 from acco.engine.device import device_ops
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import acco.engine.comm
+import acco.engine.background
 from acco.engine import build_engine
 
 WIDTH, LAYERS = 64, 8  # 32768 parameters: a shard at W = 2 (16384) is larger than any parameter (4096)
@@ -106,7 +106,7 @@ def _audit_one(cfg, world):
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     limit = max(p.numel() for p in model.parameters()) * 4  # the largest parameter, in fp32
     record = {"on": False, "ops": collections.Counter(), "new": [], "reads": []}
-    submit = acco.engine.comm.BackgroundComm.submit
+    submit = acco.engine.background.BackgroundComm.submit
 
     def audited_submit(self, round_fn):
         def audited_round():
@@ -115,7 +115,7 @@ def _audit_one(cfg, world):
 
         return submit(self, audited_round)
 
-    acco.engine.comm.BackgroundComm.submit = audited_submit
+    acco.engine.background.BackgroundComm.submit = audited_submit
     try:
         updates = world * 2 * 8 if cfg.method not in ("diloco", "streaming-diloco") else world * 16
         engine = build_engine(model, replace(cfg, nb_steps_tot=updates))
@@ -124,7 +124,7 @@ def _audit_one(cfg, world):
                 record["on"] = update + 1 >= STEADY_FROM  # from the next update on
         engine.close()
     finally:
-        acco.engine.comm.BackgroundComm.submit = submit
+        acco.engine.background.BackgroundComm.submit = submit
     record["on"] = False
     return {"ops": dict(record["ops"]), "new": record["new"], "reads": record["reads"]}
 

@@ -78,17 +78,17 @@ def test_wp_prediction_is_taken_on_the_fp32_master_in_bf16():
 def test_state_bytes_counts_each_buffer_once():
     p = sum(q.numel() for q in mlp().parameters())  # world size 1: no padding, the shard is everything
     bf16 = build_engine(mlp(), cfg("wp", bf16=True))
-    # model-dtype params, grads, payload; fp32 master, moments, gradient shard, wp's previous
+    # model-dtype params, grads, comm buffer; fp32 master, moments, gradient shard, wp's previous
     # master (the trial workspace is acco's only); no fp32 gradient accumulator (grad_accum_dtype
     # bf16, the default: test_grad_accum_dtype_... has fp32); no received or sent shard: both
     # collectives run in place on the round's vectors
     assert bf16.state_bytes() == {
-        "params": 2 * p, "grads": 2 * p, "payload": 2 * p,
+        "params": 2 * p, "grads": 2 * p, "comm_buffer": 2 * p,
         "master": 4 * p, "exp_avg": 4 * p, "exp_avg_sq": 4 * p,
         "grad_shard": 4 * p, "wp_previous_master": 4 * p}  # fmt: skip
     bf16.close()
     fp32 = build_engine(mlp(), cfg("ddp", bf16=False))
-    got = fp32.state_bytes()  # ddp: no payload; the reduce-scatter lands in the fp32 gradient shard itself
+    got = fp32.state_bytes()  # ddp: no comm buffer; the reduce-scatter lands in the fp32 gradient shard
     assert sorted(got) == ["exp_avg", "exp_avg_sq", "grad_shard", "grads", "master", "params"]
     assert sum(got.values()) == 4 * p * 6
     fp32.close()

@@ -46,7 +46,7 @@ def test_a_trial_step_in_chunks_is_a_commit_bit_for_bit(monkeypatch, out_is_grad
     torch.manual_seed(0)
     master = torch.randn(50)
     opt = ShardedAdamW(master, _adamw_cfg(), decayed=31)
-    assert opt._chunk == 7 and opt._work.numel() == 21  # three chunks: at most 4 bytes an element
+    assert opt._chunk == 7 and opt.trial_workspace.numel() == 21  # three chunks: at most 4 bytes an element
     for _ in range(2):
         opt.commit(torch.randn(50), lr=1e-2)
     grad = torch.randn(50)
@@ -55,7 +55,7 @@ def test_a_trial_step_in_chunks_is_a_commit_bit_for_bit(monkeypatch, out_is_grad
     opt.commit(grad, lr=3e-3)
     assert torch.equal(out, master if out_is_grad else master.to(torch.bfloat16))
     small = ShardedAdamW(torch.randn(10), _adamw_cfg())
-    assert small._work.numel() == 3 * 4  # a shard smaller than three chunks: ceil(10 / 3) each
+    assert small.trial_workspace.numel() == 3 * 4  # a shard smaller than three chunks: ceil(10 / 3) each
 
 
 def test_the_gradient_s_divisor_is_applied_inside_the_kernel_alike_by_trial_and_commit():
@@ -80,7 +80,7 @@ def test_the_gradient_s_divisor_is_applied_inside_the_kernel_alike_by_trial_and_
     opt.commit(left, lr=1e-2, divisor=1.0)  # divisor 1: the gradient is read as it is, not written
     assert torch.equal(left, g)
     chunked = ShardedAdamW(torch.randn(50), cfg, decayed=31, chunk=7)
-    assert chunked._work.numel() == 21
+    assert chunked.trial_workspace.numel() == 21
     out = torch.empty(50)
     chunked.trial(g.clone(), lr=3e-3, divisor=d, out=out)
     undivided = out.clone()

@@ -67,7 +67,8 @@ class Engine(Protocol):
 
     @property
     def samples(self) -> int:
-        """Micro-batches over all workers in committed updates (diloco: inner steps) so far."""
+        """Micro-batches over all workers in committed updates (diloco: inner steps) so far, the
+        budget's unit (inside the engines: `committed_micro_batches`)."""
 
     @property
     def step(self) -> int:

@@ -1,32 +1,22 @@
-"""The comm round (docs/algorithm.md, "The comm round") and the background worker that overlaps it.
+"""The comm round (docs/algorithm.md, "The comm round"); acco/engine/background.py runs it beside the
+next micro-batches.
 
 A round takes a flat gradient payload and its statistics (summed loss weight, summed loss,
-micro-batch count, data-exhausted flag) and, on every worker:
-  1. reduce-scatters the payload (sum): this worker receives its shard (first, so that a lost
-     peer's error names the ring's neighbours),
-  2. all-gathers the statistics (docs/algorithm.md, "Statistics"; per-worker counts kept) with
-     this worker's squared shard norm,
-  3. divides by the global weight N (an average over every micro-batch of every worker) and,
-     with max_grad_norm, clips to the global norm: each worker's squared shard norm travels with
-     the statistics, so the norm costs no extra collective and no extra host read,
-  4. runs AdamW on its fp32 master shard: committed in an update round, as a trial step
-     (Opt_trial, nothing committed) in acco's estimate round (`RoundKind`),
-  5. all-gathers the new parameter shard into the `new_params` vector.
+micro-batch count, data-exhausted and stop flags) and, on every worker, runs four named steps
+(`CommRound.run`; docs/algorithm.md numbers the same work in six):
+  1. `_reduce`: reduce-scatters the payload (sum): this worker receives its shard (first, so
+     that a lost peer's error names the ring's neighbours),
+  2. `_statistics`: all-gathers the statistics (docs/algorithm.md, "Statistics"; per-worker
+     counts kept) with this worker's shard norm, so that the global norm costs no extra
+     collective and no extra host read; the update's learning rate follows from them,
+  3. `_step`: divides by the global weight N (an average over every micro-batch of every
+     worker), with max_grad_norm clips to the global norm, and runs AdamW on its fp32 master
+     shard: committed in an update round, as a trial step (Opt_trial, nothing committed) in
+     acco's estimate round (`RoundKind`); what the step sends, theta_{t+1}, wp's prediction or
+     acco's estimate, is estimate.py's `Lookahead`,
+  4. `_gather`: all-gathers the new parameter shard into the `new_params` vector.
 Both collectives run in place: 1 leaves the summed shard in this worker's own slice of the payload,
-5 gathers from the new shard written into its own slice of `new_params`.
-`CommRound.run` is these steps by name: `_reduce` (1), `_statistics` (2, and the norm of 3),
-`_step` (3-4) and `_gather` (5).
-
-acco's estimate, `acco_estimate: lean` (the default; `paper` is the paper's form): the estimate
-error e_t = theta~_t - theta_t feeds back into the next estimate through the half-batch gradient
-taken at theta~_t. On a quadratic with
-AdamW's preconditioned curvature a, e_{t+1} = -(1 - beta1) a / 2 * e_t: the loop diverges from
-a = 2 / (1 - beta1) = 20, while Adam itself is stable up to a = 38. High learning rates, where
-training runs at Adam's edge of stability, are exactly where the paper's estimate drifts. Adding
-half of the last error to the next estimate, theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2,
-moves that limit to a = 30 at the cost of one fp32 shard (4 P / W bytes). In the learning-rate
-sweep (BENCHMARKS.md) it halves acco's gap to ddp at ddp's best learning rate on the synthetic
-corpus and equals the paper's form on TinyStories.
+4 gathers from the new shard written into its own slice of `new_params`.
 
 `estimate_comm: int8` (acco only; acco/engine/quantize.py): the estimate round's reduce-scatter
 is an all-to-all of int8 blocks summed in fp32, and its all-gather sends the int8 delta
@@ -38,20 +28,18 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from acco.engine import collectives, progress, quantize
 from acco.engine.config import EngineConfig
-from acco.engine.device import device_ops
 from acco.engine.flat import FlatParams
 from acco.engine.optim import ShardedAdamW, learning_rate
 
-# Layout of the per-worker statistics vector that the compute side fills for each payload.
+# Layout of the per-worker statistics vector that the compute side fills for each payload
+# (decoupled.backward_and_count).
 # STOP: this worker was asked to stop (a signal, acco.trainer): the flag travels with the statistics,
 # so every worker learns it in the same round and they stop after the same update, with no
 # collective of its own.
@@ -63,10 +51,6 @@ N_STATS = 5
 SHARD_NORM = N_STATS
 SPLIT_PROPOSAL = N_STATS + 1
 N_SENT = N_STATS + 2
-# auto split: weight of the newest update's round durations in their running average
-SPLIT_SMOOTHING = 0.25
-
-T = TypeVar("T")
 
 
 class RoundKind(enum.Enum):
@@ -74,24 +58,16 @@ class RoundKind(enum.Enum):
     that progress marks, and so errors naming a stalled rank, show."""
 
     # acco only: theta~_{t+1} = Opt_trial(theta_t, g~_t); the optimizer state, the step count and
-    # the samples are left as they were, and the accumulator is kept (g_t adds to g~_t).
+    # the committed micro-batches are left as they were, and the accumulator is kept (g_t adds to
+    # g~_t).
     ESTIMATE = "estimate round"
-    # Every method's update: theta_{t+1} = Opt(theta_t, g) is committed (step and samples advance).
+    # Every method's update: theta_{t+1} = Opt(theta_t, g) is committed (the step and the committed
+    # micro-batches advance).
     UPDATE = "update round"
 
 
 def new_stats(device: torch.device) -> torch.Tensor:
     return torch.zeros(N_STATS, dtype=torch.float64, device=device)
-
-
-def backward_and_count(out, stats: torch.Tensor) -> None:
-    """Backpropagate one micro-batch's loss_fn output, `loss` or `(loss, weight)`, and add it to
-    the statistics, on the device (no host sync)."""
-    loss, weight = out if isinstance(out, tuple) else (out, 1.0)
-    loss.backward()
-    stats[WEIGHT] += weight
-    stats[LOSS] += loss.detach()
-    stats[MICRO_BATCHES] += 1
 
 
 @dataclass
@@ -100,7 +76,7 @@ class RoundResult:
     lr: float
     loss: float  # weighted mean loss of the payload's micro-batches, all workers
     micro_batches: list[int]  # the payload's micro-batches, per worker
-    samples: int  # micro-batches over all workers in committed updates so far (after this round)
+    committed_micro_batches: int  # over all workers, in committed updates so far (after this round)
     step: int  # committed updates (update rounds that applied a gradient) so far, after this round
     exhausted: bool  # some worker ran out of data
     stop: bool  # some worker was asked to stop (every worker stops after this update)
@@ -110,67 +86,14 @@ class RoundResult:
     agreed_split: int | None = None
 
 
-class EstimateSplit:
-    """acco's split of an update's 2k micro-batches per worker between its two rounds, owned by the
-    compute side (DecoupledEngine); the comm round only reads it.
-
-    ``e``: micro-batches per worker computed while an estimate round runs (the update round's
-    2k - e before it made that round's payload); every other method keeps the even split, unused.
-    With ``estimate_micro_batches: auto`` it starts from the rounds' bytes and follows their
-    measured durations (docs/algorithm.md, "The split"): ``note_round`` updates this worker's
-    ``proposal``, an update round carries every worker's and ``agree`` keeps the largest, and
-    ``adopt`` takes it when the next update round is launched, the one place where the payload in
-    hand and the micro-batches still to compute add up to 2k whatever the new split is."""
-
-    def __init__(self, cfg: EngineConfig, shard_numel: int, element_size: int):
-        self.k2, e = 2 * cfg.n_grad_accumulation, cfg.estimate_micro_batches
-        self.auto = cfg.method == "acco" and e == "auto"
-        self.share = 0.5  # the estimate round's share of an update's comm time, averaged
-        if self.auto and cfg.estimate_comm == "int8":  # until measured: the share of the bytes
-            ratio = quantize.row_bytes(shard_numel) / (shard_numel * element_size)
-            self.share = ratio / (1 + ratio)
-        self._estimate_s = None  # the last estimate round's duration, until its update round's
-        self.proposal = self._proposal()
-        self.e = self.next_e = self.proposal if self.auto else (e or self.k2 // 2)
-
-    def _proposal(self) -> int:
-        return min(max(int(self.k2 * self.share + 0.5), 1), self.k2 - 1)
-
-    def note_round(self, kind: RoundKind, busy_s: float) -> None:
-        """Between rounds: a finished round's duration (auto only)."""
-        if not self.auto:
-            return
-        if kind is RoundKind.ESTIMATE:
-            self._estimate_s = busy_s
-        elif self._estimate_s is not None and self._estimate_s + busy_s > 0:
-            share = self._estimate_s / (self._estimate_s + busy_s)
-            self.share += SPLIT_SMOOTHING * (share - self.share)
-            self.proposal = self._proposal()
-
-    def agree(self, largest: int | None) -> None:
-        """An update round's `RoundResult.agreed_split`: the split every worker adopts next."""
-        if largest is not None:
-            self.next_e = largest
-
-    def adopt(self) -> None:
-        """Before an update round's launch: the split the last update round agreed."""
-        self.e = self.next_e
-
-    def state_dict(self) -> dict:
-        return {"e": self.e, "next": self.next_e, "share": self.share}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.e, self.next_e = int(state["e"]), int(state["next"])
-        self.share = float(state["share"])
-        self.proposal = self._proposal()
-
-
 class CommRound:
     """Collectives + sharded optimizer for one worker. Runs in whichever thread calls it."""
 
     def __init__(
-        self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None, split: EstimateSplit
+        self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None, split, lookahead
     ):
+        """`split` and `lookahead`: acco/engine/estimate.py's EstimateSplit and Lookahead, which the
+        engine builds and owns; the round reads the split and steps through the lookahead."""
         self.cfg = cfg
         self.group = group
         self.layout = flat.layout
@@ -193,13 +116,6 @@ class CommRound:
         self.stats_all = torch.zeros(self.world_size * N_SENT, dtype=torch.float64, device=device)
         self.shard_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.max_grad_norm = cfg.max_grad_norm or 0.0
-        # lean estimate: the last estimate's fp32 shard, which becomes its error after the commit
-        self.lean = cfg.method == "acco" and cfg.acco_estimate == "lean"
-        self.estimate_error = torch.zeros_like(self.master) if self.lean else None
-        self.estimate_pending = False  # estimate_error holds theta~ (not yet its error)
-        # wp: the fp32 master shard before the round's commit, for the prediction 2 theta_{t+1} -
-        # theta_t taken in fp32 (in bf16 most updates at a small LR are below one bf16 step)
-        self.previous_master = torch.empty_like(self.master) if cfg.method == "wp" else None
         # estimate_comm=int8: the estimate round's int8 collectives, their buffers allocated here;
         # its all-gather adds the delta to theta_t, the model's parameters during that round.
         self.int8 = None
@@ -211,9 +127,10 @@ class CommRound:
             self.params = flat.params
         # read here: the split in effect (the estimate round's LR) and this worker's proposal
         self.split = split
+        self.lookahead = lookahead
         # set by the engine's request_stop (any thread): sent from the next round on
         self.stop_requested = False
-        self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
+        self.committed_micro_batches = 0  # over all workers, in committed updates (the budget's unit)
         self.step = 0  # committed updates
         # Test/benchmark hook run inside every round (e.g. to emulate a slower network).
         self.delay_hook: Callable[[], None] | None = None
@@ -237,7 +154,7 @@ class CommRound:
         # (after the summed shard, which may be the same memory, was read).
         sent = self._own(new_params)
         estimate = self._step(result, predict, int8, sent)
-        self.samples, self.step = result.samples, result.step
+        self.committed_micro_batches, self.step = result.committed_micro_batches, result.step
         if self.delay_hook is not None:
             self.delay_hook()
         self._gather(new_params, sent, estimate, int8)
@@ -281,21 +198,17 @@ class CommRound:
         total = sum(micro_batches)  # the payload's, over all workers
         is_update = kind is RoundKind.UPDATE
         commits = is_update and weight > 0
-        # An estimate round estimates the update that follows it, which adds the micro-batches computed
-        # during the estimate round: e per worker to the payload's 2k - e (estimate_micro_batches; k to k
-        # by default), exactly so with a fixed batch. During warm-up it takes that update's LR, not a
-        # smaller one.
-        k2 = 2 * self.cfg.n_grad_accumulation
-        update_micro_batches = total if is_update else total * k2 // (k2 - self.split.e)
+        # An estimate round takes the LR of the update it estimates (during warm-up not a smaller one).
+        update_micro_batches = total if is_update else self.split.estimated_update(total)
         grad_norm = float("nan")
         if self.max_grad_norm and weight > 0:
             grad_norm = math.sqrt(sum(row[SHARD_NORM] ** 2 for row in rows)) / weight
         return RoundResult(
             kind=kind,
-            lr=learning_rate(self.cfg, self.samples, update_micro_batches),
+            lr=learning_rate(self.cfg, self.committed_micro_batches, update_micro_batches),
             loss=sum(row[LOSS] for row in rows) / weight if weight > 0 else float("nan"),
             micro_batches=micro_batches,
-            samples=self.samples + total if commits else self.samples,
+            committed_micro_batches=self.committed_micro_batches + (total if commits else 0),
             step=self.step + 1 if commits else self.step,
             exhausted=any(row[EXHAUSTED] > 0 for row in rows),
             stop=any(row[STOP] > 0 for row in rows),
@@ -321,43 +234,9 @@ class CommRound:
         if self.max_grad_norm:
             divisor /= min(1.0, self.max_grad_norm / (result.grad_norm + 1e-6))
         if result.kind is RoundKind.UPDATE:
-            self._commit(result.lr, divisor, predict, sent)
+            self.lookahead.commit(self.optimizer, self.grad_shard, result.lr, divisor, predict, sent)
             return None
-        return self._estimate(result.lr, divisor, int8, sent)
-
-    def _commit(self, lr: float, divisor: float, predict: bool, sent: torch.Tensor) -> None:
-        """theta_{t+1} = Opt(theta_t, g / divisor) into the master shard; wp's `predict`: the shard
-        sent is 2 theta_{t+1} - theta_t, in fp32 (2x is exact: one rounding), grad_shard as scratch."""
-        if predict:
-            self.previous_master.copy_(self.master)
-        self.optimizer.commit(self.grad_shard, lr, divisor)
-        if predict:
-            sent.copy_(torch.mul(self.master, 2.0, out=self.grad_shard).sub_(self.previous_master))
-        else:
-            sent.copy_(self.master)
-        if self.lean and self.estimate_pending:  # e_{t+1} = theta~_{t+1} - theta_{t+1}
-            self.estimate_error.sub_(self.master)
-            self.estimate_pending = False
-
-    def _estimate(self, lr: float, divisor: float, int8: bool, sent: torch.Tensor) -> torch.Tensor | None:
-        """acco's theta~_{t+1}, nothing committed; returns its fp32 shard where the int8 gather needs it."""
-        if self.lean:  # theta~_{t+1} = Opt_trial(theta_t, g~_t) + e_t / 2, kept in fp32
-            error = self.estimate_error
-
-            def add_half_the_error(c: slice, trial: torch.Tensor) -> None:  # chunk by chunk: in cache
-                torch.add(trial, error[c], alpha=0.5, out=error[c])
-                if not int8:
-                    sent[c].copy_(error[c])
-
-            self.optimizer.trial(self.grad_shard, lr, divisor, each=add_half_the_error)
-            self.estimate_pending = True
-            return error
-        if int8:  # the paper's estimate, kept in fp32 for its delta
-            self.optimizer.trial(self.grad_shard, lr, divisor, out=self.grad_shard)
-            return self.grad_shard
-        # theta~_{t+1} = Opt_trial(theta_t, g~_t), the paper's estimate
-        self.optimizer.trial(self.grad_shard, lr, divisor, out=sent)
-        return None
+        return self.lookahead.trial(self.optimizer, self.grad_shard, result.lr, divisor, int8, sent)
 
     def _gather(self, new_params: torch.Tensor, sent: torch.Tensor, estimate: torch.Tensor | None,
                 int8: bool) -> None:
@@ -367,53 +246,3 @@ class CommRound:
             self.int8.all_gather_delta(new_params, estimate, self.params)
         else:
             collectives.all_gather(new_params, sent, group=self.group)
-
-
-@dataclass
-class Timed(Generic[T]):
-    """What `BackgroundComm` hands back, on every device: the round's value and its busy seconds,
-    the span on the comm stream from its payload being ready to its last kernel (on the CPU, the
-    host clock's span of the round's work)."""
-
-    value: T
-    busy_s: float
-
-
-class BackgroundComm:
-    """Runs comm rounds on one background thread and its own stream (acco/engine/device.py).
-
-    The compute stream only records an event for the comm stream to wait on: no host sync on the
-    compute side. The comm thread waits for its own stream's work (a blocking event) before
-    reporting a round done, so `Future.done()` means the new parameters are really there.
-    """
-
-    def __init__(self, device: torch.device):
-        self.ops = device_ops(device)
-        # High priority (lower is higher): the round's kernels go first when both streams have
-        # work queued, so a round is not held up behind the next micro-batch's compute.
-        self.stream = self.ops.new_stream(priority=-1)
-        self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="acco-comm", initializer=self.ops.bind_thread
-        )
-
-    def submit(self, round_fn: Callable[[], T]) -> Future[Timed[T]]:
-        payload_ready = self.ops.event()
-        payload_ready.record(self.ops.current_stream())
-
-        def on_comm_stream() -> Timed[T]:
-            with self.ops.use_stream(self.stream):
-                self.stream.wait_event(payload_ready)
-                started = self.ops.event(enable_timing=True)
-                started.record(self.stream)
-                value = round_fn()
-                # the comm thread sleeps, it does not spin a core
-                done = self.ops.event(enable_timing=True, blocking=True)
-                done.record(self.stream)
-            done.synchronize()
-            # The round's span on its stream (the host's part alone would miss the kernels still queued).
-            return Timed(value, started.elapsed_time(done) / 1000)
-
-        return self.executor.submit(on_comm_stream)
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=True)

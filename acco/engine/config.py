@@ -136,7 +136,7 @@ class EngineSettings:
     acco_estimate: str = "lean"
     """acco's estimate round: "lean" adds half of the last estimate's error theta~_t - theta_t to
     Opt_trial(theta_t, g~_t), which damps the error's feedback loop; "paper" is Opt_trial(theta_t,
-    g~_t) as the paper writes it (acco/engine/comm.py's docstring; the lr sweep in BENCHMARKS.md)."""
+    g~_t) as the paper writes it (acco/engine/estimate.py's docstring; the lr sweep in BENCHMARKS.md)."""
     estimate_comm: str = "full"
     """acco's estimate round on the wire: "full" sends it as the update round does; "int8" sends its
     reduce-scatter as int8 blocks of 2048 elements with fp32 scales (an all-to-all, summed in fp32)

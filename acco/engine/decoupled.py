@@ -27,20 +27,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine import collectives, decoupled_state
+from acco.engine import collectives
+from acco.engine.background import BackgroundComm
 from acco.engine.comm import (
     EXHAUSTED,
-    BackgroundComm,
+    LOSS,
+    MICRO_BATCHES,
+    WEIGHT,
     CommRound,
-    EstimateSplit,
     RoundKind,
     RoundResult,
-    backward_and_count,
     new_stats,
 )
-from acco.engine.config import EngineConfig, UpdateRecord, advise
+from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord, advise
 from acco.engine.device import device_ops
-from acco.engine.flat import FlatParams, broadcast_module, world_of
+from acco.engine.estimate import EstimateSplit, Lookahead
+from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout, broadcast_module, state_header, world_of
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
 # the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
@@ -48,6 +50,7 @@ from acco.engine.flat import FlatParams, broadcast_module, world_of
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
 _END = object()
+
 
 # The kinds of the comm rounds that make one update, in order (docs/algorithm.md): acco
 # alternates an estimate round and an update round, every other method runs update rounds only.
@@ -57,6 +60,17 @@ ROUND_SCHEDULE: dict[str, tuple[RoundKind, ...]] = {
     "dpu": (RoundKind.UPDATE,),
     "wp": (RoundKind.UPDATE,),
 }
+
+
+def backward_and_count(out, stats: torch.Tensor) -> None:
+    """The compute side of every engine (torch-ddp and diloco call it too): backpropagate one
+    micro-batch's loss_fn output, `loss` or `(loss, weight)`, and add it to the statistics
+    (comm.py's layout), on the device (no host sync)."""
+    loss, weight = out if isinstance(out, tuple) else (out, 1.0)
+    loss.backward()
+    stats[WEIGHT] += weight
+    stats[LOSS] += loss.detach()
+    stats[MICRO_BATCHES] += 1
 
 
 class DecoupledEngine:
@@ -77,7 +91,9 @@ class DecoupledEngine:
         self.device = self.flat.params.device
         # acco's split of an update between its two rounds: decided here, read by the round
         self.split = EstimateSplit(cfg, self.flat.layout.shard_numel, self.flat.params.element_size())
-        self.comm = CommRound(self.flat, cfg, group, self.split)
+        # what a round sends ahead of theta_{t+1} (wp's prediction, acco's estimate) and its state
+        self.lookahead = Lookahead(cfg, self.flat.master_shard)
+        self.comm = CommRound(self.flat, cfg, group, self.split, self.lookahead)
         self.overlapped = cfg.method != "ddp"
         # n_warmup_steps sequential updates, each of every round's share, on every worker
         rounds = len(ROUND_SCHEDULE[cfg.method])
@@ -96,18 +112,17 @@ class DecoupledEngine:
         )
         self.stats = new_stats(self.device)  # statistics of what the accumulator holds
         if self.overlapped:
-            # docs/algorithm.md's one communication buffer, named for each of its two roles: a round
-            # reduce-scatters its `payload` (the gradients swapped out) before it all-gathers the
-            # new parameters into `gathered_params`, so one model-sized buffer serves both.
-            self.payload = torch.zeros_like(self.flat.params)
-            self.gathered_params = self.payload
+            # docs/algorithm.md's one communication buffer: a round reduce-scatters the payload (the
+            # gradients swapped out) in it before it all-gathers the new parameters into it, so one
+            # model-sized buffer serves both.
+            self.comm_buffer = torch.zeros_like(self.flat.params)
             self.payload_stats = new_stats(self.device)
             self.background = BackgroundComm(self.device)
         # wp computes at its prediction, which the comm round forms on the fp32 master shard; the
         # committed parameters are the master shards, gathered on demand (`committed_params`).
         self.wp = cfg.method == "wp"
         self._predicting = False  # wp: the model holds the prediction, not the committed parameters
-        self._prediction_stashed = False  # inside committed_params: the prediction waits in `payload`
+        self._prediction_stashed = False  # inside committed_params: the prediction waits in `comm_buffer`
         self.ops = device_ops(self.device)
         self._inflight: list = []  # events behind the last micro-batches queued
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
@@ -175,18 +190,18 @@ class DecoupledEngine:
         and the zeroing are queued on the compute stream and the payload-ready event is recorded
         behind them (`BackgroundComm.submit`): the round reads the payload only once it is whole,
         and the next micro-batches add to the accumulator only after it was copied."""
-        self.payload.copy_(self.accumulator)
+        self.comm_buffer.copy_(self.accumulator)
         self.payload_stats.copy_(self.stats)
         if kind is RoundKind.UPDATE:
             self.accumulator.zero_()
             self.stats.zero_()
         predict = self.wp and kind is RoundKind.UPDATE  # wp: the round gathers 2 theta_{t+1} - theta_t
         return self.background.submit(
-            lambda: self.comm.run(self.payload, self.payload_stats, self.gathered_params, kind, predict)
+            lambda: self.comm.run(self.comm_buffer, self.payload_stats, self.comm_buffer, kind, predict)
         )
 
-    def _swap_in(self, kind: RoundKind) -> None:
-        self.flat.params.copy_(self.gathered_params)
+    def _swap_in(self) -> None:
+        self.flat.params.copy_(self.comm_buffer)
         self._predicting = self.wp
 
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
@@ -204,13 +219,8 @@ class DecoupledEngine:
         # every round's share at once (acco k matches ddp 2k).
         micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
 
-        def during(kind: RoundKind) -> int:
-            """Computed while a round of `kind` runs: acco's split, e and 2k - e (EstimateSplit.e)."""
-            e = self.split.e
-            return e if kind is RoundKind.ESTIMATE else micro_batches_per_update - e * (len(round_kinds) - 1)
-
         def finished() -> bool:
-            return self.comm.samples >= cfg.nb_steps_tot or self._exhausted
+            return self.comm.committed_micro_batches >= cfg.nb_steps_tot or self._exhausted
 
         self._exhausted = False
         # n_warmup_steps counts updates (not micro-batches, as `warmup` does): that many first
@@ -228,7 +238,7 @@ class DecoupledEngine:
         # overlap (unless a checkpoint restored the accumulator that the last round filled).
         compute_s = 0.0
         if not self._resume_overlap:
-            compute_s = self._accumulate(batches, loss_fn, during(round_kinds[-1]))
+            compute_s = self._accumulate(batches, loss_fn, self.split.during(round_kinds[-1]))
         self._resume_overlap = False
         self._in_overlap = True
         wait_s = comm_s = 0.0
@@ -236,14 +246,14 @@ class DecoupledEngine:
             if kind is RoundKind.UPDATE:
                 self.split.adopt()
             handle = self._launch(kind)
-            compute_s += self._accumulate(batches, loss_fn, during(kind), handle)
+            compute_s += self._accumulate(batches, loss_fn, self.split.during(kind), handle)
             start = time.perf_counter()
             timed = handle.result()
             wait_s += time.perf_counter() - start
             result: RoundResult = timed.value
             self.split.note_round(kind, timed.busy_s)
             comm_s += timed.busy_s
-            self._swap_in(kind)
+            self._swap_in()
             if kind is RoundKind.ESTIMATE:  # its update round completes the update
                 continue
             record = self._record(result, compute_s, wait_s, comm_s)
@@ -259,7 +269,7 @@ class DecoupledEngine:
         self.split.agree(result.agreed_split)
         return UpdateRecord(
             step=result.step,
-            samples=result.samples,
+            samples=result.committed_micro_batches,
             loss=result.loss,
             lr=result.lr,
             micro_batches=result.micro_batches,
@@ -306,8 +316,8 @@ class DecoupledEngine:
         return contextlib.nullcontext()
 
     @property
-    def samples(self) -> int:  # micro-batches over all workers in committed updates so far
-        return self.comm.samples
+    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
+        return self.comm.committed_micro_batches
 
     @property
     def step(self) -> int:  # committed updates so far
@@ -316,12 +326,139 @@ class DecoupledEngine:
     # ---- checkpoints: taken between two yielded updates, when no round is in flight -----------
 
     def state_dict(self) -> dict:
-        """This worker's training state (decoupled_state.state_dict)."""
-        return decoupled_state.state_dict(self)
+        """This worker's training state, each distinct tensor once across workers: its fp32 optimizer
+        shard (master, moments), acco's estimate-error shard, wp's predicted-weights shard, and the
+        gradient accumulator only where an exact resume needs it (a fixed batch, EngineConfig.fixed_batch:
+        train=acco's default is one). The accumulator holds the next round's payload, computed while
+        the last round ran (acco: at the estimate theta~): computing it again at a resume, at the
+        committed parameters, gives other gradients. The parameters are not saved: the committed ones
+        are the gathered master (`load_state_dict`). Where the micro-batch counts follow timing (a
+        round's minimum can grow under accumulate_cap) a resume restarts the overlapped regime from
+        its warm start and the accumulator's micro-batches are read again (``dropped_micro_batches``:
+        the data position goes back by that many)."""
+        opt = self.comm.optimizer
+        keep_accumulator = self._in_overlap and self.cfg.fixed_batch
+        dropped = int(self.stats[MICRO_BATCHES].item()) if self._in_overlap and not keep_accumulator else 0
+        return {
+            **state_header(self),
+            "master": opt.master,
+            "exp_avg": opt.exp_avg,
+            "exp_avg_sq": opt.exp_avg_sq,
+            # wp: a copy of this shard of the predicted weights (torch.save writes a view's whole storage)
+            "predicted": self._prediction()[self.flat.shard].clone() if self._predicting else None,
+            # Overlapped methods with a fixed batch: the gradients computed during the last round, the next
+            # payload.
+            "accumulator": self.accumulator if keep_accumulator else None,
+            "accumulator_stats": self.stats if keep_accumulator else None,
+            "dropped_micro_batches": dropped,
+            # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
+            "estimate_error": self.lookahead.estimate_error,
+            "split": self.split.state_dict(),  # acco: the accumulator's payload was computed with 2k - e
+        }
 
     def load_state_dict(self, state: dict, old_state: Callable[[int], dict] | None = None) -> bool:
-        """Restore a worker's state, exactly or resharded (decoupled_state.load_state_dict)."""
-        return decoupled_state.load_state_dict(self, state, old_state)
+        """Restore a worker's state. On the world size it was saved with the run continues exactly
+        (True); on another, `old_state(r)` gives old worker r's state (memory-mapped: only the
+        slices of the old shards that overlap this worker's new one are read), the fp32 master and
+        moments are resharded, and the overlapped regime restarts from its warm start (False).
+        Every worker calls it together: the parameters are all-gathered from the master shards."""
+        if state["method"] != self.cfg.method:
+            raise CheckpointError(
+                f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}"
+            )
+        if state["numel"] != self.flat.layout.numel:
+            raise CheckpointError(
+                f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.layout.numel:,}"
+            )
+        if state.get("order") != FLAT_ORDER:
+            raise CheckpointError(
+                "checkpoint was written by an earlier acco that ordered the parameters otherwise; "
+                "it cannot be resumed by this version"
+            )
+        opt = self.comm.optimizer
+        self.comm.committed_micro_batches, self.comm.step = int(state["samples"]), int(state["step"])
+        opt.restore_step(self.comm.step)
+        self.wall_time_offset = float(state["wall_time"])
+        exact = state["world_size"] == self.world_size and state["rank"] == self.rank
+        if not exact and old_state is None:
+            raise CheckpointError(
+                f"checkpoint was written by {state['world_size']} workers, this run has {self.world_size}: "
+                "resharding needs every worker's file"
+            )
+        if exact:
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(opt, name).copy_(state[name])
+        else:
+            self._reshard(old_state, int(state["world_size"]))
+        # wp computes at its prediction, saved by shard; every other model at the committed parameters
+        predicted = state.get("predicted") if exact and self.wp else None
+        self._gather(predicted if predicted is not None else opt.master, self.flat.params)
+        self._predicting = predicted is not None
+        # micro-batches the saved run had accumulated that this one computes again (their data is read again)
+        self.recomputed_micro_batches = int(state.get("dropped_micro_batches", 0))
+        if not exact:
+            return False
+        if state.get("split") is not None:
+            self.split.load_state_dict(state["split"])
+        error = self.lookahead.estimate_error
+        if error is not None:  # older checkpoints and other estimates: none
+            saved = state.get("estimate_error")
+            error.copy_(saved) if saved is not None else error.zero_()
+        if state.get("accumulator") is not None:
+            self.accumulator.copy_(state["accumulator"])
+            saved = state["accumulator_stats"]  # (4 numbers before the stop flag existed)
+            self.stats.zero_()[: saved.numel()].copy_(saved)
+            self._resume_overlap = True
+        return True
+
+    def _reshard(self, old_state: Callable[[int], dict], old_world: int) -> None:
+        """This worker's new shard of the fp32 master and moments, copied slice by slice from the
+        old shards that overlap it (at most a few old files are touched, each only in that range)."""
+        opt, numel = self.comm.optimizer, self.flat.layout.numel
+        old_size = ShardLayout(numel, old_world, 0).shard_numel
+        lo, hi = self.flat.shard.start, min(self.flat.shard.stop, numel)
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(opt, name).zero_()  # the padding stays zero
+        for r in range(lo // old_size, -(-hi // old_size)) if hi > lo else ():
+            old = old_state(r)
+            a, b = max(lo, r * old_size), min(hi, (r + 1) * old_size)
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(opt, name)[a - lo : b - lo].copy_(old[name][a - r * old_size : b - r * old_size])
+            del old  # a memory-mapped file is released before the next one is touched
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for training, by component, each storage counted once
+        (numel x element size of the engine's tensors; activations and the module's buffers not
+        included)."""
+        comm, opt = self.comm, self.comm.optimizer
+        parts = {
+            "params": self.flat.params,
+            "grads": self.flat.grads,
+            "grad_accumulator_fp32": self.accumulator,
+            "comm_buffer": self.comm_buffer if self.overlapped else None,
+            "master": opt.master,
+            "exp_avg": opt.exp_avg,
+            "exp_avg_sq": opt.exp_avg_sq,
+            "grad_shard": comm.grad_shard,
+            "trial_workspace": opt.trial_workspace,
+            "estimate_error": self.lookahead.estimate_error,
+            "wp_previous_master": self.lookahead.previous_master,
+            **(
+                {
+                    "int8_send": comm.int8.send.words,
+                    "int8_recv": comm.int8.recv.words,
+                    "int8_work": comm.int8.work,
+                }
+                if comm.int8
+                else {}
+            ),
+        }
+        out, seen = {}, set()
+        for name, t in parts.items():
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out[name] = t.numel() * t.element_size()
+        return out
 
     def _gather(self, shard: torch.Tensor, out: torch.Tensor) -> None:
         """`out` (full, padded, model dtype) = every worker's `shard`, gathered as the update round does."""
@@ -331,7 +468,7 @@ class DecoupledEngine:
 
     def _prediction(self) -> torch.Tensor:
         """wp: the full vector of the predicted parameters, wherever it is now."""
-        return self.payload if self._prediction_stashed else self.flat.params
+        return self.comm_buffer if self._prediction_stashed else self.flat.params
 
     @contextlib.contextmanager
     def committed_params(self):
@@ -342,18 +479,14 @@ class DecoupledEngine:
         if not self._predicting or self._prediction_stashed:
             yield self.module
             return
-        self.payload.copy_(self.flat.params)
+        self.comm_buffer.copy_(self.flat.params)
         self._gather(self.comm.optimizer.master, self.flat.params)
         self._prediction_stashed = True
         try:
             yield self.module
         finally:
-            self.flat.params.copy_(self.payload)
+            self.flat.params.copy_(self.comm_buffer)
             self._prediction_stashed = False
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this worker holds for training, by component (decoupled_state.state_bytes)."""
-        return decoupled_state.state_bytes(self)
 
     def close(self) -> None:
         if self.overlapped:

@@ -35,12 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine import collectives, diloco_state, progress
-from acco.engine.comm import LOSS, WEIGHT, BackgroundComm, backward_and_count, new_stats
-from acco.engine.config import LOCAL_SGD_METHODS, EngineConfig, UpdateRecord
-from acco.engine.decoupled import LossFn
+from acco.engine import collectives, progress
+from acco.engine.background import BackgroundComm
+from acco.engine.comm import LOSS, WEIGHT, new_stats
+from acco.engine.config import LOCAL_SGD_METHODS, CheckpointError, EngineConfig, UpdateRecord
+from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.device import device_ops
-from acco.engine.flat import FlatParams, broadcast_module, world_of
+from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, state_header, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate
 
 _END = object()
@@ -125,7 +126,7 @@ class DiLoCoEngine:
         self.averaged_fragment: int | None = None  # `averaged` holds this fragment's landed result
         self.last_merge = [0] * F  # inner step at which each fragment last took the global parameters
         self.step = 0  # inner steps
-        self.samples = 0  # micro-batches over all workers in inner steps so far
+        self.committed_micro_batches = 0  # micro-batches over all workers in inner steps so far
         self._stop = False  # some worker ran out of data (learnt from an all-reduce)
         self._exhausted = False  # this worker ran out of data
         self._stop_requested = self._stop_agreed = False  # request_stop: sent with the next all-reduce
@@ -153,7 +154,8 @@ class DiLoCoEngine:
     def _apply(self, n: int) -> float:
         """One AdamW step on the accumulated `n` micro-batches (none: no step); returns the LR.
         The step's statistics are queued for the host (`_read_stats`), not read."""
-        lr = learning_rate(self.cfg, self.samples, self.world_size * self.cfg.n_grad_accumulation)
+        per_step = self.world_size * self.cfg.n_grad_accumulation
+        lr = learning_rate(self.cfg, self.committed_micro_batches, per_step)
         norm = self.norm.zero_()
         if n:
             if self.grad is not self.flat.grads and not self.sum_fp32:
@@ -177,7 +179,7 @@ class DiLoCoEngine:
         # the inner steps without data that keep the schedule until the all-reduce that tells every
         # worker some worker's data ran out (no record is yielded for those, `run`).
         self.step += 1
-        self.samples += self.world_size * self.cfg.n_grad_accumulation
+        self.committed_micro_batches += per_step
         return lr
 
     def _read_stats(self, n: int) -> tuple[float, float]:
@@ -309,7 +311,7 @@ class DiLoCoEngine:
             lr = self._apply(n)
             compute += time.perf_counter() - start
             wait, busy = self._fragments_step()
-            finished = self.samples >= self.cfg.nb_steps_tot or self._stop
+            finished = self.committed_micro_batches >= self.cfg.nb_steps_tot or self._stop
             if finished:
                 w, b = self._synchronise_all()
                 wait, busy = wait + w, busy + b
@@ -322,7 +324,7 @@ class DiLoCoEngine:
             if n:  # an inner step with no data (after this worker's ran out) is no update: no record
                 yield UpdateRecord(
                     step=self.step,
-                    samples=self.samples,
+                    samples=self.committed_micro_batches,
                     loss=self._last_loss,
                     lr=lr,
                     micro_batches=[n] * self.world_size,
@@ -337,6 +339,10 @@ class DiLoCoEngine:
             if finished:
                 return
             n, compute, self.computed_ahead = self.computed_ahead, next_compute, 0
+
+    @property
+    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
+        return self.committed_micro_batches
 
     def request_stop(self) -> None:
         """Signal-safe: the next fragment all-reduce tells every worker to stop at the step it lands
@@ -374,7 +380,7 @@ class DiLoCoEngine:
         (offset + delay, then every sync_every), or the run's last step if it comes first (as the
         budget stands: data may run out sooner); None once the run is over."""
         per_step = self.world_size * self.cfg.n_grad_accumulation
-        last = self.step + -(-max(self.cfg.nb_steps_tot - self.samples, 0) // per_step)
+        last = self.step + -(-max(self.cfg.nb_steps_tot - self.committed_micro_batches, 0) // per_step)
         if last == self.step:
             return None
         H, tau = self.cfg.sync_every, self.cfg.fragment_sync_delay
@@ -406,19 +412,110 @@ class DiLoCoEngine:
         """The parameters already are in the training dtype."""
         return contextlib.nullcontext()
 
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this worker holds for training, by component (diloco_state.state_bytes)."""
-        return diloco_state.state_bytes(self)
-
     # ---- checkpoints ----------------------------------------------------------------------
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this worker holds for training, by component."""
+
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        out = {
+            "params": size(self.flat.params),
+            "grads": size(self.flat.grads),
+            "local_fp32": size(self.local),
+            "exp_avg": size(self.inner.exp_avg),
+            "exp_avg_sq": size(self.inner.exp_avg_sq),
+            "global_params": size(self.global_params),
+            "outer_momentum": size(self.outer_momentum),
+            "wire": size(self.wire) + size(self.wire_shard),
+            "averaged": size(self.averaged),
+        }
+        if self.grad is not self.flat.grads:
+            out["grad_fp32"] = size(self.grad)
+        return out
+
     def state_dict(self) -> dict:
-        """This worker's own state, and on rank 0 the shared one (diloco_state.state_dict)."""
-        return diloco_state.state_dict(self)
+        """This worker's local parameters and inner AdamW state (its own: not sharded); rank 0 alone
+        saves what every worker holds identically: the global parameters, the outer momentum and a
+        landed all-reduce result not yet applied."""
+        self.quiesce()
+        shared = self.rank == 0
+        averaged = self.averaged_fragment
+        n = sum(s.stop - s.start for s in self.fragments[averaged]) if averaged is not None else 0
+        landed = self.averaged[:n] if shared and n else None
+        if landed is not None and n < self.averaged.numel():  # torch.save writes a view's whole storage:
+            landed = landed.clone()  # a fragment shorter than the buffer (the largest one's) is copied out
+        return {
+            **state_header(self),
+            "fragments": self.cfg.num_fragments,
+            "sync_every": self.cfg.sync_every,
+            "last_merge": list(self.last_merge),
+            "inner_steps": self.inner.step_count,
+            "master": self.local,
+            "exp_avg": self.inner.exp_avg,
+            "exp_avg_sq": self.inner.exp_avg_sq,
+            "global_params": self.global_params if shared else None,
+            "outer_momentum": self.outer_momentum if shared else None,
+            "averaged_fragment": averaged,
+            "averaged": landed,
+            "stop": self._stop,
+            # the next step's micro-batches, computed ahead of this record: a resume reads them again
+            "dropped_micro_batches": self.computed_ahead,
+        }
 
     def load_state_dict(self, state: dict, old_state=None) -> bool:
-        """Restore a worker's state exactly, on its world size only (diloco_state.load_state_dict)."""
-        return diloco_state.load_state_dict(self, state, old_state)
+        """Restore a worker's state exactly; only on the world size it was saved with (every
+        worker's local parameters and inner moments are its own). Every worker calls it together:
+        the shared tensors are broadcast from rank 0."""
+        if state["method"] != self.cfg.method:
+            raise CheckpointError(
+                f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}"
+            )
+        if state["numel"] != self.flat.layout.numel or state.get("order") != FLAT_ORDER:
+            raise CheckpointError(
+                f"checkpoint holds {state['numel']:,} parameters in another order or number; "
+                f"the model has {self.flat.layout.numel:,}"
+            )
+        if state["world_size"] != self.world_size or state["rank"] != self.rank:
+            raise CheckpointError(
+                f"{self.cfg.method} resumes only on the world size it was saved with "
+                f"({state['world_size']} workers; every worker's local state is its own)"
+            )
+        if (state["fragments"], state["sync_every"]) != (self.cfg.num_fragments, self.cfg.sync_every):
+            raise CheckpointError(
+                f"checkpoint synchronised {state['fragments']} fragment(s) every {state['sync_every']} "
+                f"steps; this run: {self.cfg.num_fragments} every {self.cfg.sync_every}"
+            )
+        self.committed_micro_batches, self.step = int(state["samples"]), int(state["step"])
+        self.wall_time_offset = float(state["wall_time"])
+        self.last_merge = list(state["last_merge"])
+        self._stop = bool(state.get("stop", False))
+        self.local.copy_(state["master"])
+        self.inner.exp_avg.copy_(state["exp_avg"])
+        self.inner.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.inner.restore_step(int(state["inner_steps"]))
+        if self.rank == 0:
+            self.global_params.copy_(state["global_params"])
+            self.outer_momentum.copy_(state["outer_momentum"])
+        self.averaged_fragment = state["averaged_fragment"]
+        n = (
+            sum(s.stop - s.start for s in self.fragments[self.averaged_fragment])
+            if self.averaged_fragment is not None
+            else 0
+        )
+        if self.rank == 0 and n:
+            self.averaged[:n].copy_(state["averaged"])
+        if self.world_size > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for t in (
+                (self.global_params, self.outer_momentum, self.averaged[:n])
+                if n
+                else (self.global_params, self.outer_momentum)
+            ):
+                dist.broadcast(t, src=src, group=self.group)
+        self.flat.params.copy_(self.local)
+        return True
 
     def close(self) -> None:
         self.background.close()

@@ -25,6 +25,22 @@ from torch import nn
 FLAT_ORDER = "decayed-first"
 
 
+def state_header(engine) -> dict:
+    """The keys a FlatParams engine's state starts with (DecoupledEngine, DiLoCoEngine): who wrote it,
+    in which flat order and size, and how far it got (`samples`: the committed micro-batches, under
+    the checkpoints' key)."""
+    return {
+        "method": engine.cfg.method,
+        "order": FLAT_ORDER,
+        "numel": engine.flat.layout.numel,
+        "world_size": engine.world_size,
+        "rank": engine.rank,
+        "samples": engine.samples,
+        "step": engine.step,
+        "wall_time": engine.last_wall_time,
+    }
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     numel: int  # real number of parameters P

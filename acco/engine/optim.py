@@ -25,22 +25,22 @@ from acco.engine.config import EngineConfig
 TRIAL_CHUNK = 1 << 22
 
 
-def learning_rate(cfg: EngineConfig, samples_before: int, batch: int) -> float:
-    """LR of an update that consumes `batch` micro-batches after `samples_before` were committed.
+def learning_rate(cfg: EngineConfig, micro_batches_before: int, batch: int) -> float:
+    """LR of an update that consumes `batch` micro-batches after `micro_batches_before` were committed.
 
-    Advanced by samples, not by updates, so every method and every worker speed follows the same
-    schedule as a function of data seen: `samples_before`, `batch`, `cfg.warmup` and
+    Advanced by micro-batches, not by updates, so every method and every worker speed follows the
+    same schedule as a function of data seen: `micro_batches_before`, `batch`, `cfg.warmup` and
     `cfg.nb_steps_tot` all count micro-batches over all workers (`cfg.n_warmup_steps`, which
     counts updates, plays no part here). Warm-up counts this update's batch (the first update
-    already moves); the decay starts from the samples before it.
+    already moves); the decay starts from the micro-batches before it.
     """
     lr = cfg.learning_rate
-    if cfg.warmup > 0 and samples_before < cfg.warmup:
-        return lr * min(1.0, (samples_before + batch) / cfg.warmup)
+    if cfg.warmup > 0 and micro_batches_before < cfg.warmup:
+        return lr * min(1.0, (micro_batches_before + batch) / cfg.warmup)
     if cfg.scheduler_name == "constant":
         return lr
     span = max(1, cfg.nb_steps_tot - cfg.warmup)
-    progress = min(1.0, max(0.0, (samples_before - cfg.warmup) / span))
+    progress = min(1.0, max(0.0, (micro_batches_before - cfg.warmup) / span))
     if cfg.scheduler_name == "linear":
         return lr * (1.0 - progress)
     return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -85,7 +85,7 @@ class ShardedAdamW:
         # one chunk (`chunk` elements, else TRIAL_CHUNK) of the master and of each moment, and the
         # step count the kernel reads
         self._chunk = max(1, min(chunk or TRIAL_CHUNK, -(-master.numel() // 3)))
-        self._work = master.new_empty(3 * self._chunk) if trial else None
+        self.trial_workspace = master.new_empty(3 * self._chunk) if trial else None
         self._trial_step = master.new_zeros(()) if trial else None
         # What the gradient is divided by inside the kernel (torch's AMP grad_scale argument, which
         # the kernel divides by and writes the quotient back to the gradient): the round's global
@@ -134,7 +134,7 @@ class ShardedAdamW:
         self._trial_step.fill_(self._steps + 1)  # the kernel reads the step it takes
         grad_scale = self._divide_by(divisor)
         n = self._chunk
-        p, m, v = self._work.view(3, n)
+        p, m, v = self.trial_workspace.view(3, n)
         for (_, r), group in zip(self.views, self.opt.param_groups):
             for start in range(r.start, r.stop, n):
                 c = slice(start, min(start + n, r.stop))

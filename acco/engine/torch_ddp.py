@@ -58,11 +58,10 @@ from acco.engine.comm import (
     N_STATS,
     STOP,
     WEIGHT,
-    backward_and_count,
     new_stats,
 )
 from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord
-from acco.engine.decoupled import LossFn
+from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.flat import ShardLayout, world_of
 from acco.engine.optim import learning_rate
 
@@ -131,11 +130,15 @@ class TorchDDPEngine:
             eps=cfg.adam_eps,
         )
         self.stats = new_stats(self.device)
-        self.samples = 0  # micro-batches over all workers in committed updates (the budget's unit)
+        self.committed_micro_batches = 0  # over all workers, in committed updates (the budget's unit)
         self.step = 0  # committed updates
         self.wall_time_offset = self.last_wall_time = 0.0
         self.fetched_ahead = 0  # micro-batches taken from the stream for the next update, not computed yet
         self._stop_requested = False
+
+    @property
+    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
+        return self.committed_micro_batches
 
     def request_stop(self) -> None:
         """Signal-safe: this worker's next statistics tell every worker to stop after that update."""
@@ -204,17 +207,17 @@ class TorchDDPEngine:
             grad_norm = math.nan
             if cfg.max_grad_norm:
                 grad_norm = float(clip_grad_norm_(with_grad, cfg.max_grad_norm, foreach=True))
-            lr = learning_rate(cfg, self.samples, total_micro_batches)
+            lr = learning_rate(cfg, self.committed_micro_batches, total_micro_batches)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()  # each rank steps its shard, then broadcasts it
-            self.samples += total_micro_batches
+            self.committed_micro_batches += total_micro_batches
             self.step += 1
             step_s = time.perf_counter() - start
             exhausted = any(row[EXHAUSTED] > 0 for row in table)
             record = UpdateRecord(
                 step=self.step,
-                samples=self.samples,
+                samples=self.committed_micro_batches,
                 loss=sum(row[LOSS] for row in table) / weight,
                 lr=lr,
                 micro_batches=micro_batches,
@@ -228,7 +231,7 @@ class TorchDDPEngine:
             )
             self.last_wall_time = record.wall_time
             yield record
-            if self.samples >= cfg.nb_steps_tot:
+            if self.committed_micro_batches >= cfg.nb_steps_tot:
                 break
 
     def state_dict(self) -> dict:
@@ -248,7 +251,7 @@ class TorchDDPEngine:
             "numel": layout.numel,
             "world_size": self.world_size,
             "rank": self.rank,
-            "samples": self.samples,
+            "samples": self.committed_micro_batches,
             "step": self.step,
             "wall_time": self.last_wall_time,
             "params_shard": shard,
@@ -281,7 +284,7 @@ class TorchDDPEngine:
             for p, saved in zip(params, flat[: layout.numel].split([p.numel() for p in params])):
                 p.copy_(saved.view_as(p))
         self.optimizer.optim.load_state_dict(state["optimizer"])
-        self.samples, self.step = int(state["samples"]), int(state["step"])
+        self.committed_micro_batches, self.step = int(state["samples"]), int(state["step"])
         self.wall_time_offset = float(state["wall_time"])
         return True
 
