@@ -156,10 +156,18 @@ class OtherLoad:
 
 
 def newest_checkpoint(run_dir: Path) -> int:
-    from acco import checkpoint
+    """The step of the newest checkpoint that verifies by meta.json and sizes (0: none), the one a
+    new group resumes from: a host crash's truncated file makes the job fall back past one."""
+    from acco.engine import CheckpointError
+    from acco.resume import checkpoint_folders, step_of, verify
 
-    found = checkpoint.list_checkpoints(run_dir)
-    return int(found[-1].name.split("-")[1]) if found else 0
+    for folder in checkpoint_folders(run_dir):
+        try:
+            verify(folder, crc=False)
+        except CheckpointError:
+            continue
+        return step_of(folder)
+    return 0
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -58,8 +58,10 @@ def compare_runs(straight: Path, faulted: Path) -> dict:
     from safetensors.torch import load_file
 
     from acco import checkpoint
+    from acco.resume import load_meta
+    from acco.run_folder import list_checkpoints
 
-    a_ck, b_ck = checkpoint.list_checkpoints(straight)[-1], checkpoint.list_checkpoints(faulted)[-1]
+    a_ck, b_ck = list_checkpoints(straight)[-1], list_checkpoints(faulted)[-1]
     out = {"straight_checkpoint": a_ck.name, "faulted_checkpoint": b_ck.name}
     a_model, b_model = (
         load_file(straight / "model" / "model.safetensors"),
@@ -68,7 +70,7 @@ def compare_runs(straight: Path, faulted: Path) -> dict:
     out["model_bit_equal"] = a_model.keys() == b_model.keys() and all(
         bits_equal(a_model[k], b_model[k]) for k in a_model
     )
-    meta = checkpoint.load_meta(a_ck)
+    meta = load_meta(a_ck)
     world = int(meta["world_size"])
     differing, master, compared = [], True, 0
     for rank in range(world):

@@ -17,6 +17,8 @@ from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
 from acco import checkpoint, checkpoint_writer
 from acco.engine import CheckpointError, ConfigError
+from acco.resume import checkpoint_folders, load_meta
+from acco.run_folder import list_checkpoints
 
 # n_grad_accumulation pinned: acco takes 2 rounds x 2 micro-batches x 2 workers = 8 per update, 12 updates.
 RUN = ("data.n_docs=600", "train.nb_steps_tot=96", "train.n_grad_accumulation=2",
@@ -67,9 +69,9 @@ def test_a_dead_worker_stops_the_run_and_leaves_the_checkpoint_intact(interrupte
     assert proc.returncode != 0
     assert "rank 1" in proc.stderr and "exited with code 17" in proc.stderr, proc.stderr[-2000:]
     assert elapsed < 60 and no_worker_left(out)
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-4"]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4"]
     folder = out / "checkpoint-4"
-    meta = checkpoint.load_meta(folder)
+    meta = load_meta(folder)
     assert meta["step"] == 4 and meta["world_size"] == 2 and meta["method"] == "acco"
     for rank in (0, 1):
         state = checkpoint.load_worker(folder, rank, 2)["engine"]
@@ -164,7 +166,7 @@ def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
     named = re.findall(r"(ranks? [\d, and]+?) stopped responding", err)
     assert named and set(named) == {"rank 2"}, err[-3000:]
     assert no_worker_left(out) and not reader.is_alive()
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
     assert not list(out.glob("checkpoint-*.tmp"))
     for rank in range(4):
         state = checkpoint.load_worker(out / "checkpoint-2", rank, 4)["engine"]
@@ -182,7 +184,7 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     assert "no checkpoint written" in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("acco: error:")]
     assert errors and "Traceback" not in proc.stderr
-    saved = checkpoint.list_checkpoints(out)
+    saved = list_checkpoints(out)
     assert [p.name for p in saved] == ["checkpoint-1", "checkpoint-2"]
     for folder in saved:
         for rank in (0, 1):
@@ -194,7 +196,7 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     assert not list(out.glob("checkpoint-*.tmp"))
     # A resume takes checkpoint-2, and the validation pass finds it whole (the CLI resume itself,
     # metrics.jsonl cut back to the checkpoint: test_resume_on_the_same_world_size_is_exact).
-    assert checkpoint.resolve("latest", out) == out / "checkpoint-2"
+    assert [p.name for p in checkpoint_folders(out)] == ["checkpoint-2", "checkpoint-1"]
     from acco.config import compose
     from acco.validate import validate_job
 
@@ -326,9 +328,9 @@ def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):
         checkpoint.save(
             tmp_path, step, {"x": torch.ones(2)}, meta, 0, 1, lambda folder: folder.mkdir(), keep=2
         )
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
-    assert checkpoint.load_meta(tmp_path / "checkpoint-4")["samples"] == 16
+    assert load_meta(tmp_path / "checkpoint-4")["samples"] == 16
     from acco.trainer import TrainArgs
 
     for bad in (0, -1, 1.5, True):
@@ -349,7 +351,7 @@ def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tm
     DecoupledTrainer(
         model=tiny_model(), train_dataset=tiny_data(), args=tiny_args("ddp", out, nb_steps_tot=8)
     ).train()
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     capsys.readouterr()
     args = tiny_args("ddp", out, nb_steps_tot=16)
     summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
@@ -380,7 +382,7 @@ def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tm
 
 def test_trainer_api_checks_what_the_command_line_checks(tmp_path):
     """Without the command line's validation pass, DecoupledTrainer runs its checks itself, before
-    anything is written: a damaged checkpoint (CRC), one with newer checkpoints beside it (a
+    anything is written: a damaged checkpoint named (CRC), one with newer checkpoints beside it (a
     restart would resume those), a finished run without overwrite_output_dir, and a checkpoint
     that the engine refuses (diloco's sync period) leave the run folder as it was."""
     from acco.config import InputError
@@ -399,7 +401,7 @@ def test_trainer_api_checks_what_the_command_line_checks(tmp_path):
     whole, middle = rank0.read_bytes(), rank0.stat().st_size // 2
     rank0.write_bytes(whole[:middle] + bytes([whole[middle] ^ 0xFF]) + whole[middle + 1 :])  # size unchanged
     with pytest.raises(CheckpointError, match="rank0-of-1.pt: corrupted checkpoint file .entry .* CRC"):
-        train(out, resume="latest", nb_steps_tot=16)
+        train(out, resume=str(out / "checkpoint-4"), nb_steps_tot=16)  # `latest` falls back (below)
     rank0.write_bytes(whole)
     with pytest.raises(CheckpointError, match=r"newer than checkpoint-2 \(checkpoint-4\)"):
         train(out, resume=str(out / "checkpoint-2"), nb_steps_tot=16)
