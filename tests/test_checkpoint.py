@@ -96,6 +96,44 @@ def test_resume_on_the_same_world_size_is_exact(interrupted, reference):
     )
 
 
+def _cut_short(path: Path) -> None:  # what a page cache that never reached the disk leaves
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
+@pytest.mark.parametrize("lost", ["rank1-of-2.pt", "meta.json"])
+def test_auto_resumes_past_a_checkpoint_a_host_crash_cut_short_and_ends_bit_equal(reference, tmp_path, lost):
+    """A run's checkpoints 4 and 8 (and its log) as a host that lost power leaves them: checkpoint-8
+    renamed into place, one of its files cut to half. `auto` skips it, says so in one line, resumes
+    from checkpoint-4, writes checkpoint-8 again, and ends bit-equal to the uninterrupted run
+    (fixed batch): every loss, the evaluation, the final model and every final master shard."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("checkpoint-4", "checkpoint-8", "metrics.jsonl"):
+        os.system(f"cp -r {reference / name} {run}/")
+    _cut_short(run / "checkpoint-8" / lost)
+    proc = cli(run, "train.save_step=4", "train.resume_from_checkpoint=auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    skipped = [line for line in proc.stderr.splitlines() if "does not verify" in line]
+    why = "rank1-of-2.pt holds " if lost.endswith(".pt") else "unreadable meta.json"
+    assert len(skipped) == 1, proc.stderr[-2000:]
+    assert skipped[0].startswith(f"acco: warning: checkpoint-8 does not verify ({why}"), skipped
+    assert skipped[0].endswith("resuming from checkpoint-4, the newest checkpoint before it that does")
+    assert f"resuming exactly from {run / 'checkpoint-4'} (update 4" in proc.stdout
+    assert train_losses(run) == train_losses(reference) and sorted(train_losses(run)) == list(range(1, 13))
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (run, reference)]
+    assert summaries[0]["final_eval_loss"] == summaries[1]["final_eval_loss"]
+    model = Path("model") / "model.safetensors"
+    assert (run / model).read_bytes() == (reference / model).read_bytes()
+    for rank in (0, 1):
+        states = (checkpoint.load_worker(r / "checkpoint-12", rank, 2) for r in (run, reference))
+        got, expected = (dict(checkpoint_writer.floating_tensors(state)) for state in states)
+        assert got.keys() == expected.keys() and "engine.master" in got
+        assert all(torch.equal(got[k], expected[k]) for k in got)
+    assert load_meta(run / "checkpoint-8")["step"] == 8 and not list(run.glob("checkpoint-*.tmp"))
+
+
 @pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
 def test_resume_on_another_world_size_continues_from_the_same_samples(interrupted, tmp_path):
     out, _, _ = interrupted
