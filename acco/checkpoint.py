@@ -146,9 +146,10 @@ def fsync_tree(folder: Path, skip: tuple[Path, ...] = ()) -> None:
 
 
 def rename_into_place(tmp: Path, final: Path) -> None:
-    """`tmp` becomes `final` in one rename, on the disk once this returns. A `final` already there
-    (a checkpoint that did not verify, which the resume passed over) is first renamed aside and
-    removed after: no crash leaves a folder named `final` partly written or partly deleted."""
+    """`tmp` renamed to `final`, on the disk once this returns. A `final` already there (a
+    checkpoint that did not verify, which the resume passed over) is first renamed aside and
+    removed after: no crash leaves a folder named `final` partly written or partly deleted (a crash
+    between the two renames leaves no `final`, and a resume takes the checkpoint before)."""
     aside = final.with_name(f"{final.name}.replaced.tmp")
     if final.exists():
         os.replace(final, aside)
