@@ -323,9 +323,9 @@ def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
     rank1.write_bytes(bytes(data))
     line = validation_error(run, "train.resume_from_checkpoint=latest")
     assert "rank1-of-2.pt: corrupted checkpoint file" in line and "CRC" in line
-    rank1.write_bytes(whole[:1000])  # truncated: no zip directory
+    rank1.write_bytes(whole[:1000])  # truncated: not the size written (and no zip directory)
     line = validation_error(run, "train.resume_from_checkpoint=latest")
-    assert "rank1-of-2.pt: corrupted checkpoint file" in line
+    assert f"rank1-of-2.pt holds 1,000 bytes, {len(whole):,} were written" in line
     rank1.unlink()
     assert "missing rank1-of-2.pt" in validation_error(run, "train.resume_from_checkpoint=latest")
     line = validation_error(run, f"train.resume_from_checkpoint={tmp_path / 'nowhere'}")
