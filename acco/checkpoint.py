@@ -1,7 +1,8 @@
 """Checkpoints of a sharded run: written atomically, resumed exactly, or resharded.
 
     output_dir/checkpoint-N/
-        meta.json            step, samples, method, world size, parameter count, bytes (rank 0; last)
+        meta.json            step, samples, method, world size, parameter count, every file's size
+                             (rank 0; last)
         rank{r}-of-{W}.pt    worker r's shard of the fp32 master and AdamW moments (and of acco's
                              estimate error, wp's prediction), step, data position, RNG state, and
                              its gradient accumulator only with a fixed batch
@@ -15,19 +16,22 @@ the overlapped regime from its warm start and the data position goes back by the
 accumulator held. GPT-Neo 125M on 4 workers, fp32: 20 bytes per parameter (2.49 GB), 36 with a fixed
 batch (BENCHMARKS.md, "Scale").
 
-Resume and checkpoint metadata live here too: `check_resumable` (run once per job, by the
-validation pass: it reads every file once for its CRC), `save_run` and `resume_run` (the
-trainer's two calls). Resharding maps the old files (torch.load(mmap=True)) and each new worker
-copies only the slices of the old shards that overlap its new one (engine/decoupled.py, `_reshard`): a
-4 -> 2 resume of GPT-Neo 125M peaks at the memory of a fresh 2-worker run.
+`save_run` and `resume_run` are the trainer's two calls; whether and from which checkpoint a run
+resumes, and what verifies a checkpoint, is acco/resume.py's. Resharding maps the old files
+(torch.load(mmap=True)) and each new worker copies only the slices of the old shards that overlap
+its new one (engine/decoupled.py, `_reshard`): a 4 -> 2 resume of GPT-Neo 125M peaks at the memory of
+a fresh 2-worker run.
 
-Every worker writes its own file into checkpoint-N.tmp/; once all have, rank 0 writes the model
-and renames the folder. A crash mid-save leaves only a .tmp folder behind (removed by the next
-save) and the previous checkpoint valid. The workers wait for each other on the rendezvous store
-with a long timeout, not with a barrier: writing a large model's shards may take longer than the
-short collective timeout that detects dead workers. A blocking save stalls every worker for what
-rank 0 needs (125M / 4 workers: about 4 s on an idle VM); by default the files are written in the
-background from host copies (acco/checkpoint_writer.py) and training pauses for the copies.
+Every worker writes its own file into checkpoint-N.tmp/ and fsyncs it; once all have, rank 0
+writes the model and meta.json, fsyncs them and the folders, renames the folder into place and
+fsyncs the output folder: a checkpoint-N is on the disk whole, whatever crashes after (a host
+included). A crash mid-save leaves only a .tmp folder behind (removed by the next save) and the
+previous checkpoint valid; rotation removes a checkpoint only once a newer one verifies. The
+workers wait for each other on the rendezvous store with a long timeout, not with a barrier:
+writing a large model's shards may take longer than the short collective timeout that detects
+dead workers. A blocking save stalls every worker for what rank 0 needs (125M / 4 workers: about
+4 s on an idle VM); by default the files are written (and fsynced) in the background from host
+copies (acco/checkpoint_writer.py) and training pauses for the copies.
 
 Plain torch.save files rather than torch.distributed.checkpoint (DCP): the state is a handful of
 flat 1-D shards, and resharding them is a slice of a memory-mapped file, which reads only the
@@ -39,59 +43,27 @@ async_save, the writes overlap training (checkpoint_writer.py), without DCP's pr
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from acco.checkpoint_writer import non_finite
-from acco.config import AlreadyCompleted
 from acco.data.on_device import rewind
 from acco.engine import CheckpointError
 from acco.engine.comm import MICRO_BATCHES
 from acco.engine.device import device_ops
-from acco.launch.process_group import after_rank0, wait_on_store
+from acco.launch.process_group import decided_by_rank0, wait_on_store
 from acco.messages import size_text
-from acco.run_folder import CHECKPOINT_NAME, list_checkpoints
+from acco.resume import checkpoint_folders, rank_file, step_of, verify
 
 # How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
 SAVE_TIMEOUT_S = 3600.0
-META_KEYS = ("step", "samples", "method", "world_size", "numel")
-# Train settings a resume may change, but rarely should: each difference gets a warning.
-RESUME_KEYS = ("n_grad_accumulation", "estimate_micro_batches", "learning_rate", "nb_steps_tot",
-               "weight_decay", "scheduler_name", "warmup", "accumulate_while_waiting", "max_grad_norm")
-# Settings that decide which samples the data position points at: a resume must keep them
-# (batch_size may change only with the world size, where the position is converted by samples).
-DATA_KEYS = ("seed", "max_length", "batch_size")
-
-
-def rank_file(folder: Path, rank: int, world_size: int) -> Path:
-    return folder / f"rank{rank}-of-{world_size}.pt"
-
-
-def resolve(spec: str | bool, output_dir: str | Path) -> Path | None:
-    """`latest` (the newest complete checkpoint in output_dir) or a checkpoint folder; True means
-    `latest`, as in transformers.Trainer.train(resume_from_checkpoint=True). `auto`: the newest
-    complete checkpoint if there is one, else None (a fresh start)."""
-    if spec == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
-    if spec is True or spec == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise CheckpointError(f"no complete checkpoint in {output_dir}")
-        return found[-1]
-    folder = Path(os.path.expanduser(str(spec)))
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint folder")
-    if not (folder / "meta.json").is_file():
-        raise CheckpointError(f"{folder} is not a complete checkpoint (no meta.json)")
-    return folder
 
 
 _save_calls = [0]
@@ -136,6 +108,75 @@ class CheckpointWriteError(OSError):
     """A part of a checkpoint could not be written (a full disk): every worker raises it alike."""
 
 
+def fsync(path: Path) -> None:
+    """`path`'s data (a file) or its entries (a folder) on the disk, not only in the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems cannot fsync a folder: its entries are then theirs to keep
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_durably(state, path: Path) -> float:
+    """torch.save `state` into `path` and fsync it; returns the fsync's seconds. Through a Python
+    file: torch's own writer reports a full disk as "unexpected pos" (a RuntimeError), while a
+    file object's OSError is kept as the context of that error, and raised here in its place."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            start = time.perf_counter()
+            os.fsync(f.fileno())
+            return time.perf_counter() - start
+    except RuntimeError as e:
+        if isinstance(e.__context__, OSError):
+            raise e.__context__ from None
+        raise
+
+
+def fsync_tree(folder: Path, skip: tuple[Path, ...] = ()) -> None:
+    """Every file under `folder` (but `skip`, already synced), then every folder, deepest first."""
+    paths = sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+    files, folders = [p for p in paths if p.is_file() and p not in skip], [p for p in paths if p.is_dir()]
+    for path in [*files, *folders, folder]:
+        fsync(path)
+
+
+def rename_into_place(tmp: Path, final: Path) -> None:
+    """`tmp` renamed to `final`, on the disk once this returns. A `final` already there (a
+    checkpoint that did not verify, which the resume passed over) is first renamed aside and
+    removed after: no crash leaves a folder named `final` partly written or partly deleted (a crash
+    between the two renames leaves no `final`, and a resume takes the checkpoint before)."""
+    aside = final.with_name(f"{final.name}.replaced.tmp")
+    if final.exists():
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def rotate(out: Path, keep: int) -> None:
+    """Keep the `keep` newest checkpoints that verify (their files' sizes: the CRCs would read the
+    files again, from the page cache the fsyncs just wrote out); remove the older ones. One that
+    does not verify never counts as kept, and goes only once a newer one verifies."""
+    found = checkpoint_folders(out)
+    whole = []
+    for folder in found:
+        try:
+            verify(folder, crc=False)
+            whole.append(folder)
+        except CheckpointError:
+            pass
+    if not whole:
+        return
+    for folder in found:
+        if folder not in whole[:keep] and step_of(folder) < step_of(whole[0]):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def save(
     output_dir,
     step: int,
@@ -146,22 +187,29 @@ def save(
     save_model,
     keep: int | None,
 ):
-    """Write checkpoint-`step` atomically. `save_model(folder)` writes the model (rank 0)."""
+    """Write checkpoint-`step` atomically and durably: every file is fsynced before the folder is
+    renamed into place, the output folder after. `save_model(folder)` writes the model (rank 0)."""
     out = Path(output_dir)
     tmp, final = out / f"checkpoint-{step}.tmp", out / f"checkpoint-{step}"
     _save_calls[0] += 1  # every rank saves the same checkpoints in the same order: unique keys
     key = f"acco/checkpoint/{_save_calls[0]}/{final.resolve()}"
 
-    def prepare():  # rank 0: a fresh .tmp folder; those of saves that crashed go too
-        for stale in out.glob("checkpoint-*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    def prepare() -> str:  # rank 0: a fresh .tmp folder (those of saves that crashed go), or why not
+        try:
+            for stale in out.glob("checkpoint-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:  # a folder that cannot be written: every rank says so below
+            return f"rank 0: {type(e).__name__}: {e}"
+        return ""
 
     start = time.perf_counter()
-    after_rank0(prepare, key=f"{key}/prepare", slow_timeout_s=SAVE_TIMEOUT_S)
-    try:
-        torch.save(worker_state, rank_file(tmp, rank, world_size))
-        failed = ""
+    cannot = decided_by_rank0(prepare, key=f"{key}/prepare", slow_timeout_s=SAVE_TIMEOUT_S)
+    if cannot:
+        raise CheckpointWriteError(f"a checkpoint could not be written: {cannot}")
+    shard_sync_s = 0.0
+    try:  # on the disk before this rank says it is written
+        shard_sync_s, failed = write_durably(worker_state, rank_file(tmp, rank, world_size)), ""
     except Exception as e:  # said to rank 0, and raised on every rank below
         failed = f"{type(e).__name__}: {e}"
     shard_s = time.perf_counter() - start
@@ -171,94 +219,30 @@ def save(
     def finish():  # rank 0 alone, once every shard is on disk; the others wait on the store
         save_model(tmp / "model")
         model_s = time.perf_counter() - start - shards_s
-        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-        meta["checkpoint_bytes"] = size
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta.update(checkpoint_bytes=sum(files.values()), files=files)  # what a resume verifies
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        synced = time.perf_counter()
+        fsync_tree(tmp, skip=tuple(rank_file(tmp, r, world_size) for r in range(world_size)))
+        rename_into_place(tmp, final)
+        sync_s = time.perf_counter() - synced
         if keep:  # None: keep all (TrainArgs checks that it is None or >= 1)
-            for old in list_checkpoints(out)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        print(  # where the time goes: rank 0's own shard, waiting for the slowest rank's, the model
+            rotate(out, keep)
+        size = meta["checkpoint_bytes"]
+        print(  # where the time goes: rank 0's own shard, the slowest rank's, the model, the fsyncs
             f"{final.name}: {size_text(size)} ({size / meta['numel']:.1f} bytes per parameter) in "
-            f"{time.perf_counter() - start:.1f} s: own shard {shard_s:.1f} s, every shard {shards_s:.1f} s, "
-            f"model {model_s:.1f} s",
+            f"{time.perf_counter() - start:.1f} s: own shard {shard_s:.1f} s (fsync {shard_sync_s:.1f} s), "
+            f"every shard {shards_s:.1f} s, model {model_s:.1f} s, fsync and rename {sync_s:.1f} s",
             flush=True,
         )
 
-    _finish_on_rank0(finish, f"{key}/finish", rank, world_size, failed)
+    try:
+        _finish_on_rank0(finish, f"{key}/finish", rank, world_size, failed)
+    except CheckpointWriteError:
+        if rank == 0:  # every rank is done with it: the space it took is free again
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
-
-
-def load_meta(folder: Path) -> dict:
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder}: unreadable meta.json ({e})") from e
-    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        raise CheckpointError(f"{folder}: meta.json lacks {', '.join(missing)}")
-    return meta
-
-
-def saved_vocab_size(folder: Path) -> int | None:
-    """The vocabulary the checkpoint's model was built for (its model/config.json), None when it
-    cannot be read: a run whose BPE is not trained yet counts its model's size with it."""
-    try:
-        vocab = json.loads((folder / "model" / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return vocab if isinstance(vocab, int) else None
-
-
-def already_completed(folder: Path, meta: dict, nb_steps_tot: int) -> str | None:
-    """The line to print when the checkpoint has already consumed the budget (a resumed run
-    would train one update more and overwrite the finished run's outputs), else None."""
-    if int(meta["samples"]) < nb_steps_tot:
-        return None
-    return (
-        f"{folder.name} already completed the budget of {nb_steps_tot} micro-batches (update {meta['step']}, "
-        f"{meta['samples']} micro-batches); nothing to do (raise train.nb_steps_tot to train further)"
-    )
-
-
-def config_changes(saved: dict, current: dict) -> list[str]:
-    """One line per key train setting that differs from the one the checkpoint was written with."""
-    return [
-        f"resuming with train.{k}={current.get(k)!r}, the checkpoint was written with {saved[k]!r}"
-        for k in RESUME_KEYS
-        if k in saved and saved[k] != current.get(k)
-    ]
-
-
-def data_changes(saved: dict, current: dict, same_world_size: bool) -> list[str]:
-    """The data settings that differ from the checkpoint's, such that a resume would read other
-    samples than the interrupted run (repeating some, skipping others)."""
-    keys = DATA_KEYS if same_world_size else tuple(k for k in DATA_KEYS if k != "batch_size")
-    return [
-        f"train.{k}={current.get(k)!r} (the checkpoint has {saved[k]!r})"
-        for k in keys
-        if k in saved and saved[k] != current.get(k)
-    ]
-
-
-def check_files(folder: Path, meta: dict) -> None:
-    """Every worker's file is there and whole: a truncated file has no zip directory (it sits at
-    the end), and a damaged one fails the CRC-32 that torch.save records for every entry
-    (damaged but finite values would otherwise resume silently)."""
-    world_size = int(meta["world_size"])
-    for r in range(world_size):
-        path = rank_file(folder, r, world_size)
-        if not path.is_file():
-            raise CheckpointError(f"{folder}: missing {path.name} (written by {world_size} workers)")
-        try:
-            with zipfile.ZipFile(path) as archive:
-                damaged = archive.testzip()
-        except (OSError, zipfile.BadZipFile) as e:
-            raise CheckpointError(f"{path}: corrupted checkpoint file ({type(e).__name__}: {e})") from e
-        if damaged is not None:
-            raise CheckpointError(f"{path}: corrupted checkpoint file (entry {damaged} fails its CRC check)")
 
 
 def load_worker(folder: Path, rank: int, world_size: int, mmap: bool = False) -> dict:
@@ -293,59 +277,6 @@ def data_position(old_states: list[dict], batch_size: int, world_size: int, batc
 
 
 # --------------------------------------------------------------------------- a run's save and resume
-
-
-def check_resumable(
-    args, world_size: int, numel=None, model_label: str = "this run's model"
-) -> tuple[Path, dict] | None:
-    """``args.resume_from_checkpoint`` names a complete checkpoint that this run can continue:
-    meta.json and every worker's file whole (the CRC check reads every file: run it once per job),
-    the same method and data settings, a model of ``numel(folder)`` parameters (None: not checked).
-    Returns (folder, meta), or None when not resuming; raises CheckpointError, or
-    ``AlreadyCompleted`` when the checkpoint has consumed the budget already."""
-    spec = args.resume_from_checkpoint
-    if not spec:
-        return None
-    folder = resolve(spec, os.path.expanduser(str(args.output_dir)))
-    if folder is None:  # auto, and nothing to resume yet
-        return None
-    meta = load_meta(folder)
-    check_files(folder, meta)
-    newer = [p.name for p in list_checkpoints(os.path.expanduser(str(args.output_dir)))
-             if int(CHECKPOINT_NAME.match(p.name).group(1)) > int(meta["step"])]  # fmt: skip
-    if newer:
-        raise CheckpointError(
-            f"train.output_dir holds checkpoints newer than {folder.name} ({', '.join(newer)}), of the run "
-            "that went on from it: this run's would be mixed with them (the newest is what a restart "
-            f"resumes); resume from {newer[-1]}, or move them out of train.output_dir"
-        )
-    if meta["method"] != args.method_name:
-        raise CheckpointError(
-            f"{folder} was written by method {meta['method']!r}, this run is {args.method_name!r}"
-        )
-    if (
-        args.method_name in ("torch-ddp", "diloco", "streaming-diloco")
-        and int(meta["world_size"]) != world_size
-    ):
-        raise CheckpointError(
-            f"{folder} was written by {meta['world_size']} workers, this run has {world_size}; "
-            f"{args.method_name} resumes only on the world size it was saved with"
-        )
-    numel = numel(folder) if numel is not None else None
-    if numel is not None and numel != int(meta["numel"]):
-        raise CheckpointError(
-            f"{folder} holds a model of {int(meta['numel']):,} parameters, {model_label} has {numel:,}"
-        )
-    changed = data_changes(meta.get("train") or {}, vars(args), int(meta["world_size"]) == world_size)
-    if changed:
-        raise CheckpointError(
-            f"{', '.join(changed)}: the run would resume on other samples than those it stopped at; "
-            "keep the checkpoint's values (a changed batch_size resumes only on another world size)"
-        )
-    done = already_completed(folder, meta, args.nb_steps_tot)
-    if done:
-        raise AlreadyCompleted(done)
-    return folder, meta
 
 
 def save_run(

@@ -3,9 +3,9 @@
 A save at 125M on 4 CPU workers stalls every worker for about 4 s (BENCHMARKS.md, "Checkpoint
 pause"): each writes a 500 MB shard and rank 0 then the model. With `train.async_save` (the
 default) the training thread only copies the state it saves into host buffers (pinned on a GPU,
-reused from one save to the next) and a writer thread does the rest: the files, the store
-handshakes of `checkpoint.save` (no collective: nothing here can interleave with the engine's
-rounds), meta.json and the atomic rename. One save is in flight at most: the next one, the end of
+reused from one save to the next) and a writer thread does the rest: the files and their
+fsyncs, the store handshakes of `checkpoint.save` (no collective: nothing here can interleave with
+the engine's rounds), meta.json and the atomic rename. One save is in flight at most: the next one, the end of
 training and a stop on a signal wait for it, and its error is raised there. The snapshot is taken
 at the same point as a blocking save's, so a resume is exactly as before; a crash mid-write
 leaves a .tmp folder and the previous checkpoint, as before.

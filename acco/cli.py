@@ -97,8 +97,9 @@ def run(cfg: DictConfig | None) -> int:
 
 def validated(job: Job) -> str:
     """The job's one validation pass (acco.validate.check_job), as the word and line every
-    process acts on: "ok ", "done LINE" (the checkpoint to resume has completed the budget) or
-    "error LINE". What the pass loaded stays in ``job.loaded``."""
+    process acts on: "ok RESUME" (where the job resumes from: acco.resume.ResumePoint's JSON),
+    "done LINE" (the checkpoint to resume has completed the budget) or "error LINE". What the
+    pass loaded stays in ``job.loaded``, its resume decision in ``job.resume``."""
     from acco.validate import check_job
 
     try:
@@ -109,7 +110,7 @@ def validated(job: Job) -> str:
         if job.launch.debug or os.environ.get("ACCO_DEBUG"):
             raise
         return "error " + "\n".join(error_lines(e))
-    return "ok "
+    return f"ok {job.resume.to_json() if job.resume else ''}"
 
 
 def launch_workers(cfg: DictConfig, nproc: int) -> int:
@@ -200,6 +201,10 @@ def _train(job: Job, role: Role, world_size: int) -> int:
             if rank == 0:
                 raise InputError(line)
             return 1  # rank 0 prints the line
+        if line:  # rank 0's resume decision, for every rank
+            from acco.resume import ResumePoint
+
+            job.resume = ResumePoint.from_json(line)
     args, out = job.args, Path(job.args.output_dir)
     data = prepare_data(job)  # every rank takes part in the waits on rank 0
     torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
@@ -212,7 +217,7 @@ def _train(job: Job, role: Role, world_size: int) -> int:
     # by a run that cannot continue the checkpoint)
     trainer.on_train_start = lambda: OmegaConf.save(job.config, out / "config.yaml")
     trainer.inputs_checked = True  # by the validation pass (launcher, or rank 0): the CRC read once
-    summary = trainer.train()
+    summary = trainer.train(job.resume)  # where it resumes from, as the validation pass decided
     code = 0
     if summary.get("stopped_on_signal"):  # checkpointed: the same command with resume auto continues
         code = EXIT_SAVED_ON_SIGNAL

@@ -47,6 +47,9 @@ class Job:
     world_size: int
     config: DictConfig  # the whole config, resolved: output_dir/config.yaml, and what reads a config
     loaded: Loaded | None = None
+    # whether and from where the job resumes (an acco.resume.ResumePoint), decided by the validation
+    # pass: the workers take it as it is (None: no pass has run in this process)
+    resume: Any = None
     # the configuration warnings said by the process that validated the job (the local launcher):
     # its workers do not say them again
     advised: frozenset = frozenset()

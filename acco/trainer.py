@@ -42,6 +42,7 @@ from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_
 from acco.loss import causal_lm_loss, loss_note
 from acco.metrics import RunLog
 from acco.models import check_fits, checkpoint_activations, token_rows
+from acco.resume import ResumePoint, config_changes, decide_resume, say_skipped
 
 __all__ = ["DecoupledTrainer", "TrainArgs", "causal_lm_loss"]
 
@@ -106,7 +107,7 @@ class DecoupledTrainer:
         # Rank 0 calls it once training is about to start, a resume having succeeded (the command
         # line writes the run's config.yaml then: a run that cannot start leaves the folder as it was)
         self.on_train_start: Callable[[], None] | None = None
-        self.inputs_checked = False  # True: the command line's validation pass has run _check_inputs' checks
+        self.inputs_checked = False  # True: the command line's validation pass has checked the run folder
         self._collator_fields = forward_fields(model) if self.args.remove_unused_columns else None
         self.train_data = self._prepare(train_dataset) if train_dataset is not None else None
         if eval_dataset is not None:
@@ -139,12 +140,13 @@ class DecoupledTrainer:
     # ---- training -------------------------------------------------------------------------
 
     @progress.names_lost_ranks
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
+    def train(self, resume_from_checkpoint: str | bool | ResumePoint | None = None) -> dict:
         """Train to the budget; `resume_from_checkpoint` (a checkpoint folder, or "latest" / True for
-        the newest in output_dir, or "auto": that one if any, else from scratch; default
-        train.resume_from_checkpoint) continues a run exactly on the same world size, or from the
-        same samples on another one. On a signal of train.save_on_signal every worker stops after
-        the same update and checkpoints it; the summary then says `stopped_on_signal`."""
+        the newest in output_dir that verifies, or "auto": that one if any, else from scratch;
+        default train.resume_from_checkpoint; acco.resume decides) continues a run exactly on the
+        same world size, or from the same samples on another one. On a signal of
+        train.save_on_signal every worker stops after the same update and checkpoints it; the
+        summary then says `stopped_on_signal`."""
         args = self.args
         if self.train_data is None:
             raise DataError("DecoupledTrainer.train() needs a train_dataset")
@@ -153,32 +155,18 @@ class DecoupledTrainer:
         every_rank_at("setup")
         if resume_from_checkpoint is None:
             resume_from_checkpoint = args.resume_from_checkpoint
-        if not self.inputs_checked:
-            self._check_inputs(resume_from_checkpoint)
-        # True means "latest" (transformers.Trainer's convention); "auto" with nothing to resume: None
-        folder = (
-            checkpoint.resolve(resume_from_checkpoint, args.output_dir) if resume_from_checkpoint else None
-        )
-        meta = None
-        if folder is not None:
-            meta = checkpoint.load_meta(folder)
-            done = checkpoint.already_completed(folder, meta, args.nb_steps_tot)
-            if done:  # checked before anything is written: the finished run stays as it is
-                if self.rank == 0:
-                    print(done, flush=True)
-                return {
-                    "method": args.method_name,
-                    "world_size": self.world_size,
-                    "step": int(meta["step"]),
-                    "samples": int(meta["samples"]),
-                    "nothing_to_do": True,
-                }
-            same_world = int(meta["world_size"]) == self.world_size
-            changed = checkpoint.data_changes(meta.get("train") or {}, dataclasses.asdict(args), same_world)
-            if changed:  # also before anything is written
-                raise checkpoint.CheckpointError(
-                    f"{folder}: cannot resume with {', '.join(changed)}: other samples would be read"
-                )
+        point = self._resume_point(resume_from_checkpoint)
+        folder, meta = point.folder, point.meta
+        if point.completed:  # checked before anything is written: the finished run stays as it is
+            if self.rank == 0:
+                print(point.completed, flush=True)
+            return {
+                "method": args.method_name,
+                "world_size": self.world_size,
+                "step": int(meta["step"]),
+                "samples": int(meta["samples"]),
+                "nothing_to_do": True,
+            }
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         if folder is None:
@@ -280,31 +268,35 @@ class DecoupledTrainer:
             facts["stopped_at_eval_loss"] = stopped
         return facts
 
-    def _check_inputs(self, resume) -> None:
-        """The command line's checks of the run folder and the checkpoint, once, on rank 0 (every
-        rank follows its verdict): a finished run is not overwritten, and a damaged checkpoint (its
-        CRC read), or one with newer checkpoints beside it, is not resumed."""
-        from acco.config import AlreadyCompleted, InputError
+    def _resume_point(self, spec) -> ResumePoint:
+        """Whether and from where this run resumes: acco.resume.decide_resume's answer, taken as it
+        is when the job's validation pass made it (the command line hands its ResumePoint), else
+        made here once, on rank 0, with the run folder's check (a finished run is not overwritten):
+        the CRC check reads every worker's file. Every rank follows rank 0's verdict."""
+        if isinstance(spec, ResumePoint):
+            return spec
+        from acco.config import InputError
         from acco.models import count_parameters
         from acco.validate import check_output_dir
 
-        args = dataclasses.replace(self.args, resume_from_checkpoint=resume)
+        args = dataclasses.replace(self.args, resume_from_checkpoint=spec)
         errors = {"InputError": InputError, "CheckpointError": checkpoint.CheckpointError}
 
         def verdict() -> str:
             try:
-                check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+                if not self.inputs_checked:
+                    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
                 numel = count_parameters(self.model, trainable_only=True)
-                checkpoint.check_resumable(args, self.world_size, lambda _: numel)
-            except AlreadyCompleted:
-                pass  # said by train(), which then returns
+                point = decide_resume(args, self.world_size, lambda _: numel)
             except tuple(errors.values()) as e:
                 return f"{type(e).__name__} {e}"
-            return ""
+            say_skipped(point)
+            return f"ok {point.to_json()}"
 
-        kind, _, line = decided_by_rank0(verdict, key="inputs").partition(" ")
-        if kind:
+        kind, _, line = decided_by_rank0(verdict, key="resume").partition(" ")
+        if kind != "ok":
             raise errors[kind](line)
+        return ResumePoint.from_json(line)
 
     def _clear_old_checkpoints(self, out: Path) -> None:
         """A fresh run must not leave another run's checkpoints for `latest` to pick up."""
@@ -367,7 +359,7 @@ class DecoupledTrainer:
             self.engine, position, folder, meta, self.rank, self.world_size, self.device, self.args.batch_size
         )
         if self.rank == 0:
-            for change in checkpoint.config_changes(meta.get("train") or {}, dataclasses.asdict(self.args)):
+            for change in config_changes(meta.get("train") or {}, dataclasses.asdict(self.args)):
                 print(f"acco: warning: {change}", file=sys.stderr, flush=True)
             where = f"from {folder} (update {meta['step']}, {meta['samples']} micro-batches)"
             if not exact:

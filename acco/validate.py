@@ -10,15 +10,17 @@ in ``job.loaded``: a worker of the same process (launch.nproc=1, rank 0 under to
 rather than loading the corpus and the tokenizer again, and what the pass tokenizes lands in the
 caches that the workers read. The
 modules that own a thing expose what the checks need (``acco.models.trainable_parameters``,
-``acco.checkpoint.check_resumable``). In order, cheap checks first:
+``acco.resume.decide_resume``). In order, cheap checks first:
 
 - mandatory values set and interpolations resolvable (``acco.job.job_of``, for ``validate_job``);
 - ``check_at_once``, before any worker starts, every check that costs nothing, their problems
-  reported together: ``check_folders`` (output and cache dirs writable, no run overwritten), the
+  reported together: ``check_folders`` (output and cache dirs writable, no run overwritten, a
+  checkpoint to resume there: meta.json and sizes), the
   data's path, model.tokenizer set, the pretrained model's folder or the new model's positions;
 - the model config, or the pretrained model's ``config.json``, against train.max_length;
 - the tokenizer, loaded as rank 0 loads it, against the model's embedding;
-- ``train.resume_from_checkpoint``: a whole checkpoint this run can continue;
+- ``train.resume_from_checkpoint``: whether and from where the job resumes (the checkpoint's CRCs
+  read, once for the job), left in ``job.resume`` for the workers;
 - the data: readable, and at least one global batch. Its size tells at once for a large corpus;
   a small one is split, its BPE trained and its training split tokenized as the workers do it,
   into the packing cache where they then find it. A large corpus (``PREPARE_FROM_TOKENS``) must
@@ -47,6 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from acco.config import (
     GPT_NEO_WINDOW,
+    AlreadyCompleted,
     DataConfig,
     InputError,
     ModelError,
@@ -292,23 +295,28 @@ def check_tokenizer_spec(model: Mapping) -> str:
 # --------------------------------------------------------------------------- resume
 
 
+def _resume_error(spec: Any, e: BaseException) -> None:
+    text = one_line_error(e).removeprefix(f"{os.path.expanduser(str(spec))}: ")
+    _fail(f"train.resume_from_checkpoint={spec}: {text}", e)  # the path once
+
+
 def check_resume(job: Job, pretrained_config: Any) -> None:
-    """``train.resume_from_checkpoint`` names a complete checkpoint that this run can continue
-    (acco.checkpoint.check_resumable), with a model of as many parameters as the workers will build
-    (acco.models.trainable_parameters); ``AlreadyCompleted`` passes through."""
+    """Whether and from where the job resumes (acco.resume.decide_resume, with the CRC read: here
+    once for the job), with a model of as many parameters as the workers will build
+    (acco.models.trainable_parameters) and the same architecture. The decision is left in
+    ``job.resume`` for the workers; ``AlreadyCompleted`` passes through."""
+    from acco import resume
+
     args, model = job.args, job.model
+    job.resume = resume.ResumePoint()
     if not args.resume_from_checkpoint:
         return
-    from acco import checkpoint, models
+    from acco import models
     from acco.engine import CheckpointError
 
     def numel(folder: Path) -> int | None:  # None: cannot be told here (the workers re-check)
         # the BPE is trained by the workers: the vocabulary the checkpoint's model was built for
-        vocab = (
-            len(job.loaded.tokenizer)
-            if job.loaded.tokenizer is not None
-            else checkpoint.saved_vocab_size(folder)
-        )
+        vocab = len(job.loaded.tokenizer) if job.loaded.tokenizer is not None else saved_vocab_size(folder)
         if vocab is None and pretrained_config is None:
             return None
         try:
@@ -318,24 +326,43 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
 
     label = f"model {model.get('name') or model.get('pretrained') or '?'!r}"
     try:
-        found = checkpoint.check_resumable(args, job.world_size, numel, label)
+        point = resume.decide_resume(args, job.world_size, numel, label)
     except CheckpointError as e:
-        text = one_line_error(e).removeprefix(f"{os.path.expanduser(str(args.resume_from_checkpoint))}: ")
-        _fail(f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {text}", e)  # the path once
-    if found is None:
+        _resume_error(args.resume_from_checkpoint, e)
+    if point.folder is None:
         return
-    folder = found[0]
-    try:  # as many parameters, but the same model? (4 heads or 2 of the same width have as many)
+    resume.say_skipped(point)
+    if point.completed:
+        raise AlreadyCompleted(point.completed)
+    job.resume = point
+    _check_architecture(job, pretrained_config, point.folder, label)
+
+
+def saved_vocab_size(folder: Path) -> int | None:
+    """The vocabulary the checkpoint's model was built for (its model/config.json), None when it
+    cannot be read: a run whose BPE is not trained yet counts its model's size with it."""
+    try:
+        vocab = json.loads((folder / "model" / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) else None
+
+
+def _check_architecture(job: Job, pretrained_config: Any, folder: Path, label: str) -> None:
+    """As many parameters, but the same model? (4 heads or 2 of the same width have as many.)"""
+    from acco import models
+
+    try:
         saved = json.loads((folder / "model" / "config.json").read_text())
         vocab = saved.get("vocab_size") if job.loaded.tokenizer is None else len(job.loaded.tokenizer)
-        mine = (pretrained_config or models.model_config(dict(model), vocab)).to_dict()
+        mine = (pretrained_config or models.model_config(dict(job.model), vocab)).to_dict()
     except Exception:  # unreadable, or a model config the checks above report: the workers re-check
         return
     changed = [f"{k} {saved[k]!r} (this run: {mine[k]!r})" for k in models.ARCHITECTURE_KEYS
                if k in saved and k in mine and saved[k] != mine[k]]  # fmt: skip
     if changed:
         _fail(
-            f"train.resume_from_checkpoint={args.resume_from_checkpoint}: {folder} holds another "
+            f"train.resume_from_checkpoint={job.args.resume_from_checkpoint}: {folder} holds another "
             f"architecture than {label}: {', '.join(changed)}"
         )
 
@@ -461,6 +488,14 @@ def check_folders(job: Job) -> None:
     check_output_dir(args.output_dir, overwrite=args.overwrite_output_dir, resume=args.resume_from_checkpoint)
     if args.cache_dir:
         check_writable_dir(Path(os.path.expanduser(str(args.cache_dir))), "train.cache_dir")
+    if args.resume_from_checkpoint:  # meta.json and sizes, no CRC: `latest` with nothing to resume, at once
+        from acco.engine import CheckpointError
+        from acco.resume import decide_resume
+
+        try:
+            decide_resume(args, job.world_size, crc=False)
+        except CheckpointError as e:
+            _resume_error(args.resume_from_checkpoint, e)
 
 
 def check_at_once(job: Job) -> None:

@@ -155,11 +155,44 @@ class OtherLoad:
         return round(max(0.0, busy1 - self.busy0 - ours) / wall, 2)
 
 
-def newest_checkpoint(run_dir: Path) -> int:
-    from acco import checkpoint
+def whole_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints that verify by meta.json and sizes (the CRCs are the job's to read), newest first."""
+    from acco.engine import CheckpointError
+    from acco.resume import checkpoint_folders, verify
 
-    found = checkpoint.list_checkpoints(run_dir)
-    return int(found[-1].name.split("-")[1]) if found else 0
+    whole = []
+    for folder in checkpoint_folders(run_dir):
+        with contextlib.suppress(CheckpointError):
+            verify(folder, crc=False)
+            whole.append(folder)
+    return whole
+
+
+def newest_checkpoint(run_dir: Path) -> int:
+    """The step of the newest checkpoint that verifies (0: none), the one a new group resumes from:
+    a host crash's truncated file makes the job fall back past one."""
+    from acco.resume import step_of
+
+    whole = whole_checkpoints(run_dir)
+    return step_of(whole[0]) if whole else 0
+
+
+def crash_host(run_dir: Path, pids: list[int]) -> str:
+    """A host losing power, as its disk sees it: every worker frozen (nothing more is written), the
+    newest whole checkpoint's last written file cut to half its size (the part a page cache kept),
+    every worker killed. Returns what was cut."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGSTOP)
+    folder = whole_checkpoints(run_dir)[0]
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    last = max(files, key=lambda p: (p.stat().st_mtime_ns, p.name == "meta.json"))  # meta.json: written last
+    size = last.stat().st_size
+    os.truncate(last, size // 2)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return f"{folder.name}/{last.relative_to(folder)} cut to {size // 2} of {size} bytes"
 
 
 def metrics(run_dir: Path) -> list[dict]:

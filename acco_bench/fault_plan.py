@@ -19,10 +19,14 @@ KINDS = {
     "a random fraction of an update later",
     "term-save": "SIGTERM while a checkpoint is written (its checkpoint-N.tmp exists): the worker "
     "checkpoints and exits 75",
+    "host-crash": "the host loses power at a random moment once two checkpoints verify: every worker "
+    "frozen (SIGSTOP), the newest checkpoint's last written file cut to half its size (the page "
+    "cache lost), then every worker SIGKILLed; the next start falls back to the checkpoint before",
 }
-SIGNALS = {"kill-warm-start": signal.SIGKILL, "kill": signal.SIGKILL, "term-save": signal.SIGTERM}
+SIGNALS = {"kill-warm-start": signal.SIGKILL, "kill": signal.SIGKILL, "term-save": signal.SIGTERM,
+           "host-crash": signal.SIGKILL}  # fmt: skip
 # The kinds after the first fault (always a kill in the warm start): one of each at least, then drawn.
-WEIGHTS = {"kill": 0.6, "term-save": 0.25, "kill-warm-start": 0.15}
+WEIGHTS = {"kill": 0.45, "term-save": 0.25, "host-crash": 0.15, "kill-warm-start": 0.15}
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
                GO_FD_ENV)  # fmt: skip
@@ -59,7 +63,8 @@ class DrillSettings:
     def budget_updates(self) -> int:
         """Enough updates that the job cannot finish before its last fault: an attempt advances the
         resume point by at most 2 save intervals and 2 updates (a SIGTERM stops the update after the
-        save it landed in, or the next), and the last attempt still has 2 save intervals to run."""
+        save it landed in, or the next; a host crash moves it back), and the last attempt still has
+        2 save intervals to run."""
         return self.faults * (2 * self.save_step + 2) + 2 * self.save_step
 
     def overrides(self, run_dir: Path, cache_dir: Path) -> list[str]:
@@ -86,13 +91,14 @@ def plan_faults(s: DrillSettings) -> list[dict]:
     """The K faults, from the seeded RNG: kind, rank and moment of each (one per attempt, in order)."""
     rng = random.Random(s.seed)
     rest = s.faults - 1
-    kinds = ["kill", "term-save", "kill-warm-start"][:rest]  # one of each, when there is room
+    kinds = ["kill", "term-save", "host-crash", "kill-warm-start"][:rest]  # one of each, when there is room
     kinds += rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()), k=rest - len(kinds))
     rng.shuffle(kinds)
     plan = []
     for kind in ["kill-warm-start", *kinds]:
-        fault = {"kind": kind, "signal": SIGNALS[kind].name, "rank": rng.randrange(s.workers)}
-        if kind == "kill":
+        rank = "all" if kind == "host-crash" else rng.randrange(s.workers)  # a host crash takes every worker
+        fault = {"kind": kind, "signal": SIGNALS[kind].name, "rank": rank}
+        if kind in ("kill", "host-crash"):
             fault.update(after_updates=rng.randint(1, 2 * s.save_step), phase=round(rng.random(), 4))
         elif kind == "term-save":
             fault.update(nth_save=rng.randint(1, 2))

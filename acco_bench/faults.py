@@ -19,7 +19,13 @@ twice with the same seed, both times as ``python -m torch.distributed.run --stan
      attempt's resume point, at a random fraction of an update's time after the previous one;
    - ``term-save``: SIGTERM while a checkpoint is being written (its ``checkpoint-N.tmp`` folder
      exists): the worker finishes the update in flight, checkpoints and exits 75, which torchrun
-     counts as a failure (the path a preemption of one worker takes).
+     counts as a failure (the path a preemption of one worker takes);
+   - ``host-crash``: the host loses power, as ``kill`` once two checkpoints verify: every worker
+     is frozen (SIGSTOP: nothing more reaches the disk), the newest checkpoint's last written
+     file (meta.json) is cut to half its size, as a page cache that never reached the disk leaves
+     it, and every worker is SIGKILLed; the next start skips that checkpoint, says so, and
+     resumes from the one before (the agent, which a real host crash takes too, stands in for
+     the scheduler that restarts the job).
 
 The signals come from outside the workers: the drill finds them as the agent's child processes
 (their ``RANK`` and ``TORCHELASTIC_RESTART_COUNT`` read from ``/proc/PID/environ``) and follows
@@ -57,7 +63,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from acco_bench import BenchError
-from acco_bench.fault_job import POLL_S, AttemptEnded, Job, OtherLoad, metrics, newest_checkpoint, running
+from acco_bench.fault_job import (
+    POLL_S,
+    AttemptEnded,
+    Job,
+    OtherLoad,
+    crash_host,
+    metrics,
+    newest_checkpoint,
+    running,
+    whole_checkpoints,
+)
 from acco_bench.fault_plan import (
     KINDS,
     SIGNALS,
@@ -227,15 +243,16 @@ def _track(
 def _inject(job: Job, a: _Attempt, s: DrillSettings, fault: dict, update_s: float, first_update_s: float,
             prev: dict | None) -> None:
     kind, rank = fault["kind"], fault["rank"]
-    pid = a.pids[rank]
     if kind == "kill-warm-start":
         _track(job, a, s, f"attempt {a.number}'s start of training", lambda: a.training_at, None, prev)
         time.sleep(fault["phase"] * first_update_s)  # the moment: a random fraction of the warm start
-    elif kind == "kill":
+    elif kind in ("kill", "host-crash"):
         target = a.resumed_from + fault["after_updates"]
-        _track(
-            job, a, s, f"update {target}", lambda: (job.newest_step(a.since_ns) or 0) >= target, None, prev
-        )
+        # a host crash costs the newest checkpoint: it waits for one before it to fall back to
+        least = 2 if kind == "host-crash" else 0
+        _track(job, a, s, f"update {target}" + (" and two whole checkpoints" if least else ""),
+               lambda: (job.newest_step(a.since_ns) or 0) >= target and len(whole_checkpoints(job.run_dir))
+               >= least, None, prev)  # fmt: skip
         time.sleep(fault["phase"] * update_s)  # the moment: a random fraction of the next update
     else:  # term-save: the nth save after the resume point, as soon as its .tmp folder exists
         step = (a.resumed_from // s.save_step + fault["nth_save"]) * s.save_step
@@ -252,7 +269,10 @@ def _inject(job: Job, a: _Attempt, s: DrillSettings, fault: dict, update_s: floa
 
         _track(job, a, s, f"the save of checkpoint-{step}", saving, _SAVE_POLL_S, prev)
     fault["_at"] = time.monotonic()
-    os.kill(pid, SIGNALS[kind])
+    if kind == "host-crash":
+        fault["truncated"] = crash_host(job.run_dir, list(a.pids.values()))
+    else:
+        os.kill(a.pids[rank], SIGNALS[kind])
     reached = job.newest_step(a.since_ns)
     fault["fired_at_update"] = reached if reached is not None else a.resumed_from
     if kind == "term-save":
@@ -266,6 +286,8 @@ def _inject(job: Job, a: _Attempt, s: DrillSettings, fault: dict, update_s: floa
         )
     else:
         fault["during"] = f"update {fault['fired_at_update'] + 1}"
+        if kind == "host-crash":
+            fault["during"] += f"; {fault['truncated']}"
     fault["_pids"] = dict(a.pids)
     job.wait(f"attempt {a.number}'s workers to exit", lambda: not any(running(p) for p in a.pids.values()),
              s.timeout_s)

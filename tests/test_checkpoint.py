@@ -17,6 +17,8 @@ from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
 
 from acco import checkpoint, checkpoint_writer
 from acco.engine import CheckpointError, ConfigError
+from acco.resume import checkpoint_folders, load_meta
+from acco.run_folder import list_checkpoints
 
 # n_grad_accumulation pinned: acco takes 2 rounds x 2 micro-batches x 2 workers = 8 per update, 12 updates.
 RUN = ("data.n_docs=600", "train.nb_steps_tot=96", "train.n_grad_accumulation=2",
@@ -67,9 +69,9 @@ def test_a_dead_worker_stops_the_run_and_leaves_the_checkpoint_intact(interrupte
     assert proc.returncode != 0
     assert "rank 1" in proc.stderr and "exited with code 17" in proc.stderr, proc.stderr[-2000:]
     assert elapsed < 60 and no_worker_left(out)
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-4"]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4"]
     folder = out / "checkpoint-4"
-    meta = checkpoint.load_meta(folder)
+    meta = load_meta(folder)
     assert meta["step"] == 4 and meta["world_size"] == 2 and meta["method"] == "acco"
     for rank in (0, 1):
         state = checkpoint.load_worker(folder, rank, 2)["engine"]
@@ -92,6 +94,44 @@ def test_resume_on_the_same_world_size_is_exact(interrupted, reference):
     assert (
         summary["final_eval_loss"] == json.loads((reference / "summary.json").read_text())["final_eval_loss"]
     )
+
+
+def _cut_short(path: Path) -> None:  # what a page cache that never reached the disk leaves
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
+@pytest.mark.parametrize("lost", ["rank1-of-2.pt", "meta.json"])
+def test_auto_resumes_past_a_checkpoint_a_host_crash_cut_short_and_ends_bit_equal(reference, tmp_path, lost):
+    """A run's checkpoints 4 and 8 (and its log) as a host that lost power leaves them: checkpoint-8
+    renamed into place, one of its files cut to half. `auto` skips it, says so in one line, resumes
+    from checkpoint-4, writes checkpoint-8 again, and ends bit-equal to the uninterrupted run
+    (fixed batch): every loss, the evaluation, the final model and every final master shard."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("checkpoint-4", "checkpoint-8", "metrics.jsonl"):
+        os.system(f"cp -r {reference / name} {run}/")
+    _cut_short(run / "checkpoint-8" / lost)
+    proc = cli(run, "train.save_step=4", "train.resume_from_checkpoint=auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    skipped = [line for line in proc.stderr.splitlines() if "does not verify" in line]
+    why = "rank1-of-2.pt holds " if lost.endswith(".pt") else "unreadable meta.json"
+    assert len(skipped) == 1, proc.stderr[-2000:]
+    assert skipped[0].startswith(f"acco: warning: checkpoint-8 does not verify ({why}"), skipped
+    assert skipped[0].endswith("resuming from checkpoint-4, the newest checkpoint before it that does")
+    assert f"resuming exactly from {run / 'checkpoint-4'} (update 4" in proc.stdout
+    assert train_losses(run) == train_losses(reference) and sorted(train_losses(run)) == list(range(1, 13))
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (run, reference)]
+    assert summaries[0]["final_eval_loss"] == summaries[1]["final_eval_loss"]
+    model = Path("model") / "model.safetensors"
+    assert (run / model).read_bytes() == (reference / model).read_bytes()
+    for rank in (0, 1):
+        states = (checkpoint.load_worker(r / "checkpoint-12", rank, 2) for r in (run, reference))
+        got, expected = (dict(checkpoint_writer.floating_tensors(state)) for state in states)
+        assert got.keys() == expected.keys() and "engine.master" in got
+        assert all(torch.equal(got[k], expected[k]) for k in got)
+    assert load_meta(run / "checkpoint-8")["step"] == 8 and not list(run.glob("checkpoint-*.tmp"))
 
 
 @pytest.mark.slow  # a whole CLI job on 2-4 workers (the slow tier: make test-slow)
@@ -164,7 +204,7 @@ def test_the_stalled_rank_is_named_within_60_s_at_the_default_timeout(tmp_path):
     named = re.findall(r"(ranks? [\d, and]+?) stopped responding", err)
     assert named and set(named) == {"rank 2"}, err[-3000:]
     assert no_worker_left(out) and not reader.is_alive()
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-2"]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
     assert not list(out.glob("checkpoint-*.tmp"))
     for rank in range(4):
         state = checkpoint.load_worker(out / "checkpoint-2", rank, 4)["engine"]
@@ -182,7 +222,7 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     assert "no checkpoint written" in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("acco: error:")]
     assert errors and "Traceback" not in proc.stderr
-    saved = checkpoint.list_checkpoints(out)
+    saved = list_checkpoints(out)
     assert [p.name for p in saved] == ["checkpoint-1", "checkpoint-2"]
     for folder in saved:
         for rank in (0, 1):
@@ -194,7 +234,7 @@ def test_nan_loss_stops_the_run_and_no_checkpoint_holds_it(tmp_path):
     assert not list(out.glob("checkpoint-*.tmp"))
     # A resume takes checkpoint-2, and the validation pass finds it whole (the CLI resume itself,
     # metrics.jsonl cut back to the checkpoint: test_resume_on_the_same_world_size_is_exact).
-    assert checkpoint.resolve("latest", out) == out / "checkpoint-2"
+    assert [p.name for p in checkpoint_folders(out)] == ["checkpoint-2", "checkpoint-1"]
     from acco.config import compose
     from acco.validate import validate_job
 
@@ -283,9 +323,9 @@ def test_bad_resumes_fail_validation_and_overwrite_nothing(reference, tmp_path):
     rank1.write_bytes(bytes(data))
     line = validation_error(run, "train.resume_from_checkpoint=latest")
     assert "rank1-of-2.pt: corrupted checkpoint file" in line and "CRC" in line
-    rank1.write_bytes(whole[:1000])  # truncated: no zip directory
+    rank1.write_bytes(whole[:1000])  # truncated: not the size written (and no zip directory)
     line = validation_error(run, "train.resume_from_checkpoint=latest")
-    assert "rank1-of-2.pt: corrupted checkpoint file" in line
+    assert f"rank1-of-2.pt holds 1,000 bytes, {len(whole):,} were written" in line
     rank1.unlink()
     assert "missing rank1-of-2.pt" in validation_error(run, "train.resume_from_checkpoint=latest")
     line = validation_error(run, f"train.resume_from_checkpoint={tmp_path / 'nowhere'}")
@@ -326,9 +366,9 @@ def test_save_prunes_old_checkpoints_and_removes_a_crashed_save(tmp_path):
         checkpoint.save(
             tmp_path, step, {"x": torch.ones(2)}, meta, 0, 1, lambda folder: folder.mkdir(), keep=2
         )
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
-    assert checkpoint.load_meta(tmp_path / "checkpoint-4")["samples"] == 16
+    assert load_meta(tmp_path / "checkpoint-4")["samples"] == 16
     from acco.trainer import TrainArgs
 
     for bad in (0, -1, 1.5, True):
@@ -349,7 +389,7 @@ def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tm
     DecoupledTrainer(
         model=tiny_model(), train_dataset=tiny_data(), args=tiny_args("ddp", out, nb_steps_tot=8)
     ).train()
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     capsys.readouterr()
     args = tiny_args("ddp", out, nb_steps_tot=16)
     summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
@@ -380,7 +420,7 @@ def test_trainer_api_resumes_latest_with_true_and_leaves_a_finished_run_alone(tm
 
 def test_trainer_api_checks_what_the_command_line_checks(tmp_path):
     """Without the command line's validation pass, DecoupledTrainer runs its checks itself, before
-    anything is written: a damaged checkpoint (CRC), one with newer checkpoints beside it (a
+    anything is written: a damaged checkpoint named (CRC), one with newer checkpoints beside it (a
     restart would resume those), a finished run without overwrite_output_dir, and a checkpoint
     that the engine refuses (diloco's sync period) leave the run folder as it was."""
     from acco.config import InputError
@@ -399,7 +439,7 @@ def test_trainer_api_checks_what_the_command_line_checks(tmp_path):
     whole, middle = rank0.read_bytes(), rank0.stat().st_size // 2
     rank0.write_bytes(whole[:middle] + bytes([whole[middle] ^ 0xFF]) + whole[middle + 1 :])  # size unchanged
     with pytest.raises(CheckpointError, match="rank0-of-1.pt: corrupted checkpoint file .entry .* CRC"):
-        train(out, resume="latest", nb_steps_tot=16)
+        train(out, resume=str(out / "checkpoint-4"), nb_steps_tot=16)  # `latest` falls back (below)
     rank0.write_bytes(whole)
     with pytest.raises(CheckpointError, match=r"newer than checkpoint-2 \(checkpoint-4\)"):
         train(out, resume=str(out / "checkpoint-2"), nb_steps_tot=16)

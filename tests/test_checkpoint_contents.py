@@ -19,6 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 from acco import checkpoint, checkpoint_writer
 from acco.engine import CheckpointError, EngineConfig, build_engine
+from acco.resume import load_meta, rank_file
+from acco.run_folder import list_checkpoints
 
 # Every method with a fixed batch (acco also with the paper's estimate); the methods of the
 # engine's timed mode also with accumulate_while_waiting.
@@ -175,7 +177,7 @@ def _save_and_resume_every_method(rank: int, world_size: int, root: str) -> dict
         ).train()
         folder = ref / "checkpoint-2"  # mid-run
         state = checkpoint.load_worker(folder, rank, world_size)["engine"]
-        resumed_budget = 48 if fixed else checkpoint.load_meta(folder)["samples"] + TIMED_RESUMED
+        resumed_budget = 48 if fixed else load_meta(folder)["samples"] + TIMED_RESUMED
         torch.manual_seed(1)  # other initial weights: the checkpoint must bring everything back
         args = tiny_args(method, resumed, nb_steps_tot=resumed_budget, accumulate_while_waiting=not fixed)
         summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train(
@@ -248,7 +250,7 @@ def test_a_resharded_resume_maps_the_old_files_instead_of_reading_them(saved_roo
     from acco.trainer import DecoupledTrainer
 
     root = saved_root[0]
-    folder = checkpoint.list_checkpoints(root / "acco-True" / "reference")[0]
+    folder = list_checkpoints(root / "acco-True" / "reference")[0]
     loads = []
     load_worker = checkpoint.load_worker
 
@@ -280,10 +282,10 @@ def test_every_rank_file_writes_only_the_bytes_of_its_tensors(saved_root):
     seen = set()
     for method, fixed in SAVED:
         runs = (root / f"{method}-{fixed}" / run for run in ("reference", "resumed"))
-        for folder in (folder for run in runs for folder in checkpoint.list_checkpoints(run)):
-            numel = checkpoint.load_meta(folder)["numel"]
+        for folder in (folder for run in runs for folder in list_checkpoints(run)):
+            numel = load_meta(folder)["numel"]
             for rank in range(2):
-                path = checkpoint.rank_file(folder, rank, 2)
+                path = rank_file(folder, rank, 2)
                 state = checkpoint.load_worker(folder, rank, 2, mmap=True)
                 where = (method, fixed, folder.parent.name, folder.name, rank)
                 views = [

@@ -14,6 +14,8 @@ from trainer_helpers import tiny_args, tiny_data, tiny_model
 
 from acco import checkpoint, checkpoint_writer
 from acco.checkpoint_writer import CheckpointWriter
+from acco.resume import load_meta
+from acco.run_folder import list_checkpoints
 
 
 class _Engine:
@@ -72,7 +74,7 @@ def test_files_hold_the_saved_update_though_training_changed_it_since(tmp_path, 
     assert torch.equal(saved["master"], expected["master"])
     assert all(torch.equal(a, b) for a, b in zip(saved["moments"], expected["moments"], strict=True))
     assert torch.equal(torch.load(tmp_path / "checkpoint-1" / "model" / "w.pt"), torch.full((3,), 7.0))
-    assert checkpoint.load_meta(tmp_path / "checkpoint-1")["step"] == 1
+    assert load_meta(tmp_path / "checkpoint-1")["step"] == 1
 
 
 def test_the_next_save_waits_for_the_one_in_flight_and_reuses_its_buffers(tmp_path, monkeypatch):
@@ -135,7 +137,7 @@ def test_a_run_writes_the_same_checkpoints_in_the_background_as_blocking(tmp_pat
         torch.manual_seed(0)
         summary = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args).train()
         assert summary["checkpoint_pause_s"] > 0
-        runs[background] = {p.name: checkpoint.load_worker(p, 0, 1) for p in checkpoint.list_checkpoints(out)}
+        runs[background] = {p.name: checkpoint.load_worker(p, 0, 1) for p in list_checkpoints(out)}
     assert list(runs[True]) == list(runs[False]) and len(runs[True]) >= 4
     for name, state in runs[True].items():
         blocking = runs[False][name]
@@ -160,21 +162,32 @@ def test_after_a_failure_close_gives_up_on_a_stuck_write_without_raising(tmp_pat
     stuck.set()
 
 
-def _one_worker_cannot_write(rank, world, root, background):
-    """Rank 1's shard fails as on a full disk; every worker's train() and the time it took."""
+def _one_worker_cannot_write(rank, world, root, background, part="shard"):
+    """Rank 1's shard fails as on a full disk, or (`part` "folder") rank 0 cannot create the
+    checkpoint's .tmp folder; every worker's train() and the time it took."""
     import errno
     import time
+    from pathlib import Path
 
     from acco.trainer import DecoupledTrainer
 
-    save = torch.save
+    save, mkdir = torch.save, Path.mkdir
 
-    def full_disk(obj, path, *a, **k):
-        if rank == 1 and str(path).endswith(f"rank1-of-{world}.pt"):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return save(obj, path, *a, **k)
+    def full_disk(obj, file, *a, **k):
+        if rank == 1 and str(getattr(file, "name", file)).endswith(f"rank1-of-{world}.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(file.name))
+        return save(obj, file, *a, **k)
 
-    checkpoint.torch.save = full_disk  # the module's reference: this spawned worker's alone
+    def no_permission(path, *a, **k):
+        if path.name.endswith(".tmp"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return mkdir(path, *a, **k)
+
+    # this spawned worker's alone
+    if part == "shard":
+        checkpoint.torch.save = full_disk
+    else:
+        Path.mkdir = no_permission
     args = tiny_args("acco", root, nb_steps_tot=48, save_step=2, async_save=background, timeout_s=60)
     trainer = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args)
     start = time.monotonic()
@@ -185,16 +198,21 @@ def _one_worker_cannot_write(rank, world, root, background):
     return None, None, time.monotonic() - start
 
 
-@pytest.mark.parametrize("background", [True, False], ids=["async", "blocking"])
-def test_a_shard_that_cannot_be_written_is_said_by_every_worker(tmp_path, background):
+@pytest.mark.parametrize("background,part", [(True, "shard"), (False, "shard"), (True, "folder")],
+                         ids=["async", "blocking", "folder"])  # fmt: skip
+def test_a_shard_that_cannot_be_written_is_said_by_every_worker(tmp_path, background, part):
     """Rank 0 waited for a shard that never came (a full disk on rank 1) until the collective
     timeout, and the run ended blaming rank 0 as stalled; now every worker raises the write's own
-    error at once, and the checkpoint before stays the newest."""
+    error at once, and the checkpoint before stays the newest. The same where rank 0 cannot create
+    the checkpoint's folder (the others waited for it up to an hour)."""
     from distributed import run_distributed
 
-    found = run_distributed(_one_worker_cannot_write, 2, str(tmp_path), background)
-    said = "a checkpoint could not be written: rank 1: OSError: [Errno 28] No space left on device"
+    found = run_distributed(_one_worker_cannot_write, 2, str(tmp_path), background, part)
+    said = "a checkpoint could not be written: " + (
+        "rank 1: OSError: [Errno 28] No space left on device" if part == "shard"
+        else "rank 0: PermissionError: [Errno 13] Permission denied"
+    )  # fmt: skip
     for kind, message, seconds in found:
         assert kind == "CheckpointWriteError" and message.startswith(said), found
         assert seconds < 30, found  # not the 60 s collective timeout
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == []  # the first save failed
+    assert [p.name for p in list_checkpoints(tmp_path)] == []  # the first save failed

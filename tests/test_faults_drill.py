@@ -1,20 +1,22 @@
 """`acco-bench faults` (acco_bench/faults.py): a fixed-batch job under torchrun's elastic agent, its
 workers signalled from outside (SIGKILL in the warm start and at a random moment, SIGTERM during a
-save), compared with an uninterrupted run. The drill itself is in the slow tier; its parts, and the
-restart it exposed (a job killed in its first save could not start again), are quick."""
+save, a host crash that cuts the newest checkpoint short), compared with an uninterrupted run. The
+drill itself is in the slow tier; its parts, and the restart it exposed (a job killed in its first
+save could not start again), are quick."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
 import torch
-from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
+from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses, write_checkpoint
 
 from acco.config import InputError
-from acco_bench.fault_job import last_step
+from acco_bench.fault_job import crash_host, last_step, newest_checkpoint, whole_checkpoints
 from acco_bench.fault_plan import DrillSettings, plan_faults
 from acco_bench.fault_results import bits_equal
 
@@ -24,9 +26,10 @@ def test_the_plan_is_seeded_starts_with_a_warm_start_kill_and_has_every_kind():
     plan = plan_faults(s)
     assert plan == plan_faults(s) and plan != plan_faults(DrillSettings(workers=3, faults=10, seed=5))
     assert len(plan) == 10 and plan[0]["kind"] == "kill-warm-start"
-    assert {f["kind"] for f in plan} == {"kill-warm-start", "kill", "term-save"}
-    assert all(0 <= f["rank"] < 3 for f in plan)
-    assert all(1 <= f["after_updates"] <= 2 * s.save_step for f in plan if f["kind"] == "kill")
+    assert {f["kind"] for f in plan} == {"kill-warm-start", "kill", "term-save", "host-crash"}
+    assert all(0 <= f["rank"] < 3 if f["kind"] != "host-crash" else f["rank"] == "all" for f in plan)
+    timed = [f for f in plan if f["kind"] in ("kill", "host-crash")]
+    assert all(1 <= f["after_updates"] <= 2 * s.save_step for f in timed)
     assert {f["kind"] for f in plan_faults(DrillSettings(faults=3))} == {
         "kill-warm-start",
         "kill",
@@ -46,6 +49,29 @@ def test_bit_equality_and_the_progress_lines_the_drill_reads(tmp_path):
     assert last_step(log, 0) == 5  # a line being written is not an update yet
     assert last_step(log, time.time_ns() + 10**9) is None  # written before the attempt started: not its own
     assert last_step(tmp_path / "missing.jsonl", 0) is None
+
+
+def test_a_host_crash_stops_every_worker_and_cuts_the_newest_checkpoints_last_file(tmp_path):
+    """The drill's host crash: the workers (two sleeping processes here) stopped, then killed; the
+    newest checkpoint's meta.json (written last) cut to half; the newest checkpoint a new group
+    would resume from is then the one before."""
+    import subprocess
+    import sys
+
+    for step in (2, 4):
+        write_checkpoint(tmp_path, step)
+    assert newest_checkpoint(tmp_path) == 4
+    size = (tmp_path / "checkpoint-4" / "meta.json").stat().st_size
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+    try:
+        said = crash_host(tmp_path, [p.pid for p in workers])
+        assert [p.wait(timeout=30) for p in workers] == [-signal.SIGKILL] * 2
+    finally:
+        for p in workers:
+            p.kill()
+    assert said == f"checkpoint-4/meta.json cut to {size // 2} of {size} bytes"
+    assert newest_checkpoint(tmp_path) == 2
+    assert [p.name for p in whole_checkpoints(tmp_path)] == ["checkpoint-2"]
 
 
 def test_auto_starts_afresh_over_the_debris_of_a_first_save_that_crashed(tmp_path):
@@ -71,15 +97,19 @@ def test_auto_starts_afresh_over_the_debris_of_a_first_save_that_crashed(tmp_pat
 def test_the_fault_drill_survives_every_fault_and_ends_bit_equal(tmp_path):
     from acco_bench.cli import main
 
-    # 2 workers, 3 faults (a kill in the warm start, a kill at a random moment, a SIGTERM in a save)
+    # 2 workers, 4 faults (a kill in the warm start, a kill at a random moment, a SIGTERM in a save,
+    # a host crash)
     assert (
-        main(["faults", "--workers", "2", "--faults", "3", "--save-step", "2", "--out", str(tmp_path)]) == 0
+        main(["faults", "--workers", "2", "--faults", "4", "--save-step", "2", "--out", str(tmp_path)]) == 0
     )
     bench = json.loads((tmp_path / "bench.json").read_text())
     summary, faults = bench["summary"], bench["faulted"]["faults"]
-    assert {f["kind"] for f in faults} == {"kill-warm-start", "kill", "term-save"}
-    assert summary["faults_survived"] == 3 and summary["unplanned_failures"] == 0 and summary["restarts"] == 3
-    assert all(f["lost_updates"] <= 2 for f in faults)  # at most one save interval
+    assert {f["kind"] for f in faults} == {"kill-warm-start", "kill", "term-save", "host-crash"}
+    assert summary["faults_survived"] == 4 and summary["unplanned_failures"] == 0 and summary["restarts"] == 4
+    # at most one save interval; two for the host crash, whose newest checkpoint is lost with it
+    assert all(f["lost_updates"] <= (4 if f["kind"] == "host-crash" else 2) for f in faults)
+    crash = next(f for f in faults if f["kind"] == "host-crash")
+    assert crash["next_resumed_from"] < crash["reached"] and "meta.json cut to" in crash["during"]
     # checkpointed on the signal
     assert next(f for f in faults if f["kind"] == "term-save")["lost_updates"] == 0
     assert summary["final_params_bit_equal"] and summary["losses_equal"]

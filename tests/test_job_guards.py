@@ -19,12 +19,12 @@ def test_a_resume_onto_another_architecture_of_as_many_parameters_is_refused(tmp
     """4 heads or 2 of the same width have as many parameters (the size check passes): the
     checkpoint's model/config.json tells them apart. The checkpoint itself is stood in for (its
     files' checks: tests/test_checkpoint.py)."""
-    from acco import checkpoint, models
+    from acco import models, resume
 
     folder = tmp_path / "out" / "checkpoint-4"
     tiny = compose(["model=tiny"]).model
     models.model_config(dict(tiny), 2048).save_pretrained(folder / "model")
-    monkeypatch.setattr(checkpoint, "check_resumable", lambda *a, **k: (folder, {}))
+    monkeypatch.setattr(resume, "decide_resume", lambda *a, **k: resume.ResumePoint(folder, {}))
     line = validation_error(tmp_path, "train.resume_from_checkpoint=latest", "model.num_heads=2")
     assert line == (
         f"train.resume_from_checkpoint=latest: {folder} holds another architecture than model 'tiny': "

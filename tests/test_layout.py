@@ -15,12 +15,12 @@ MAX_FUNCTION_LINES = 80
 # Functions longer than the limit today; each is to be split by job, never added to.
 LONG_FUNCTIONS = {
     "acco/launch/local.py:launch_local": 175,
-    "acco/trainer.py:train": 113,
+    "acco/trainer.py:train": 100,
     "acco_bench/analysis.py:method_metrics": 112,
     "acco_bench/cli.py:main": 121,
     "acco_bench/convergence.py:update_closeness": 110,
     "acco_bench/demo.py:main": 86,
-    "acco_bench/fault_results.py:markdown": 106,
+    "acco_bench/fault_results.py:markdown": 103,
     "acco_bench/gpu.py:_measure": 89,
     "acco_bench/gpu_micro.py:run": 97,
     "acco_bench/race.py:run_race": 102,

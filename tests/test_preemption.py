@@ -14,12 +14,13 @@ import torch
 from distributed import run_distributed
 from engine_helpers import config, loss_fn, make_model, stream
 from torch.nn.utils import parameters_to_vector
-from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
+from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses, write_checkpoint
 
-from acco import checkpoint
 from acco.config import ConfigError, TrainArgs
 from acco.engine import build_engine
 from acco.engine.config import METHODS
+from acco.resume import ResumePoint, decide_resume
+from acco.run_folder import list_checkpoints
 
 
 def _stop_on_rank1(rank, world, cfgs, at_call):
@@ -123,7 +124,7 @@ def _runs(rank, world, root, method):
     for name, (hook, at, ranks) in SCENARIOS.items():
         out = Path(root) / name.replace(" ", "-").replace(",", "")
         stopped, _ = train(out, hook, at, ranks)
-        stopped["checkpoints"] = [p.name for p in checkpoint.list_checkpoints(out)]
+        stopped["checkpoints"] = [p.name for p in list_checkpoints(out)]
         summary, theta = train(out)  # the same command again
         found[name] = (train_losses(out) if rank == 0 else None, theta, stopped)
     return found
@@ -177,12 +178,12 @@ def test_a_notice_after_the_last_update_lets_the_run_finish(tmp_path):
 
 
 def test_auto_starts_fresh_or_from_the_newest_checkpoint_and_bad_signals_are_refused(tmp_path):
-    assert checkpoint.resolve("auto", tmp_path) is None  # nothing yet: a fresh start
+    args = TrainArgs(method_name="ddp", output_dir=str(tmp_path), resume_from_checkpoint="auto")
+    assert decide_resume(args, 1) == ResumePoint()  # nothing yet: a fresh start
     for step in (2, 4):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        (tmp_path / f"checkpoint-{step}" / "meta.json").write_text("{}")
+        write_checkpoint(tmp_path, step)
     (tmp_path / "checkpoint-6.tmp").mkdir()  # a save that crashed: never resumed
-    assert checkpoint.resolve("auto", tmp_path).name == "checkpoint-4"
+    assert decide_resume(args, 1).folder.name == "checkpoint-4"
     assert TrainArgs().save_on_signal == ["SIGTERM", "SIGUSR1"]
     assert TrainArgs(save_on_signal=[]).save_on_signal == []
     with pytest.raises(ConfigError, match="'SIGKILL' is not a signal acco can catch"):

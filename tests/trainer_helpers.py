@@ -100,3 +100,20 @@ def small_run(tmp_path, **overrides) -> dict:
         ),
         **overrides,
     }
+
+
+def write_checkpoint(out: Path, step: int, method: str = "ddp", keep=None, **train) -> Path:
+    """checkpoint-`step` of a one-worker run, written by acco.checkpoint.save: a small state, a
+    model folder, meta.json with its files' sizes, as a run writes them."""
+    from acco import checkpoint
+    from acco.config import TrainArgs
+
+    args = {**vars(TrainArgs(method_name=method, output_dir=str(out))), **train}
+    meta = {"step": step, "samples": 4 * step, "method": method, "world_size": 1, "numel": 6, "train": args}
+    state = {"engine": {"master": torch.arange(6.0) + step, "step": step}, "data": {"position": step}}
+
+    def model(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"vocab_size": 96}))
+
+    return checkpoint.save(out, step, state, meta, 0, 1, model, keep)
