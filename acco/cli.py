@@ -187,7 +187,8 @@ def _train(job: Job, role: Role, world_size: int) -> int:
     from acco.launch.process_group import decided_by_rank0, init_distributed, leave_the_store, stop_heartbeat
     from acco.trainer import DecoupledTrainer
 
-    rank, world_size, _, device = init_distributed(job.args.timeout_s)
+    process = init_distributed(job.args.timeout_s)  # joined here once: the trainer is handed it
+    rank, world_size, _, device = process
     if role is Role.WORKER:  # rank 0 validates once for all, the others wait and follow its verdict
         kind, _, line = decided_by_rank0(lambda: validated(job), key="validation").partition(" ")
         if kind != "ok":
@@ -207,16 +208,17 @@ def _train(job: Job, role: Role, world_size: int) -> int:
             job.resume = ResumePoint.from_json(line)
     args, out = job.args, Path(job.args.output_dir)
     data = prepare_data(job)  # every rank takes part in the waits on rank 0
-    torch.manual_seed(args.seed)  # the initial weights are a function of train.seed
+    torch.manual_seed(args.seed)  # the initial weights are a function of train.seed: seeded once, here
     model = _build_model(job, data.tokenizer, device, announce=rank == 0)
     trainer = DecoupledTrainer(
-        model=model, tokenizer=data.tokenizer, train_dataset=data.train, eval_dataset=data.eval, args=args
+        model=model, tokenizer=data.tokenizer, train_dataset=data.train, eval_dataset=data.eval, args=args,
+        process=process, seeded=True,
+        inputs_checked=True,  # by the validation pass (launcher, or rank 0): the CRC read once
+        # the job as composed, once training starts (after a resume that succeeded: nothing is
+        # replaced by a run that cannot continue the checkpoint)
+        on_train_start=lambda: OmegaConf.save(job.config, out / "config.yaml"),
     )
     del data  # the trainer holds the rows
-    # the job as composed, once training starts (after a resume that succeeded: nothing is replaced
-    # by a run that cannot continue the checkpoint)
-    trainer.on_train_start = lambda: OmegaConf.save(job.config, out / "config.yaml")
-    trainer.inputs_checked = True  # by the validation pass (launcher, or rank 0): the CRC read once
     summary = trainer.train(job.resume)  # where it resumes from, as the validation pass decided
     code = 0
     if summary.get("stopped_on_signal"):  # checkpointed: the same command with resume auto continues

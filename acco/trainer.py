@@ -89,25 +89,37 @@ class DecoupledTrainer:
         args: Any = None,
         processing_class=None,
         data_collator=None,
+        *,
+        process: tuple | None = None,
+        seeded: bool = False,
+        inputs_checked: bool = False,
+        on_train_start: Callable[[], None] | None = None,
     ):
+        """What the caller already did is passed here, so that each is done once per process:
+        `process`, its ``init_distributed()``'s ``(rank, world_size, local_rank, device)`` (None: the
+        trainer joins the group); `seeded`, torch's seed set to train.seed before the model was built
+        (False: the trainer sets it); `inputs_checked`, the run folder checked by the job's
+        validation pass (False: checked in `train`, by the same ``check_output_dir``).
+        `on_train_start`: rank 0 calls it once training is about to start, a resume having
+        succeeded (the command line writes the run's config.yaml then: a run that cannot start
+        leaves the folder as it was)."""
         self.args = TrainArgs.from_any(args)
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
         self.text_column_name = text_column_name
         self.data_collator = data_collator
         vocab = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None  # None: no tokenizer
         check_fits(model, vocab, self.args.max_length)
-        self.rank, self.world_size, self.local_rank, self.device = init_distributed(self.args.timeout_s)
-        torch.manual_seed(self.args.seed)
+        process = process if process is not None else init_distributed(self.args.timeout_s)
+        self.rank, self.world_size, self.local_rank, self.device = process
+        if not seeded:
+            torch.manual_seed(self.args.seed)
         self.model = model.to(self.device)
         if self.rank == 0 and (note := loss_note(model)) is not None:  # right, but slower than the fused loss
             print(note, flush=True)
         if self.args.gradient_checkpointing:  # activations recomputed layer by layer in the backward pass
             checkpoint_activations(model)
         self.engine = None
-        # Rank 0 calls it once training is about to start, a resume having succeeded (the command
-        # line writes the run's config.yaml then: a run that cannot start leaves the folder as it was)
-        self.on_train_start: Callable[[], None] | None = None
-        self.inputs_checked = False  # True: the command line's validation pass has checked the run folder
+        self._on_train_start, self._inputs_checked = on_train_start, inputs_checked
         self._collator_fields = forward_fields(model) if self.args.remove_unused_columns else None
         self.train_data = self._prepare(train_dataset) if train_dataset is not None else None
         if eval_dataset is not None:
@@ -192,8 +204,8 @@ class DecoupledTrainer:
                 # every rank starts the clock together.
                 log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length,
                              args.log_step, int(meta["step"]) if folder is not None else None)  # fmt: skip
-                if self.on_train_start is not None and self.rank == 0:
-                    self.on_train_start()
+                if self._on_train_start is not None and self.rank == 0:
+                    self._on_train_start()
                 stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown,
                                                  vocab_size=token_rows(self.model))
                 log.start_progress(args.nb_steps_tot, self.engine.samples, self.engine.sync_note())
@@ -284,7 +296,7 @@ class DecoupledTrainer:
 
         def verdict() -> str:
             try:
-                if not self.inputs_checked:
+                if not self._inputs_checked:
                     check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
                 numel = count_parameters(self.model, trainable_only=True)
                 point = decide_resume(args, self.world_size, lambda _: numel)

@@ -98,13 +98,45 @@ def test_a_lone_worker_validates_once_and_hands_the_trainer_rows(tmp_path, monke
 
     keep = acco.host_memory.keep_heap_small
     monkeypatch.setattr(acco.host_memory, "keep_heap_small", lambda: seen.setdefault("heap", keep()))
+    calls = _count_calls(monkeypatch)
     assert cli.run(compose(["launch.nproc=1", *job_overrides(tmp_path, "train.eval=true")])) == 0
+    # each done once in the process: the trainer is handed what the command line did
+    assert calls == {"init_distributed": 1, "manual_seed": 1, "check_output_dir": 1}
     assert seen["heap"] is True  # the worker fixed glibc's mmap threshold before building anything
     assert len(checks) == 1  # the one validation pass
     assert handed[0] is not None and handed[0].corpus is not None  # its corpus, taken by the worker
     assert seen["loaded after"] is None  # and let go of once the rows exist
     assert isinstance(seen["train"], Rows) and isinstance(seen["eval"], Rows)
     assert (tmp_path / "out" / "summary.json").exists()
+
+
+def _count_calls(monkeypatch) -> dict[str, int]:
+    """Counts, in `calls`, the process group joined, torch's seed set and the run folder checked,
+    under every name the command line and the trainer reach them by."""
+    import torch
+
+    import acco.launch.process_group
+    import acco.trainer
+    import acco.validate
+
+    calls = {}
+
+    def counted(module, name):
+        real = getattr(module, name)
+        calls[name] = 0
+
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return count
+
+    init = counted(acco.launch.process_group, "init_distributed")
+    for module in (acco.launch.process_group, acco.trainer):
+        monkeypatch.setattr(module, "init_distributed", init)
+    monkeypatch.setattr(torch, "manual_seed", counted(torch, "manual_seed"))
+    monkeypatch.setattr(acco.validate, "check_output_dir", counted(acco.validate, "check_output_dir"))
+    return calls
 
 
 # A worker command that fails if it validates or composes: the launcher must hand it the job.
