@@ -24,7 +24,7 @@ modules that own a thing expose what the checks need (``acco.models.trainable_pa
 - the data: readable, and at least one global batch. Its size tells at once for a large corpus;
   a small one is split, its BPE trained and its training split tokenized as the workers do it,
   into the packing cache where they then find it. A large corpus (``PREPARE_FROM_TOKENS``) must
-  have been tokenized into the cache before the job, by ``acco-prepare`` (acco/prepare.py).
+  have been tokenized into the cache before the job, by ``acco-prepare`` (acco/prepare_cli.py).
 
 Every failure is an ``InputError`` (a ValueError) whose message is one line naming the config key
 and the file, value or numbers at fault (``check_at_once``'s: a line per problem). Nothing here

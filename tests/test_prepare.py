@@ -29,7 +29,7 @@ from acco.config import InputError, TrainArgs, compose
 from acco.data import load_tokenizer, synthetic_corpus, token_stream, train_bpe
 from acco.data.prepare import split_corpus
 from acco.data.text import load_corpus
-from acco.prepare import main
+from acco.prepare_cli import main
 from acco.validate import validate_job
 
 
