@@ -64,6 +64,173 @@ class Role(enum.Enum):
 INTERRUPTED = "acco: interrupted; Ctrl-C saves nothing (a SIGTERM checkpoints first: train.save_on_signal)\n"
 
 
+HYDRA_FLAGS = {"-h", "--help", "-hc", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p",
+               "--package", "-i", "--info", "-r", "--run", "-m", "--multirun", "-sc", "--shell-completion",
+               "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun"}
+
+
+def entry() -> None:
+    """The command line's entry point (``acco-train``, ``python -m acco.cli``, main.py): `main`,
+    then, after a run that ended its own way, out without Python's finalization. A worker that
+    imported torch and transformers spends about 2 s on this 2-core VM tearing their modules down,
+    and a job waits for its slowest worker (BENCHMARKS.md, History, "From the test suite"). Only
+    the process's own exit is skipped: its other threads finish and its atexit hooks run (logging's
+    flush, the heartbeat's stop) as at a normal exit. `main` itself, which tests call in process,
+    exits as any function does."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # main's own exits carry an int; another (a message) is Python's to say
+        if not (e.code is None or isinstance(e.code, int)):
+            raise
+        code = e.code or 0
+    if code not in (0, EXIT_SAVED_ON_SIGNAL):
+        # A failed rank 0 hosts the rendezvous store, which its peers may be reading: gone at
+        # once, it would cut them off mid-read (a C++ trace and a second error line, seen on a
+        # 2-core VM), where a normal exit gives them the moments to say their own error first.
+        # A run that ended its own way has left the store in order (leave_the_store).
+        sys.exit(code)
+    exit_without_finalizing(code)
+
+
+def exit_without_finalizing(code: int) -> None:
+    """What a normal exit does that a run's outputs can depend on, then ``os._exit(code)``: the
+    interpreter's own first step (threading's exit hooks, which stop library thread pools, then
+    every other non-daemon thread joined), the atexit hooks, and the standard streams flushed.
+    acco's background checkpoint write is a daemon (a write stuck after a failure must not hold
+    the exit): the trainer waits for it before it returns, so a run's last checkpoint is on disk
+    before this starts."""
+    # CPython's own calls at exit, in its order (there is no public one). Joining the threads
+    # without the hooks waited forever on pools that only their hook stops: concurrent.futures'
+    # idle workers, inductor's compile pool among them (a compiled run never exited).
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say
+            pass
+    os._exit(code)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    warnings.showwarning = _one_line_warnings(warnings.showwarning)
+    if handed_job():  # a local launcher's worker: its forwarded notices are noted from here on
+        catch_early([name for name in os.environ.get(SAVE_SIGNALS_ENV, "").split(",") if name])
+    # acco's own progress notes (caches found, examples dropped) on stdout, as print's lines
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("acco").addHandler(handler)
+    logging.getLogger("acco").setLevel(logging.INFO)
+    if any(a.startswith("-") for a in argv):  # Hydra's own flags (--help, --cfg job, -m ...)
+        _refuse_other_flags(argv)
+        return _hydra_app()
+    debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in argv]
+    try:  # nested: a Ctrl-C that lands while an error is being reported is still a Ctrl-C
+        try:
+            cfg = None if handed_job() else compose(argv)  # a launched worker is handed its job instead
+            debug = debug or (cfg is not None and cfg.launch.debug)
+            code = run(cfg)
+        except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
+            if debug:
+                raise
+            if not launcher_is_stopping():  # else a peer stopped on the launcher's signal first
+                _report(e)
+            code = 1
+    except KeyboardInterrupt:  # Ctrl-C: said once (by the local launcher, if there is one)
+        if debug:
+            raise
+        launched = FAILURE_DIR_ENV in os.environ  # by the local launcher, which says it
+        if os.environ.get("RANK") is None or (os.environ["RANK"] == "0" and not launched):
+            sys.stderr.write(INTERRUPTED)
+        code = 128 + signal.SIGINT
+    if code:
+        sys.exit(code)
+
+
+def _refuse_other_flags(argv: list[str]) -> None:
+    """`--nproc 4` is not an override: one line naming the key=value meant, not Hydra's usage."""
+    for i, arg in enumerate(argv):
+        flag = arg.split("=", 1)[0]
+        if not arg.startswith("-") or flag in HYDRA_FLAGS:
+            continue
+        name = flag.lstrip("-").replace("-", "_")
+        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "...")
+        cfg = compose([])
+        keys = [f"{g}.{name}" for g in cfg if isinstance(cfg[g], DictConfig) and name in cfg[g]]
+        meant = f" (did you mean '{keys[0]}={value}'?)" if keys else ""
+        sys.stderr.write(f"acco: error: unknown option {flag!r}{meant}: settings are key=value overrides, "
+                         "e.g. launch.nproc=2 train=acco\n")
+        sys.exit(2)
+
+
+def _hydra_app() -> None:
+    import hydra
+
+    @hydra.main(version_base="1.3", config_path="conf", config_name="config")
+    def app(cfg: DictConfig) -> None:
+        check_values(cfg)  # as compose does: Hydra's composition runs no group's value checks
+        code = run(cfg)
+        if code:
+            sys.exit(code)
+
+    app()
+
+
+def _one_line_warnings(show):
+    """warnings.showwarning for the command line: acco's own configuration warnings as one line
+    from rank 0 (not Python's file, line and source of whatever code built the config)."""
+
+    def showwarning(message, category, *args, **kwargs):
+        if not issubclass(category, ConfigWarning):
+            return show(message, category, *args, **kwargs)
+        if _launched_rank() in (None, "0"):  # once per job, also under srun
+            sys.stderr.write(f"acco: warning: {message}\n")
+
+    return showwarning
+
+
+def _report(e: BaseException) -> None:
+    rank = _launched_rank()
+    where = f"[rank {rank}] " if rank is not None else ""
+    # acco's own input errors are worded for the user: no class name in front (as acco-prepare)
+    kind = "" if isinstance(e, InputError | DataError) else f"{type(e).__name__}: "
+    # one write of the whole text (print writes its newline apart where stderr is unbuffered)
+    sys.stderr.write("".join(f"acco: error: {where}{kind}{line}\n" for line in error_lines(e)))
+    sys.stderr.flush()
+
+
+def _launched_rank() -> str | None:
+    """This worker's rank as its launcher set it: RANK (torchrun, acco's local launcher), else
+    SLURM_PROCID in an srun step; None outside any."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"]
+    try:
+        env = dist_env()
+    except ValueError:  # a malformed SLURM variable: the run's own check says so
+        return None
+    return None if env is None else str(env["rank"])
+
+
+def error_lines(e: BaseException) -> list[str]:
+    """What an error says, a line each: the problems of an InputError (acco.validate.check_at_once
+    reports several together, one to a line), else the exception's one line."""
+    if isinstance(e, InputError):
+        return [" ".join(line.split()) for line in str(e).split("\n") if line.strip()] or [type(e).__name__]
+    return [one_line_error(e)]
+
+
+def run(cfg: DictConfig | None) -> int:
+    """The job of a composed config (None: a launched worker, handed its job by the launcher)."""
+    role, world_size = process_role(cfg)
+    env = dist_env()
+    quiet_progress_bars(env["rank"] if env else 0)
+    if role is Role.LAUNCHER:
+        return launch_workers(cfg, world_size)
+    return train_worker(cfg, role, world_size)
+
+
 def process_role(cfg: DictConfig | None) -> tuple[Role, int]:
     """What this process is, and the job's number of workers: decided here only. `cfg` is read
     for a plain ``python main.py`` alone (launch.nproc); a launched worker has none."""
@@ -83,34 +250,6 @@ def quiet_progress_bars(rank: int) -> None:
     # seconds of start-up).
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
-
-
-def run(cfg: DictConfig | None) -> int:
-    """The job of a composed config (None: a launched worker, handed its job by the launcher)."""
-    role, world_size = process_role(cfg)
-    env = dist_env()
-    quiet_progress_bars(env["rank"] if env else 0)
-    if role is Role.LAUNCHER:
-        return launch_workers(cfg, world_size)
-    return train_worker(cfg, role, world_size)
-
-
-def validated(job: Job) -> str:
-    """The job's one validation pass (acco.validate.check_job), as the word and line every
-    process acts on: "ok RESUME" (where the job resumes from: acco.resume.ResumePoint's JSON),
-    "done LINE" (the checkpoint to resume has completed the budget) or "error LINE". What the
-    pass loaded stays in ``job.loaded``, its resume decision in ``job.resume``."""
-    from acco.validate import check_job
-
-    try:
-        check_job(job)
-    except AlreadyCompleted as done:
-        return f"done {done}"
-    except Exception as e:
-        if job.launch.debug or os.environ.get("ACCO_DEBUG"):
-            raise
-        return "error " + "\n".join(error_lines(e))
-    return f"ok {job.resume.to_json() if job.resume else ''}"
 
 
 def launch_workers(cfg: DictConfig, nproc: int) -> int:
@@ -156,6 +295,24 @@ def launch_workers(cfg: DictConfig, nproc: int) -> int:
     except AlreadyCompleted as done:  # the checkpoint to resume has completed the budget
         print(done, flush=True)
         return 0
+
+
+def validated(job: Job) -> str:
+    """The job's one validation pass (acco.validate.check_job), as the word and line every
+    process acts on: "ok RESUME" (where the job resumes from: acco.resume.ResumePoint's JSON),
+    "done LINE" (the checkpoint to resume has completed the budget) or "error LINE". What the
+    pass loaded stays in ``job.loaded``, its resume decision in ``job.resume``."""
+    from acco.validate import check_job
+
+    try:
+        check_job(job)
+    except AlreadyCompleted as done:
+        return f"done {done}"
+    except Exception as e:
+        if job.launch.debug or os.environ.get("ACCO_DEBUG"):
+            raise
+        return "error " + "\n".join(error_lines(e))
+    return f"ok {job.resume.to_json() if job.resume else ''}"
 
 
 def train_worker(cfg: DictConfig | None, role: Role, world_size: int) -> int:
@@ -274,163 +431,6 @@ def _build_model(job: Job, tokenizer, device, announce: bool):
               f"{n:,} parameters, vocabulary {len(tokenizer):,}; attention: {attention_of(model)} "
               "(model.attn_implementation=... to choose)", flush=True)
     return model
-
-
-def error_lines(e: BaseException) -> list[str]:
-    """What an error says, a line each: the problems of an InputError (acco.validate.check_at_once
-    reports several together, one to a line), else the exception's one line."""
-    if isinstance(e, InputError):
-        return [" ".join(line.split()) for line in str(e).split("\n") if line.strip()] or [type(e).__name__]
-    return [one_line_error(e)]
-
-
-def _launched_rank() -> str | None:
-    """This worker's rank as its launcher set it: RANK (torchrun, acco's local launcher), else
-    SLURM_PROCID in an srun step; None outside any."""
-    if "RANK" in os.environ:
-        return os.environ["RANK"]
-    try:
-        env = dist_env()
-    except ValueError:  # a malformed SLURM variable: the run's own check says so
-        return None
-    return None if env is None else str(env["rank"])
-
-
-def _report(e: BaseException) -> None:
-    rank = _launched_rank()
-    where = f"[rank {rank}] " if rank is not None else ""
-    # acco's own input errors are worded for the user: no class name in front (as acco-prepare)
-    kind = "" if isinstance(e, InputError | DataError) else f"{type(e).__name__}: "
-    # one write of the whole text (print writes its newline apart where stderr is unbuffered)
-    sys.stderr.write("".join(f"acco: error: {where}{kind}{line}\n" for line in error_lines(e)))
-    sys.stderr.flush()
-
-
-def _one_line_warnings(show):
-    """warnings.showwarning for the command line: acco's own configuration warnings as one line
-    from rank 0 (not Python's file, line and source of whatever code built the config)."""
-
-    def showwarning(message, category, *args, **kwargs):
-        if not issubclass(category, ConfigWarning):
-            return show(message, category, *args, **kwargs)
-        if _launched_rank() in (None, "0"):  # once per job, also under srun
-            sys.stderr.write(f"acco: warning: {message}\n")
-
-    return showwarning
-
-
-def main() -> None:
-    argv = sys.argv[1:]
-    warnings.showwarning = _one_line_warnings(warnings.showwarning)
-    if handed_job():  # a local launcher's worker: its forwarded notices are noted from here on
-        catch_early([name for name in os.environ.get(SAVE_SIGNALS_ENV, "").split(",") if name])
-    # acco's own progress notes (caches found, examples dropped) on stdout, as print's lines
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger("acco").addHandler(handler)
-    logging.getLogger("acco").setLevel(logging.INFO)
-    if any(a.startswith("-") for a in argv):  # Hydra's own flags (--help, --cfg job, -m ...)
-        _refuse_other_flags(argv)
-        return _hydra_app()
-    debug = os.environ.get("ACCO_DEBUG") or "launch.debug=true" in [a.lower() for a in argv]
-    try:  # nested: a Ctrl-C that lands while an error is being reported is still a Ctrl-C
-        try:
-            cfg = None if handed_job() else compose(argv)  # a launched worker is handed its job instead
-            debug = debug or (cfg is not None and cfg.launch.debug)
-            code = run(cfg)
-        except Exception as e:  # one clear line for the user; launch.debug=true shows the traceback
-            if debug:
-                raise
-            if not launcher_is_stopping():  # else a peer stopped on the launcher's signal first
-                _report(e)
-            code = 1
-    except KeyboardInterrupt:  # Ctrl-C: said once (by the local launcher, if there is one)
-        if debug:
-            raise
-        launched = FAILURE_DIR_ENV in os.environ  # by the local launcher, which says it
-        if os.environ.get("RANK") is None or (os.environ["RANK"] == "0" and not launched):
-            sys.stderr.write(INTERRUPTED)
-        code = 128 + signal.SIGINT
-    if code:
-        sys.exit(code)
-
-
-HYDRA_FLAGS = {"-h", "--help", "-hc", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p",
-               "--package", "-i", "--info", "-r", "--run", "-m", "--multirun", "-sc", "--shell-completion",
-               "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun"}
-
-
-def _refuse_other_flags(argv: list[str]) -> None:
-    """`--nproc 4` is not an override: one line naming the key=value meant, not Hydra's usage."""
-    for i, arg in enumerate(argv):
-        flag = arg.split("=", 1)[0]
-        if not arg.startswith("-") or flag in HYDRA_FLAGS:
-            continue
-        name = flag.lstrip("-").replace("-", "_")
-        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "...")
-        cfg = compose([])
-        keys = [f"{g}.{name}" for g in cfg if isinstance(cfg[g], DictConfig) and name in cfg[g]]
-        meant = f" (did you mean '{keys[0]}={value}'?)" if keys else ""
-        sys.stderr.write(f"acco: error: unknown option {flag!r}{meant}: settings are key=value overrides, "
-                         "e.g. launch.nproc=2 train=acco\n")
-        sys.exit(2)
-
-
-def _hydra_app() -> None:
-    import hydra
-
-    @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-    def app(cfg: DictConfig) -> None:
-        check_values(cfg)  # as compose does: Hydra's composition runs no group's value checks
-        code = run(cfg)
-        if code:
-            sys.exit(code)
-
-    app()
-
-
-def entry() -> None:
-    """The command line's entry point (``acco-train``, ``python -m acco.cli``, main.py): `main`,
-    then, after a run that ended its own way, out without Python's finalization. A worker that
-    imported torch and transformers spends about 2 s on this 2-core VM tearing their modules down,
-    and a job waits for its slowest worker (BENCHMARKS.md, History, "From the test suite"). Only
-    the process's own exit is skipped: its other threads finish and its atexit hooks run (logging's
-    flush, the heartbeat's stop) as at a normal exit. `main` itself, which tests call in process,
-    exits as any function does."""
-    try:
-        main()
-        code = 0
-    except SystemExit as e:  # main's own exits carry an int; another (a message) is Python's to say
-        if not (e.code is None or isinstance(e.code, int)):
-            raise
-        code = e.code or 0
-    if code not in (0, EXIT_SAVED_ON_SIGNAL):
-        # A failed rank 0 hosts the rendezvous store, which its peers may be reading: gone at
-        # once, it would cut them off mid-read (a C++ trace and a second error line, seen on a
-        # 2-core VM), where a normal exit gives them the moments to say their own error first.
-        # A run that ended its own way has left the store in order (leave_the_store).
-        sys.exit(code)
-    exit_without_finalizing(code)
-
-
-def exit_without_finalizing(code: int) -> None:
-    """What a normal exit does that a run's outputs can depend on, then ``os._exit(code)``: the
-    interpreter's own first step (threading's exit hooks, which stop library thread pools, then
-    every other non-daemon thread joined), the atexit hooks, and the standard streams flushed.
-    acco's background checkpoint write is a daemon (a write stuck after a failure must not hold
-    the exit): the trainer waits for it before it returns, so a run's last checkpoint is on disk
-    before this starts."""
-    # CPython's own calls at exit, in its order (there is no public one). Joining the threads
-    # without the hooks waited forever on pools that only their hook stops: concurrent.futures'
-    # idle workers, inductor's compile pool among them (a compiled run never exited).
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say
-            pass
-    os._exit(code)
 
 
 if __name__ == "__main__":
