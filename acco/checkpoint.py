@@ -309,7 +309,7 @@ def save_run(
         worker["cuda_rng"] = device_rng
     meta = {
         "step": record.step,
-        "samples": record.samples,
+        "samples": record.committed_micro_batches,
         "method": args["method_name"],
         "world_size": world_size,
         "numel": state["numel"],

@@ -73,11 +73,12 @@ class RunLog:
 
     def update(self, record: UpdateRecord) -> dict:
         self.records.append(record)
+        done = record.committed_micro_batches  # the x axis: micro-batches over all workers
         line = {
             "type": "train",
             "step": record.step,
-            "samples": record.samples,
-            "tokens": record.samples * self.tokens_per_micro_batch,  # positions, padding included
+            "samples": done,  # metrics.jsonl's key, as the reference repo's users read it
+            "tokens": done * self.tokens_per_micro_batch,  # positions, padding included
             "target_tokens": record.weight,  # this update's tokens with a label, all workers
             "loss": record.loss if math.isfinite(record.loss) else None,  # (JSON has no NaN)
             "lr": record.lr,
@@ -100,15 +101,15 @@ class RunLog:
         self._metrics.write(json.dumps(line) + "\n")
         self._metrics.flush()  # a killed run keeps its lines up to the last update
         for key in ("loss", "lr", "compute_s", "wait_s", "comm_s"):
-            self._tb.add_scalar(f"train/{key}", getattr(record, key), record.samples)
+            self._tb.add_scalar(f"train/{key}", getattr(record, key), done)
         if line["grad_norm"] is not None:  # None with clipping off
-            self._tb.add_scalar("train/grad_norm", record.grad_norm, record.samples)
+            self._tb.add_scalar("train/grad_norm", record.grad_norm, done)
         if record.estimate_micro_batches is not None:
-            self._tb.add_scalar("train/estimate_micro_batches", record.estimate_micro_batches, record.samples)
+            self._tb.add_scalar("train/estimate_micro_batches", record.estimate_micro_batches, done)
         tokens_per_s = line["tokens"] / max(record.wall_time, 1e-9)
-        self._tb.add_scalar("train/tokens_per_s", tokens_per_s, record.samples)
+        self._tb.add_scalar("train/tokens_per_s", tokens_per_s, done)
         if self._bar is not None:
-            self._bar.update(record.samples - self._bar.n)
+            self._bar.update(done - self._bar.n)
             self._bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         elif record.step % self.log_every == 0 or record.step == 1:
             self._print(record, tokens_per_s)
@@ -125,7 +126,7 @@ class RunLog:
     def _print(self, record: UpdateRecord, tokens_per_s: float) -> None:
         self._unprinted = None
         print(
-            f"step {record.step:>6}  samples {record.samples:>8}  loss {record.loss:.4f}  "
+            f"step {record.step:>6}  samples {record.committed_micro_batches:>8}  loss {record.loss:.4f}  "
             f"lr {record.lr:.2e}  "
             + (f"grad_norm {record.grad_norm:.3f}  " if math.isfinite(record.grad_norm) else "")
             + f"tokens/s {tokens_per_s:,.0f}",
@@ -159,7 +160,7 @@ class RunLog:
         self.print_pending()  # the last update's line, whatever log_step
         recs = self.records
         wall = recs[-1].wall_time if recs else 0.0
-        samples = recs[-1].samples if recs else 0
+        samples = recs[-1].committed_micro_batches if recs else 0
         tokens = samples * self.tokens_per_micro_batch
         # Steady state: leave out the first update (warm start, allocator, first collectives).
         steady = recs[1:] if len(recs) > 1 else recs

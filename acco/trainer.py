@@ -208,7 +208,8 @@ class DecoupledTrainer:
                     self._on_train_start()
                 stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown,
                                                  vocab_size=token_rows(self.model))
-                log.start_progress(args.nb_steps_tot, self.engine.samples, self.engine.sync_note())
+                engine = self.engine
+                log.start_progress(args.nb_steps_tot, engine.committed_micro_batches, engine.sync_note())
                 every_rank_at("start")
                 records = self.engine.run(stream, causal_lm_loss)
                 for record in records:
@@ -222,7 +223,7 @@ class DecoupledTrainer:
                         if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
                             stopped = self._evaluate_and_log(log, record)
                         # Every worker's record of the same update says stop: all checkpoint it and leave.
-                        on_signal = record.stop and record.samples < args.nb_steps_tot
+                        on_signal = record.stop and record.committed_micro_batches < args.nb_steps_tot
                         if (args.save_step and record.step % args.save_step == 0) or on_signal:
                             self._checkpoint(record, position, log)
                     if stopped or on_signal:
@@ -265,7 +266,7 @@ class DecoupledTrainer:
             dist.barrier()
         start = time.perf_counter()
         loss = self.evaluate()["eval_loss"]
-        log.evaluation(record.step, record.samples, loss, eval_s=time.perf_counter() - start,
+        log.evaluation(record.step, record.committed_micro_batches, loss, eval_s=time.perf_counter() - start,
                        sync_note=self.engine.sync_note())
         return self.args.stop_at_eval_loss is not None and loss <= self.args.stop_at_eval_loss
 
@@ -334,9 +335,8 @@ class DecoupledTrainer:
         from acco.models import flops_per_token
 
         per_token = flops_per_token(self.model, self.args.max_length)
-        tokens_per_s = (
-            log.records[-1].samples * log.tokens_per_micro_batch / max(log.records[-1].wall_time, 1e-9)
-        )
+        last = log.records[-1]
+        tokens_per_s = last.committed_micro_batches * log.tokens_per_micro_batch / max(last.wall_time, 1e-9)
         peak = _peak_flops(self.device)
         per_worker = per_token * tokens_per_s / self.world_size
         return {"flops_per_token": per_token, "mfu": per_worker / peak if peak else None}

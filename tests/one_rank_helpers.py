@@ -114,7 +114,8 @@ def train_each(device, build, cfgs, batches, loss):
             records = list(engine.run(batches(device), loss))
             engine.close()
         theta = parameters_to_vector(model.parameters()).detach().float().cpu()
-        out.append((cfg.method, theta, [(r.loss, r.micro_batches, r.samples) for r in records], seen))
+        kept = [(r.loss, r.micro_batches, r.committed_micro_batches) for r in records]
+        out.append((cfg.method, theta, kept, seen))
     return out
 
 

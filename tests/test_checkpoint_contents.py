@@ -93,7 +93,7 @@ def _reshard_on(rank: int, world: int, old_world: int) -> dict:
         "expected": expected,
         "params": engine.flat.params[:numel].clone(),
         "master": full["master"],
-        "samples": engine.samples,
+        "samples": engine.committed_micro_batches,
         "step_count": opt.step_count,
         "grads": engine.flat.grads.abs().sum().item(),
     }

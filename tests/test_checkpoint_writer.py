@@ -38,7 +38,7 @@ class _Position:
 
 def _save(engine, out, step, writer, model):
     args = {"method_name": "ddp", "output_dir": str(out), "save_total_limit": None}
-    record = SimpleNamespace(step=step, samples=step, wall_time=0.0)
+    record = SimpleNamespace(step=step, committed_micro_batches=step, wall_time=0.0)
 
     def snapshot_model(w):
         copy = w.host_copy(model, "model.w")

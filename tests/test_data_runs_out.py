@@ -33,7 +33,9 @@ def _finite_runs(rank: int, world: int) -> dict:
         cfg = config(method=method, nb_steps_tot=1000, n_grad_accumulation=1, **_settings(method))
         engine = build_engine(make_model("mlp"), cfg)
         data = [micro_batch("mlp", j * world + rank) for j in range(PER_WORKER)]
-        records = [(r.step, r.samples, r.loss, r.micro_batches) for r in engine.run(data, loss_fn)]
+        records = [
+            (r.step, r.committed_micro_batches, r.loss, r.micro_batches) for r in engine.run(data, loss_fn)
+        ]
         engine.close()
         out[method] = records
     return out

@@ -46,7 +46,7 @@ def test_diloco_and_streaming_equal_their_reference(kind, world, device):
     for cfg, (theta, records) in zip(cfgs, results[0]):
         expected, losses = reference_diloco(kind, cfg, world)
         assert [r.step for r in records] == list(range(1, len(losses) + 1))
-        assert records[-1].samples == cfg.nb_steps_tot
+        assert records[-1].committed_micro_batches == cfg.nb_steps_tot
         assert_close(theta, expected, f"{cfg.method} vs its reference")
         assert_close(torch.tensor([r.loss for r in records]), torch.tensor(losses), f"{cfg.method} losses")
         finals.append(theta)
@@ -289,7 +289,7 @@ def test_mixed_precision_sends_bf16_and_keeps_fp32_state(device):
     assert wire == torch.bfloat16 and local == torch.float32 and params.dtype == torch.bfloat16
     assert torch.equal(params, global_params.to(torch.bfloat16))  # the final model is the global one
     assert torch.equal(global_params, results[1][3])  # and the same on every worker
-    assert all(math.isfinite(r.loss) for r in records) and records[-1].samples == 16
+    assert all(math.isfinite(r.loss) for r in records) and records[-1].committed_micro_batches == 16
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -47,7 +47,7 @@ def test_methods_equal_their_references(kind, world, clip, device):
     ref = Reference(kind, cfgs[0], world, [n] * world)
     expected = ref.ddp(updates)
     assert [r.step for r in ddp_rec] == list(range(1, updates + 1))
-    assert [r.samples for r in ddp_rec] == [n * world * (t + 1) for t in range(updates)]
+    assert [r.committed_micro_batches for r in ddp_rec] == [n * world * (t + 1) for t in range(updates)]
     assert_close(ddp, expected, "ddp vs AdamW on the global batches")
     assert_close(torch.tensor([r.loss for r in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
     assert_close(tddp, expected, "torch-ddp vs AdamW on the global batches")
@@ -141,7 +141,7 @@ def test_time_varying_counts_with_accumulate_while_waiting():
     counts = [r.micro_batches for r in records]
     assert counts[0] == [1, 1]  # the warm start computes exactly n_grad_accumulation
     assert any(sum(c) > 2 for c in counts[1:]), f"no worker accumulated while waiting: {counts}"
-    assert records[-1].samples == sum(map(sum, counts)) >= 150
+    assert records[-1].committed_micro_batches == sum(map(sum, counts)) >= 150
     # dpu: the micro-batches of update k are those computed during round k-1 (k = 0: warm start).
     expected = reference_delayed(Reference("mlp", cfg, 2, [1, 1]), len(records), False, counts + [[1, 1]])
     assert_close(theta, expected, "dpu with time-varying counts")

@@ -52,8 +52,8 @@ def test_the_console_prints_every_log_step_and_the_last_update(tmp_path, capsys,
     log = RunLog(str(tmp_path), rank=0, world_size=1, tokens_per_micro_batch=8, log_every=3)
     log.start_progress(2 * updates)  # not a terminal (captured): a line first, then plain lines
     for step in range(1, updates + 1):
-        log.update(UpdateRecord(step=step, samples=2 * step, loss=1.0, lr=1e-3, micro_batches=[2],
-                                wall_time=float(step)))
+        log.update(UpdateRecord(step=step, committed_micro_batches=2 * step, loss=1.0, lr=1e-3,
+                                micro_batches=[2], wall_time=float(step)))
     log.close(log.summary("ddp", torch.device("cpu")))
     out = capsys.readouterr().out
     assert out.startswith(f"training: 1 worker(s), 8 tokens per micro-batch, a budget of {2 * updates} "

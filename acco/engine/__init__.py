@@ -66,9 +66,9 @@ class Engine(Protocol):
     your own (docs/internals.md, "Rules the pieces keep")."""
 
     @property
-    def samples(self) -> int:
+    def committed_micro_batches(self) -> int:
         """Micro-batches over all workers in committed updates (diloco: inner steps) so far, the
-        budget's unit (inside the engines: `committed_micro_batches`)."""
+        budget's unit (checkpoints and metrics call it `samples`)."""
 
     @property
     def step(self) -> int:

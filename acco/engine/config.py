@@ -383,7 +383,9 @@ class UpdateRecord:
     """One committed optimizer update, as every worker sees it (identical on all ranks but the timers)."""
 
     step: int  # committed updates so far, this one included
-    samples: int  # micro-batches over all workers in committed updates so far
+    # over all workers, in committed updates so far: the budget's unit ("samples" in the checkpoints' meta
+    # and metrics.jsonl)
+    committed_micro_batches: int
     loss: float  # weighted mean training loss over this update's micro-batches, all workers
     lr: float
     micro_batches: list[int] = field(default_factory=list)  # this update's micro-batches, per worker

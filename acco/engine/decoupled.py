@@ -269,7 +269,7 @@ class DecoupledEngine:
         self.split.agree(result.agreed_split)
         return UpdateRecord(
             step=result.step,
-            samples=result.committed_micro_batches,
+            committed_micro_batches=result.committed_micro_batches,
             loss=result.loss,
             lr=result.lr,
             micro_batches=result.micro_batches,
@@ -316,7 +316,7 @@ class DecoupledEngine:
         return contextlib.nullcontext()
 
     @property
-    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
+    def committed_micro_batches(self) -> int:  # over all workers, in committed updates: the comm round's
         return self.comm.committed_micro_batches
 
     @property

@@ -324,7 +324,7 @@ class DiLoCoEngine:
             if n:  # an inner step with no data (after this worker's ran out) is no update: no record
                 yield UpdateRecord(
                     step=self.step,
-                    samples=self.committed_micro_batches,
+                    committed_micro_batches=self.committed_micro_batches,
                     loss=self._last_loss,
                     lr=lr,
                     micro_batches=[n] * self.world_size,
@@ -339,10 +339,6 @@ class DiLoCoEngine:
             if finished:
                 return
             n, compute, self.computed_ahead = self.computed_ahead, next_compute, 0
-
-    @property
-    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
-        return self.committed_micro_batches
 
     def request_stop(self) -> None:
         """Signal-safe: the next fragment all-reduce tells every worker to stop at the step it lands

@@ -35,7 +35,7 @@ def state_header(engine) -> dict:
         "numel": engine.flat.layout.numel,
         "world_size": engine.world_size,
         "rank": engine.rank,
-        "samples": engine.samples,
+        "samples": engine.committed_micro_batches,
         "step": engine.step,
         "wall_time": engine.last_wall_time,
     }

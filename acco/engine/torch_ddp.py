@@ -136,10 +136,6 @@ class TorchDDPEngine:
         self.fetched_ahead = 0  # micro-batches taken from the stream for the next update, not computed yet
         self._stop_requested = False
 
-    @property
-    def samples(self) -> int:  # the Engine interface's name: micro-batches over all workers committed
-        return self.committed_micro_batches
-
     def request_stop(self) -> None:
         """Signal-safe: this worker's next statistics tell every worker to stop after that update."""
         self._stop_requested = True
@@ -217,7 +213,7 @@ class TorchDDPEngine:
             exhausted = any(row[EXHAUSTED] > 0 for row in table)
             record = UpdateRecord(
                 step=self.step,
-                samples=self.committed_micro_batches,
+                committed_micro_batches=self.committed_micro_batches,
                 loss=sum(row[LOSS] for row in table) / weight,
                 lr=lr,
                 micro_batches=micro_batches,
