@@ -51,16 +51,18 @@ class RunLog:
 
     # ---- per update / per evaluation -------------------------------------------------------
 
-    def start_progress(self, total_samples: int, initial_samples: int = 0, sync_note: str | None = None):
+    def start_progress(
+        self, budget_micro_batches: int, committed_micro_batches: int = 0, sync_note: str | None = None
+    ):
         """A tqdm bar on rank 0 in a terminal; plain log lines every `log_every` updates otherwise,
         after one saying that training has begun (a first update may take minutes on a CPU), and
         what evaluations see where that is not what training computes at (the engine's `sync_note`)."""
         if self.rank != 0:
             return
         if not sys.stderr.isatty():
-            since = f" from {initial_samples:,}" if initial_samples else ""
+            since = f" from {committed_micro_batches:,}" if committed_micro_batches else ""
             print(f"training: {self.world_size} worker(s), {self.tokens_per_micro_batch:,} tokens per "
-                  f"micro-batch, a budget of {total_samples:,} micro-batches{since}; a line every "
+                  f"micro-batch, a budget of {budget_micro_batches:,} micro-batches{since}; a line every "
                   f"{self.log_every} updates", flush=True)
         if sync_note:
             print(f"evaluations see the {sync_note}", flush=True)
@@ -68,7 +70,8 @@ class RunLog:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
-                total=total_samples, initial=initial_samples, unit="mb", dynamic_ncols=True, desc="train"
+                total=budget_micro_batches, initial=committed_micro_batches, unit="mb", dynamic_ncols=True,
+                desc="train",
             )
 
     def update(self, record: UpdateRecord) -> dict:

@@ -322,3 +322,25 @@ def test_ci_runs_the_test_commands_the_readme_gives():
     assert readme_tests == [["make", "test"], ["make", "test-slow"]], readme_tests
     assert ci_commands(ROOT / ".ci" / "run") == readme_tests
 
+
+
+def test_the_glossary_gives_every_counting_key_its_unit():
+    """Every train key that counts something (an integer, or acco's cap and split) has a row in
+    docs/training.md's glossary saying what it counts: the seed's names (nb_steps_tot, warmup) count
+    micro-batches where n_warmup_steps counts updates, and only the glossary says which."""
+    import dataclasses
+    import typing
+
+    from acco.config import TrainArgs
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    glossary = text.split("## Glossary: what counts micro-batches and what counts updates", 1)[1]
+    glossary = glossary.split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| (.+?) \|", glossary, re.M))
+    rows = {key for cell in named for key in re.findall(r"`(\w+)`", cell)}
+    hints = typing.get_type_hints(TrainArgs)
+    integers = {name for name, hint in hints.items() if int in (hint, *typing.get_args(hint))}
+    # seed is a number, not a count
+    counting = ({f.name for f in dataclasses.fields(TrainArgs)} & integers) - {"seed"}
+    counting |= {"accumulate_cap", "estimate_micro_batches"}
+    assert counting <= rows, f"no glossary row for {sorted(counting - rows)}"
