@@ -13,7 +13,7 @@ Why not ``torch.distributed.launcher.api.elastic_launch``: it restarts groups, r
 its own agent, and reports a failure as a multi-line ``ChildFailedError`` table after its own
 monitoring interval. Here the contract is smaller and stricter (first failure ends the run within
 a second, one line naming the rank, whole process trees killed, signals forwarded), and it is
-~150 lines that tests can read.
+a few short functions that tests can read.
 """
 
 from __future__ import annotations
@@ -199,9 +199,44 @@ def launch_local(
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    report_dir, report_lock = _report_folder()
+    base = _workers_env(nproc, env_extra, report_dir, save_signals)
+    launch = _Launch(save_signals, report_dir)
+    checked = check is None
+    try:
+        preexec = _parent_death_signal_setter()
+        if check is None:
+            # Before the first worker starts: a signal that arrives once a worker runs (however
+            # soon, and however long this process then waits for a core) is forwarded, not the
+            # end of the launcher alone.
+            launch.forward_signals()
+        else:
+            # A preemption notice while the job is checked is forwarded as well: each worker notes
+            # it from its first moments (preemption.catch_early), and its run stops after the first
+            # update, checkpointed. A Ctrl-C stays a KeyboardInterrupt until the check has passed.
+            launch.forward_signals(save_signals)
+        launch.start(nproc, argv, base, preexec, gated=check is not None)
+        if check is not None:
+            # a Ctrl-C here is a KeyboardInterrupt: the finally stops the workers
+            handed = b"go" + (check() or b"")
+            checked = True
+            launch.forward_signals()
+            launch.open_gates(handed)
+        return launch.wait()
+    finally:
+        # A job refused by its check: its workers have only imported (and note SIGTERM as a
+        # preemption notice while they start): killed at once, the error said without a wait.
+        launch.stop(grace_s if checked else 0.0)
+        shutil.rmtree(report_dir, ignore_errors=True)
+        os.close(report_lock)
+        launch.restore_signals()
+
+
+def _workers_env(nproc: int, env_extra: dict | None, report_dir: str, save_signals: Collection[int]) -> dict:
+    """The environment every worker shares: torchrun's variables, its report folder and the
+    signals it saves on (each worker adds its RANK and LOCAL_RANK)."""
     base = dict(os.environ)
     base.update({k: str(v) for k, v in (env_extra or {}).items()})
-    report_dir, report_lock = _report_folder()
     saves = ",".join(signal.Signals(s).name for s in save_signals)
     base.update(
         {FAILURE_DIR_ENV: report_dir, SAVE_SIGNALS_ENV: saves},
@@ -211,84 +246,85 @@ def launch_local(
         LOCAL_WORLD_SIZE=str(nproc),
         GROUP_RANK="0",
     )
-    exits: queue.Queue = queue.Queue()  # (rank, returncode) in the order the workers exit
-    signals_received: list[int] = []
-    procs: list[subprocess.Popen] = []
-    gates: list[int] = []  # write ends of the workers' start gates
+    return base
 
-    signalled: set[int] = set()  # the workers that a forwarded signal has reached
 
-    def on_signal(signum, _frame):  # forward; no locks taken here
-        signals_received.append(signum)
-        if signum not in save_signals or len(signals_received) > 1:  # the run ends: workers say nothing
-            note_stopping(report_dir)
-        for p in procs:
+class _Launch:
+    """One launch's workers, their start gates, and the signals it received: the signal handler
+    appends to ``signals_received`` and forwards, the waiting loop reads it."""
+
+    def __init__(self, save_signals: Collection[int], report_dir: str):
+        self.save_signals, self.report_dir = save_signals, report_dir
+        self.procs: list[subprocess.Popen] = []
+        self.gates: list[int] = []  # write ends of the workers' start gates
+        self.signals_received: list[int] = []
+        self.signalled: set[int] = set()  # the workers that a forwarded signal has reached
+        self.previous: dict = {}  # the launcher's caller's handlers, restored at the end
+        self.forwarded = False  # a signal was forwarded to the workers: no SIGTERM of ours on top
+
+    def on_signal(self, signum, _frame) -> None:  # forward; no locks taken here
+        self.signals_received.append(signum)  # a second signal, or one that saves nothing, ends the run:
+        # the workers say nothing (note_stopping)
+        if signum not in self.save_signals or len(self.signals_received) > 1:
+            note_stopping(self.report_dir)
+        for p in self.procs:
             if p.returncode is None:
-                _signal_group(p, signum if len(signals_received) == 1 else signal.SIGKILL)
-                signalled.add(p.pid)
+                _signal_group(p, signum if len(self.signals_received) == 1 else signal.SIGKILL)
+                self.signalled.add(p.pid)
 
-    previous = {}
-    result, forwarded, checked = 0, False, check is None
-
-    def forward_signals(which=(signal.SIGINT, signal.SIGTERM, *save_signals)) -> None:
+    def forward_signals(self, which: Collection[int] | None = None) -> None:
+        if which is None:
+            which = (signal.SIGINT, signal.SIGTERM, *self.save_signals)
         if threading.current_thread() is threading.main_thread():
             for sig in set(which):
-                handler = signal.signal(sig, on_signal)
-                previous.setdefault(sig, handler)  # the launcher's caller's, restored at the end
+                handler = signal.signal(sig, self.on_signal)
+                self.previous.setdefault(sig, handler)
 
-    try:
-        preexec = _parent_death_signal_setter()
-        if check is None:
-            # Before the first worker starts: a signal that arrives once a worker runs (however
-            # soon, and however long this process then waits for a core) is forwarded, not the
-            # end of the launcher alone.
-            forward_signals()
-        else:
-            # A preemption notice while the job is checked is forwarded as well: each worker notes
-            # it from its first moments (preemption.catch_early), and its run stops after the first
-            # update, checkpointed. A Ctrl-C stays a KeyboardInterrupt until the check has passed.
-            forward_signals(save_signals)
+    def start(self, nproc: int, argv: list[str], base: dict, preexec, gated: bool) -> None:
+        """Start the workers, each behind a start gate (a pipe) when `gated`."""
         for rank in range(nproc):
-            if signals_received and check is None:  # no more workers: the loop below returns 128 + signal
+            if self.signals_received and not gated:  # no more workers: wait() returns 128 + signal
                 break
             env, fds = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), ()
-            if check is not None:
+            if gated:
                 read_end, write_end = os.pipe()
-                gates.append(write_end)
+                self.gates.append(write_end)
                 env[GO_FD_ENV], fds = str(read_end), (read_end,)
             try:
-                procs.append(
+                self.procs.append(
                     subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec, pass_fds=fds)
                 )
             finally:
                 for fd in fds:
                     os.close(fd)
-        if check is not None:
-            handed = b"go" + (
-                check() or b""
-            )  # a Ctrl-C here is a KeyboardInterrupt: the finally stops the workers
-            checked = True
-            forward_signals()
-            while gates:  # closed once written: the worker reads to the end
-                fd = gates.pop()
-                try:
-                    _write_all(fd, handed)
-                except BrokenPipeError:  # that worker has died: its exit is reported below
-                    pass
-                finally:
-                    os.close(fd)
+
+    def open_gates(self, handed: bytes) -> None:
+        """Hand every worker `handed` through its gate; closed once written: the worker reads to the end."""
+        while self.gates:
+            fd = self.gates.pop()
+            try:
+                _write_all(fd, handed)
+            except BrokenPipeError:  # that worker has died: its exit is reported by wait()
+                pass
+            finally:
+                os.close(fd)
+
+    def wait(self) -> int:
+        """Wait for the workers: the launch's exit code (see launch_local)."""
+        exits: queue.Queue = queue.Queue()  # (rank, returncode) in the order the workers exit
         # waiter threads only once every fork is done (preexec_fn and threads do not mix)
-        for rank, p in enumerate(procs):
+        for rank, p in enumerate(self.procs):
             threading.Thread(target=lambda r=rank, p=p: exits.put((r, p.wait())), daemon=True).start()
-        running, saving, saved, failed, finished = len(procs), False, False, {}, 0
-        while running or signals_received:
-            if signals_received and not (saving and len(signals_received) == 1):
-                for p in procs:  # one that the signal came before (it arrived while the worker started)
-                    if p.pid not in signalled and p.returncode is None:
-                        _signal_group(p, signals_received[0])
-                result, forwarded = 128 + signals_received[0], True
+        signals = self.signals_received
+        running, saving, saved, failed, finished, result = len(self.procs), False, False, {}, 0, 0
+        while running or signals:
+            if signals and not (saving and len(signals) == 1):
+                for p in self.procs:  # one that the signal came before (it arrived while the worker started)
+                    if p.pid not in self.signalled and p.returncode is None:
+                        _signal_group(p, signals[0])
+                result, self.forwarded = 128 + signals[0], True
                 # a save signal: the workers finish an update, checkpoint it and exit; wait for them
-                saving = signals_received[0] in save_signals and len(signals_received) == 1 and running > 0
+                saving = signals[0] in self.save_signals and len(signals) == 1 and running > 0
                 if not saving:
                     break
             if not running:
@@ -303,42 +339,49 @@ def launch_local(
             # checkpointed on a signal, or finished, or stopped by the signal forwarded to it (before
             # training began, or a signal that saves nothing; a second one kills): no failure, also
             # when its exit comes before the loop has seen the signal
-            sig = signals_received[0] if signals_received else None
+            sig = signals[0] if signals else None
             by_signal = sig is not None and code in (0, -sig, 128 + sig)
-            by_signal |= len(signals_received) > 1 and code == -signal.SIGKILL
+            by_signal |= len(signals) > 1 and code == -signal.SIGKILL
             if code == EXIT_SAVED_ON_SIGNAL or by_signal:
                 continue
             if code != 0:
                 failed = {rank: code}
-                if _maybe_consequence(report_dir, rank, code):  # wait a moment for the cause
-                    deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
-                    while running and time.monotonic() < deadline:
-                        try:
-                            rank, code = exits.get(timeout=max(0.0, deadline - time.monotonic()))
-                        except queue.Empty:
-                            break
-                        running -= 1
-                        if code != 0:
-                            failed[rank] = code
-                line, result = _root_cause(failed, report_dir, procs)
-                alive = sum(p.returncode is None for p in procs)
-                # one write of the whole line: the workers write to the same stderr, and print()
-                # writes the newline separately where stderr is unbuffered (PYTHONUNBUFFERED=1)
-                sys.stderr.write(f"acco.launch: {line}; stopping the other {alive} worker(s)\n")
-                sys.stderr.flush()
+                result = self._blame(failed, exits, running)
                 break
-        if finished == len(procs):  # a save signal after the last update: the run completed
+        if finished == len(self.procs):  # a save signal after the last update: the run completed
             return 0
         return EXIT_SAVED_ON_SIGNAL if saved and not failed else result
-    finally:
-        for fd in gates:
+
+    def _blame(self, failed: dict[int, int], exits: queue.Queue, running: int) -> int:
+        """A worker failed (`failed`): name the rank at fault in one line and return its code. A
+        failure that may be a peer's consequence waits a moment for the cause to exit too."""
+        rank, code = next(iter(failed.items()))
+        if _maybe_consequence(self.report_dir, rank, code):  # wait a moment for the cause
+            deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
+            while running and time.monotonic() < deadline:
+                try:
+                    rank, code = exits.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                running -= 1
+                if code != 0:
+                    failed[rank] = code
+        line, result = _root_cause(failed, self.report_dir, self.procs)
+        alive = sum(p.returncode is None for p in self.procs)
+        # one write of the whole line: the workers write to the same stderr, and print()
+        # writes the newline separately where stderr is unbuffered (PYTHONUNBUFFERED=1)
+        sys.stderr.write(f"acco.launch: {line}; stopping the other {alive} worker(s)\n")
+        sys.stderr.flush()
+        return result
+
+    def stop(self, grace_s: float) -> None:
+        """Close the gates not yet opened and stop every worker still running (``_stop``)."""
+        for fd in self.gates:
             os.close(fd)
-        # A job refused by its check: its workers have only imported (and note SIGTERM as a
-        # preemption notice while they start): killed at once, the error said without a wait.
-        _stop(procs, grace_s if checked else 0.0, terminate=not forwarded)
-        shutil.rmtree(report_dir, ignore_errors=True)
-        os.close(report_lock)
-        for sig, handler in previous.items():
+        _stop(self.procs, grace_s, terminate=not self.forwarded)
+
+    def restore_signals(self) -> None:
+        for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
