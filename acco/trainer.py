@@ -190,8 +190,7 @@ class DecoupledTrainer:
         self.model.train()
         self.engine = build_engine(self.model, args.engine_config())
         self._writer, self._checkpoint_pause_s = CheckpointWriter(self.device, args.async_save), 0.0
-        last = summary = log = None
-        stopped = on_signal = False
+        summary = log = None
         # A preemption notice from here on stops the run after an update, checkpointed
         # (launch/preemption.py); one that comes after the last update lets the run finish.
         with preemption.save_on_signals(args.save_on_signal, self.engine.request_stop) as caught:
@@ -200,59 +199,71 @@ class DecoupledTrainer:
                     self._resume(folder, meta, position)
                 # Only now is anything written: a checkpoint this run cannot continue leaves the run
                 # folder as it was (the log cuts metrics.jsonl back to the checkpoint's update). Rank
-                # 0's log imports TensorBoard (seconds): the "start" barrier below waits for it, and
+                # 0's log imports TensorBoard (seconds): the "start" barrier in _run waits for it, and
                 # every rank starts the clock together.
                 log = RunLog(str(out), self.rank, self.world_size, args.batch_size * args.max_length,
                              args.log_step, int(meta["step"]) if folder is not None else None)  # fmt: skip
                 if self._on_train_start is not None and self.rank == 0:
                     self._on_train_start()
-                stream = self._stream = OnDevice(iter(batches), self.device, args.slowdown,
-                                                 vocab_size=token_rows(self.model))
-                engine = self.engine
-                log.start_progress(args.nb_steps_tot, engine.committed_micro_batches, engine.sync_note())
-                every_rank_at("start")
-                records = self.engine.run(stream, causal_lm_loss)
-                for record in records:
-                    log.update(record)
-                    last = record
-                    if not math.isfinite(record.loss):
-                        raise FloatingPointError(
-                            f"training loss is {record.loss} at update {record.step}; stopping"
-                        )
-                    with stream.not_compute():  # a slowdown stretches micro-batches, not these
-                        if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
-                            stopped = self._evaluate_and_log(log, record)
-                        # Every worker's record of the same update says stop: all checkpoint it and leave.
-                        on_signal = record.stop and record.committed_micro_batches < args.nb_steps_tot
-                        if (args.save_step and record.step % args.save_step == 0) or on_signal:
-                            self._checkpoint(record, position, log)
-                    if stopped or on_signal:
-                        break
-                # Every rank, also after a stop: nothing in flight and the model at the committed
-                # parameters before anything rank 0 does alone (the final save) touches it.
-                records.close()
-                self.engine.finish()
-                if last is not None and not on_signal:
-                    if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
-                        self._evaluate_and_log(log, last)
-                    if args.save and not (args.save_step and last.step % args.save_step == 0):
-                        self._checkpoint(last, position, log)
-                self._writer.wait()  # the last checkpoint is whole before the run reports or exits
-                facts = {**self._utilisation(log), **self._run_facts(stopped)}
-                if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
-                    facts.update(
-                        stopped_on_signal=caught[0] if caught else "a peer's signal",
-                        stopped_at_update=last.step,
-                    )
-                summary = log.summary(args.method_name, self.device, facts)
+                summary = self._run(log, batches, position, caught)
             finally:
                 self._writer.close(timeout_s=2 * args.timeout_s)  # after a failure: what can still land
                 self.engine.close()
                 if log is not None:
                     log.close(summary)
-            if args.save and not on_signal:
+            if args.save and "stopped_on_signal" not in summary:
                 self.save_model(str(out / "model"))
         return summary
+
+    def _run(self, log: RunLog, batches, position, caught: list[str]) -> dict:
+        """The engine's updates to the end of the run (or a stop), the final evaluation and
+        checkpoint, and the run's summary."""
+        args = self.args
+        stream = self._stream = OnDevice(
+            iter(batches), self.device, args.slowdown, vocab_size=token_rows(self.model)
+        )
+        log.start_progress(args.nb_steps_tot, self.engine.committed_micro_batches, self.engine.sync_note())
+        every_rank_at("start")
+        records = self.engine.run(stream, causal_lm_loss)
+        last, stopped, on_signal = self._updates(records, stream, log, position)
+        # Every rank, also after a stop: nothing in flight and the model at the committed
+        # parameters before anything rank 0 does alone (the final save) touches it.
+        records.close()
+        self.engine.finish()
+        if last is not None and not on_signal:
+            if args.eval and self.eval_data is not None and last.step % args.eval_step != 0:
+                self._evaluate_and_log(log, last)
+            if args.save and not (args.save_step and last.step % args.save_step == 0):
+                self._checkpoint(last, position, log)
+        self._writer.wait()  # the last checkpoint is whole before the run reports or exits
+        facts = {**self._utilisation(log), **self._run_facts(stopped)}
+        if on_signal:  # this worker's signal, or a peer's that reached it with the statistics
+            facts.update(
+                stopped_on_signal=caught[0] if caught else "a peer's signal", stopped_at_update=last.step
+            )
+        return log.summary(args.method_name, self.device, facts)
+
+    def _updates(self, records, stream: OnDevice, log: RunLog, position):
+        """Log each update, evaluate and checkpoint on schedule; stop at train.stop_at_eval_loss
+        or on a signal. Returns the last update's record, whether the eval loss stopped the run,
+        and whether a signal did."""
+        args = self.args
+        last, stopped, on_signal = None, False, False
+        for record in records:
+            log.update(record)
+            last = record
+            if not math.isfinite(record.loss):
+                raise FloatingPointError(f"training loss is {record.loss} at update {record.step}; stopping")
+            with stream.not_compute():  # a slowdown stretches micro-batches, not these
+                if args.eval and self.eval_data is not None and record.step % args.eval_step == 0:
+                    stopped = self._evaluate_and_log(log, record)
+                # Every worker's record of the same update says stop: all checkpoint it and leave.
+                on_signal = record.stop and record.committed_micro_batches < args.nb_steps_tot
+                if (args.save_step and record.step % args.save_step == 0) or on_signal:
+                    self._checkpoint(record, position, log)
+            if stopped or on_signal:
+                break
+        return last, stopped, on_signal
 
     def _evaluate_and_log(self, log: RunLog, record) -> bool:
         """Evaluate and log the loss with the evaluation's own seconds (training time excludes
