@@ -327,123 +327,164 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_link(args)
-        if args.command == "cluster":
-            from acco_bench.cluster import run_bench
-
-            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, comm_share=args.comm_share)
-            bench = run_bench(s, Path(args.out))
-            print(f"[acco-bench] wrote {args.out}/bench.json and bench.md")
-            print((Path(args.out) / "bench.md").read_text())
-            return 1 if any("error" in r for r in bench["methods"].values()) else 0
-        if args.command == "sweep":
-            from acco_bench.cluster import run_sweep
-
-            s = _settings(args, latency=args.latency)
-            if args.comm_shares is not None:
-                from acco_bench.cluster import run_share_sweep
-
-                sweep = run_share_sweep(s, args.comm_shares, Path(args.out))
-            else:
-                sweep = run_sweep(s, [_none(b.strip()) for b in args.bandwidths.split(",") if b.strip()],
-                                  Path(args.out))
-            print(f"[acco-bench] wrote {args.out}/sweep.json and sweep.md")
-            print((Path(args.out) / "sweep.md").read_text())
-            failed = any("error" in r for p in sweep["points"] for r in p["methods"].values())
-            return 1 if failed or not sweep["points"] else 0
-        if args.command == "convergence":
-            from acco_bench.convergence import run_convergence
-
-            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-            if args.data == "synthetic":
-                print(
-                    "[acco-bench] the TinyStories slice (../shared/data) is not here: running on the "
-                    "synthetic corpus; pass --data PATH for real text",
-                    flush=True,
-                )
-            s = _settings(args, bandwidth=args.bandwidth, latency=None, eval_step=args.eval_step)
-            if args.batch_sizes is not None:
-                from acco_bench.convergence import run_batch_sizes
-
-                if args.closeness_only:
-                    raise BenchError("--batch-sizes and --closeness-only exclude each other")
-                try:
-                    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-                except ValueError:
-                    raise BenchError(
-                        f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}"
-                    ) from None
-                table = run_batch_sizes(s, seeds, sizes, Path(args.out))
-                print(f"[acco-bench] wrote {args.out}/batch_sizes.json and batch_sizes.md")
-                print((Path(args.out) / "batch_sizes.md").read_text())
-                return 1 if table["failed"] else 0
-            conv = run_convergence(
-                s,
-                seeds,
-                Path(args.out),
-                closeness=not args.no_closeness,
-                closeness_only=args.closeness_only,
-                closeness_steps=[int(x) for x in args.closeness_steps.split(",") if x.strip()],
-            )
-            print(f"[acco-bench] wrote {args.out}/convergence.json and convergence.md")
-            print((Path(args.out) / "convergence.md").read_text())
-            return 1 if conv.get("failed") else 0
-        if args.command == "lr-sweep":
-            from acco_bench.lr_sweep import run_lr_sweep
-
-            def numbers(text, kind):
-                try:
-                    return [kind(x) for x in text.split(",") if x.strip()]
-                except ValueError:
-                    raise BenchError(f"expected comma-separated numbers, got {text!r}") from None
-
-            s = _settings(args, bandwidth=None, latency=None, eval_step=args.eval_step or None)
-            sweep = run_lr_sweep(s, numbers(args.learning_rates, float), numbers(args.seeds, int),
-                                 numbers(args.extra_seeds, int), Path(args.out), args.reference_updates)
-            print(f"[acco-bench] wrote {args.out}/lr_sweep.json and lr_sweep.md")
-            print((Path(args.out) / "lr_sweep.md").read_text())
-            return 1 if sweep.get("failed") else 0
-        if args.command == "race":
-            from acco_bench.race import run_race
-
-            if args.repeats != 1:
-                raise BenchError("race runs every method once: --repeats does not apply (a disturbed run is "
-                                 "run again: --retry-disturbed)")
-            if args.eval_step < 1 or args.eval_batches < 1:
-                raise BenchError("--eval-step and --eval-batches must be >= 1")
-            s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, eval_step=args.eval_step,
-                          comm_share=args.comm_share)
-            race = run_race(s, Path(args.out), scheduler=args.scheduler, eval_batches=args.eval_batches)
-            print(f"[acco-bench] wrote {args.out}/bench.json, race.md and race.png")
-            print((Path(args.out) / "race.md").read_text())
-            return (
-                1
-                if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values())
-                else 0
-            )
-        if args.command == "report":
-            from acco_bench.rerender import rerender_dir
-
-            print(rerender_dir(Path(args.dir)))
-            return 0
-        if args.command == "gpu":
-            from acco_bench import gpu
-
-            return gpu.main(args)
-        if args.command == "map":
-            from acco_bench import map as map_
-
-            return map_.run(args)
-        if args.command == "faults":
-            from acco_bench import faults
-
-            return faults.main(args)
+        command = COMMANDS.get(args.command)
+        return 2 if command is None else command(args)
     except BenchError as e:
         print(f"acco-bench: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("acco-bench: interrupted", file=sys.stderr)
         return 130
-    return 2
+
+
+def _cluster(args) -> int:
+    """One simulated cluster: every method at one link (bench.json, bench.md)."""
+    from acco_bench.cluster import run_bench
+
+    s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, comm_share=args.comm_share)
+    bench = run_bench(s, Path(args.out))
+    print(f"[acco-bench] wrote {args.out}/bench.json and bench.md")
+    print((Path(args.out) / "bench.md").read_text())
+    return 1 if any("error" in r for r in bench["methods"].values()) else 0
+
+
+def _sweep(args) -> int:
+    """Every method over several bandwidths or comm shares (sweep.json, sweep.md)."""
+    from acco_bench.cluster import run_sweep
+
+    s = _settings(args, latency=args.latency)
+    if args.comm_shares is not None:
+        from acco_bench.cluster import run_share_sweep
+
+        sweep = run_share_sweep(s, args.comm_shares, Path(args.out))
+    else:
+        sweep = run_sweep(s, [_none(b.strip()) for b in args.bandwidths.split(",") if b.strip()],
+                          Path(args.out))
+    print(f"[acco-bench] wrote {args.out}/sweep.json and sweep.md")
+    print((Path(args.out) / "sweep.md").read_text())
+    failed = any("error" in r for p in sweep["points"] for r in p["methods"].values())
+    return 1 if failed or not sweep["points"] else 0
+
+
+def _convergence(args) -> int:
+    """Loss against samples over seeds, or over batch sizes (convergence.md, batch_sizes.md)."""
+    from acco_bench.convergence import run_convergence
+
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    if args.data == "synthetic":
+        print(
+            "[acco-bench] the TinyStories slice (../shared/data) is not here: running on the "
+            "synthetic corpus; pass --data PATH for real text",
+            flush=True,
+        )
+    s = _settings(args, bandwidth=args.bandwidth, latency=None, eval_step=args.eval_step)
+    if args.batch_sizes is not None:
+        from acco_bench.convergence import run_batch_sizes
+
+        if args.closeness_only:
+            raise BenchError("--batch-sizes and --closeness-only exclude each other")
+        try:
+            sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise BenchError(
+                f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}"
+            ) from None
+        table = run_batch_sizes(s, seeds, sizes, Path(args.out))
+        print(f"[acco-bench] wrote {args.out}/batch_sizes.json and batch_sizes.md")
+        print((Path(args.out) / "batch_sizes.md").read_text())
+        return 1 if table["failed"] else 0
+    conv = run_convergence(
+        s,
+        seeds,
+        Path(args.out),
+        closeness=not args.no_closeness,
+        closeness_only=args.closeness_only,
+        closeness_steps=[int(x) for x in args.closeness_steps.split(",") if x.strip()],
+    )
+    print(f"[acco-bench] wrote {args.out}/convergence.json and convergence.md")
+    print((Path(args.out) / "convergence.md").read_text())
+    return 1 if conv.get("failed") else 0
+
+
+def _lr_sweep(args) -> int:
+    """Eval loss over learning rates and seeds (lr_sweep.json, lr_sweep.md)."""
+    from acco_bench.lr_sweep import run_lr_sweep
+
+    def numbers(text, kind):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise BenchError(f"expected comma-separated numbers, got {text!r}") from None
+
+    s = _settings(args, bandwidth=None, latency=None, eval_step=args.eval_step or None)
+    sweep = run_lr_sweep(s, numbers(args.learning_rates, float), numbers(args.seeds, int),
+                         numbers(args.extra_seeds, int), Path(args.out), args.reference_updates)
+    print(f"[acco-bench] wrote {args.out}/lr_sweep.json and lr_sweep.md")
+    print((Path(args.out) / "lr_sweep.md").read_text())
+    return 1 if sweep.get("failed") else 0
+
+
+def _race(args) -> int:
+    """Every method to the same eval loss (bench.json, race.md, race.png)."""
+    from acco_bench.race import run_race
+
+    if args.repeats != 1:
+        raise BenchError("race runs every method once: --repeats does not apply (a disturbed run is "
+                         "run again: --retry-disturbed)")
+    if args.eval_step < 1 or args.eval_batches < 1:
+        raise BenchError("--eval-step and --eval-batches must be >= 1")
+    s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, eval_step=args.eval_step,
+                  comm_share=args.comm_share)
+    race = run_race(s, Path(args.out), scheduler=args.scheduler, eval_batches=args.eval_batches)
+    print(f"[acco-bench] wrote {args.out}/bench.json, race.md and race.png")
+    print((Path(args.out) / "race.md").read_text())
+    return (
+        1
+        if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values())
+        else 0
+    )
+
+
+def _report(args) -> int:
+    """A result folder's markdown rendered again from its JSON."""
+    from acco_bench.rerender import rerender_dir
+
+    print(rerender_dir(Path(args.dir)))
+    return 0
+
+
+def _gpu(args) -> int:
+    """The single-device compute path on a GPU (acco_bench/gpu.py)."""
+    from acco_bench import gpu
+
+    return gpu.main(args)
+
+
+def _map(args) -> int:
+    """Where each method wins, from ddp's compute and comm per update (acco_bench/map.py)."""
+    from acco_bench import map as map_
+
+    return map_.run(args)
+
+
+def _faults(args) -> int:
+    """A fault drill under torchrun's elastic agent (acco_bench/faults.py)."""
+    from acco_bench import faults
+
+    return faults.main(args)
+
+
+COMMANDS = {
+    "cluster": _cluster,
+    "sweep": _sweep,
+    "convergence": _convergence,
+    "lr-sweep": _lr_sweep,
+    "race": _race,
+    "report": _report,
+    "gpu": _gpu,
+    "map": _map,
+    "faults": _faults,
+}
 
 
 if __name__ == "__main__":
