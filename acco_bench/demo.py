@@ -34,7 +34,7 @@ from acco_bench.settings import DEMO_ACCO, DEMO_COMM_SHARE, KNOWN_METHODS, Bench
 DEMO_TRAIN = {"train.learning_rate": "1.5e-3", "train.warmup": "72"}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo")
     parser.add_argument(
@@ -50,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         "--loopback", action="store_true", help="run on 127.0.0.1 even where a link can be emulated"
     )
     parser.add_argument("extra", nargs="*", help="more Hydra overrides for both runs")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.bandwidth is not None and args.comm_share is not None:
         print("demo: --bandwidth and --comm-share exclude each other", file=sys.stderr)
         return 2
@@ -71,6 +75,22 @@ def main(argv: list[str] | None = None) -> int:
         extra=tuple(f"{k}={v}" for k, v in DEMO_TRAIN.items()
                     if not any(o.lstrip("+~").split("=", 1)[0] == k for o in args.extra)) + tuple(args.extra),
     )
+    _say_where(args, loopback, reason, share)
+    out = Path(args.out)
+    try:
+        race = run_race(settings, out)
+    except BenchError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 1
+    if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values()):
+        print(f"demo: a run failed; its logs are under {out}", file=sys.stderr)
+        return 1
+    _print_race(race, args, share, loopback)
+    return 0
+
+
+def _say_where(args, loopback: bool, reason: str | None, share: float | None) -> None:
+    """Where the two workers run: on loopback (and why the gain cannot show), or on an emulated link."""
     if loopback:
         why = "--loopback" if args.loopback else reason.rstrip(".")
         print(
@@ -84,16 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"demo: two emulated hosts on a {args.bandwidth} link (network namespaces, removed at the end)",
               flush=True)
-    out = Path(args.out)
-    try:
-        race = run_race(settings, out)
-    except BenchError as e:
-        print(f"demo: {e}", file=sys.stderr)
-        return 1
-    target = race["target_eval_loss"]
-    if target is None or any("error" in r for r in race["methods"].values()):
-        print(f"demo: a run failed; its logs are under {out}", file=sys.stderr)
-        return 1
+
+
+def _print_race(race: dict, args, share: float | None, loopback: bool) -> None:
+    """The race's link, its table (time to ddp's final eval loss, samples then, bytes sent) and
+    acco's ratio to ddp."""
+    out, target = Path(args.out), race["target_eval_loss"]
     if not loopback:
         got = race.get("comm_share_measured")
         print(f"\nlink: {rate_label(race.get('rate'))}"
@@ -119,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\n{args.acco} did not reach ddp's final eval loss within twice ddp's samples")
     print(f"plot: {out / 'race.png'}; table: {out / 'race.md'}; runs: {out / 'ddp'}, {out / args.acco}")
-    return 0
 
 
 if __name__ == "__main__":
