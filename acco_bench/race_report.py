@@ -9,44 +9,16 @@ from pathlib import Path
 def race_markdown(race: dict, plots: list[str]) -> str:
     from acco_bench.comm_share import share_line
     from acco_bench.drift import DRIFT, warning
-    from acco_bench.report import fmt, md_table
+    from acco_bench.report import md_table
 
     cfg = race["config"]
-    mb = 2**20
-    rows = []
-    for name, r in race["methods"].items():
-        if "error" in r:
-            rows.append([name, "failed: " + r["error"].splitlines()[0][:80]] + ["-"] * 8)
-            continue
-        sent = r.get("bytes_sent_per_worker_mean")
-        state = r.get("state_bytes_per_worker")
-        rows.append([name, fmt(r.get("time_to_target_s"), 1), fmt(r.get("time_to_target_vs_ddp"), 2, "x"),
-                     fmt(r.get("samples_to_target"), 0), fmt(r.get("crossing_bracket"), 3),
-                     fmt(r["final_eval_loss"], 4), f"{r['samples']} / {fmt(r['training_time_s'], 1)} s",
-                     fmt(sent / mb if sent is not None else None, 1),
-                     fmt(state / mb if state is not None else None, 1)])  # fmt: skip
-    header = ["method", "time to target s", "vs ddp", "samples to target", "crossing bracket",
-              "last eval loss", "samples / training time", "MiB sent per worker",
-              "state MiB per worker"]  # fmt: skip
     lines = [
         "# acco-bench race: time to ddp's final eval loss",
         "",
-        f"{cfg['hosts']} hosts; {cfg['network']['note']}. Target: ddp's final eval loss at its budget of "
-        f"{cfg['budget_micro_batches']} micro-batches, **{fmt(race.get('target_eval_loss'), 4)}**; the other "
-        f"methods stop there or at {cfg['cap_micro_batches']} micro-batches. accumulate_while_waiting="
-        f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up "
-        f"{cfg['warmup']} micro-batches), evaluation every {cfg['eval_step']} updates on "
-        f"{cfg['eval_batches_per_worker']} batches "
-        "per worker."
-        + (
-            "".join(
-                f" {m}: {', '.join(f'{k}={v}' for k, v in kv.items())}."
-                for m, kv in cfg.get("method_settings", {}).items()
-            )
-        ),
+        _settings_line(race),
         "",
         *([share_line(race, bool(cfg.get("loopback"))), ""] if "comm_share_measured" in race else []),
-        md_table(header, rows),
+        md_table(*_results(race)),
         "",
         "Training time excludes the evaluations' own seconds. The crossing is interpolated between the last "
         "evaluation above the target and the first at or below it; *crossing bracket* is the time between "
@@ -54,24 +26,7 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         "counters of each host's link over the whole run (null on loopback); samples are sequences over all "
         "workers.",
         "",
-        md_table(
-            ["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations",
-             "compute per micro-batch s", "vs reference", "runs"],
-            [
-                [
-                    n,
-                    fmt(r["eval_interval"]["median_s"], 2),
-                    fmt(r["eval_interval"]["median_samples"], 0),
-                    fmt(r["eval_interval"]["eval_s_median"], 2),
-                    r["eval_interval"]["evaluations"],
-                    fmt(r.get("compute_s_per_micro_batch"), 3),
-                    fmt(r.get("compute_vs_reference"), 2, "x") + (" **drifted**" if r.get("drifted") else ""),
-                    1 + (r.get("disturbed_attempts") or 0),
-                ]
-                for n, r in race["methods"].items()
-                if "error" not in r
-            ],
-        ),
+        md_table(*_evaluations(race)),
         "",
         "*Compute per micro-batch*: rank 0's median; *vs reference*: over the median of every method's and "
         "of the calibration's probes (torch-ddp left out: its compute holds its all-reduce). Beyond "
@@ -89,6 +44,76 @@ def race_markdown(race: dict, plots: list[str]) -> str:
     ]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _settings_line(race: dict) -> str:
+    """The race's hosts, link, target, budget, schedule and evaluations, in one paragraph."""
+    from acco_bench.report import fmt
+
+    cfg = race["config"]
+    return (
+        f"{cfg['hosts']} hosts; {cfg['network']['note']}. Target: ddp's final eval loss at its budget of "
+        f"{cfg['budget_micro_batches']} micro-batches, **{fmt(race.get('target_eval_loss'), 4)}**; the other "
+        f"methods stop there or at {cfg['cap_micro_batches']} micro-batches. accumulate_while_waiting="
+        f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up "
+        f"{cfg['warmup']} micro-batches), evaluation every {cfg['eval_step']} updates on "
+        f"{cfg['eval_batches_per_worker']} batches "
+        "per worker."
+        + (
+            "".join(
+                f" {m}: {', '.join(f'{k}={v}' for k, v in kv.items())}."
+                for m, kv in cfg.get("method_settings", {}).items()
+            )
+        )
+    )
+
+
+def _results(race: dict) -> tuple[list[str], list[list]]:
+    """The main table's header and rows: each method's time and samples to the target, its last
+    eval loss, bytes sent and state held."""
+    from acco_bench.report import fmt
+
+    mb = 2**20
+    rows = []
+    for name, r in race["methods"].items():
+        if "error" in r:
+            rows.append([name, "failed: " + r["error"].splitlines()[0][:80]] + ["-"] * 8)
+            continue
+        sent = r.get("bytes_sent_per_worker_mean")
+        state = r.get("state_bytes_per_worker")
+        rows.append([name, fmt(r.get("time_to_target_s"), 1), fmt(r.get("time_to_target_vs_ddp"), 2, "x"),
+                     fmt(r.get("samples_to_target"), 0), fmt(r.get("crossing_bracket"), 3),
+                     fmt(r["final_eval_loss"], 4), f"{r['samples']} / {fmt(r['training_time_s'], 1)} s",
+                     fmt(sent / mb if sent is not None else None, 1),
+                     fmt(state / mb if state is not None else None, 1)])  # fmt: skip
+    header = ["method", "time to target s", "vs ddp", "samples to target", "crossing bracket",
+              "last eval loss", "samples / training time", "MiB sent per worker",
+              "state MiB per worker"]  # fmt: skip
+    return header, rows
+
+
+def _evaluations(race: dict) -> tuple[list[str], list[list]]:
+    """The second table: how often each method evaluated, and its compute against the reference."""
+    from acco_bench.report import fmt
+
+    return (
+        ["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations",
+         "compute per micro-batch s", "vs reference", "runs"],  # fmt: skip
+        [
+            [
+                n,
+                fmt(r["eval_interval"]["median_s"], 2),
+                fmt(r["eval_interval"]["median_samples"], 0),
+                fmt(r["eval_interval"]["eval_s_median"], 2),
+                r["eval_interval"]["evaluations"],
+                fmt(r.get("compute_s_per_micro_batch"), 3),
+                fmt(r.get("compute_vs_reference"), 2, "x") + (" **drifted**" if r.get("drifted") else ""),
+                1 + (r.get("disturbed_attempts") or 0),
+            ]
+            for n, r in race["methods"].items()
+            if "error" not in r
+        ],
+    )
 
 
 def plot_race(race: dict, out: Path) -> list[str]:
