@@ -148,8 +148,6 @@ def passed(bench: dict) -> bool:
 
 
 def markdown(bench: dict) -> str:
-    from acco_bench.report import fmt, md_table
-
     c = bench["config"]
     lines = [f"# acco-bench faults: {c['workers']} workers under torchrun, {c['faults']} faults", ""]
     if bench.get("command"):
@@ -163,90 +161,112 @@ def markdown(bench: dict) -> str:
     ]
     if bench.get("error"):
         lines += ["**The drill failed:**", "", "```", bench["error"], "```", ""]
-    faulted = bench.get("faulted")
-    if faulted:
-        rows = [
-            [
-                i + 1,
-                f["kind"],
-                f["signal"],
-                f["rank"],
-                f["attempt"],
-                f["during"],
-                f["resumed_from"],
-                f["reached"],
-                f.get("next_resumed_from", "-"),
-                f.get("lost_updates", "-"),
-                fmt(f["down_s"], 1),
-                fmt(f.get("restart_s"), 1),
-                fmt(f.get("training_s"), 1),
-                fmt(f.get("recover_s"), 1),
-                ", ".join(f"rank {r}: {v}" for r, v in f.get("worker_exit_codes", {}).items()),
-            ]
-            for i, f in enumerate(faulted["faults"])
-        ]
-        lines += [
-            md_table(
-                [
-                    "#",
-                    "fault",
-                    "signal",
-                    "rank",
-                    "attempt",
-                    "during",
-                    "resumed from",
-                    "reached",
-                    "next resumed from",
-                    "lost (updates)",
-                    "down s",
-                    "restart s",
-                    "training s",
-                    "recover s",
-                    "first exit",
-                ],
-                rows,
-            ),
-            "",
-        ]
-        lines += [
-            "*reached*: the newest update any worker logged before the group ended; *lost* = reached minus "
-            "the update the next attempt resumed from; *down*: from the signal to the last worker's exit; "
-            "*restart*: to the next group's workers; *training*: to its start of training (rank 0's "
-            "TensorBoard file: the workers have imported, loaded the data and the model); *recover*: to its "
-            "first new update (none when that group was itself killed in its warm start); *first exit*: the "
-            "exit code of the worker that failed first, as torchrun logs it (75: checkpointed on the "
-            "signal).",
-            "",
-        ]
-        if faulted["unplanned"]:
-            lines += [f"Attempts that ended without a fault of the drill: {faulted['unplanned']}", ""]
-    s = bench.get("summary")
-    if s:
-        st = bench["straight"]
-        differing = bench["comparison"].get("checkpoint_tensors_differing", [])
-        lines += [
-            f"- Faults injected {s['faults_injected']} of {s['faults_planned']}, survived "
-            f"{s['faults_survived']}; restarts {s['restarts']}, failures not injected by the drill "
-            f"{s['unplanned_failures']}; the job "
-            + ("finished (exit 0)." if s["finished"] else "did **not** finish."),
-            f"- Work lost per fault: at most {s['lost_updates_max']} updates (mean {s['lost_updates_mean']}, "
-            f"{s['lost_updates_total']} in all; a save every {c['save_step']}): "
-            + ("at most one save interval (two for a host crash)." if s["at_most_one_save_interval_lost"]
-               else "**more than one save interval** (two for a host crash)."),
-            f"- Time to recover (signal to the first new update): median {fmt(s['recover_s_median'], 1)} s, "
-            f"max {fmt(s['recover_s_max'], 1)} s, of which the new group's start-up (its workers started to "
-            f"its start of training) median {fmt(s.get('startup_s_median'), 1)} s; the group was down within "
-            f"{fmt(s['down_s_max'], 1)} s of a signal at most.",
-            "- Final parameters bit-equal to the uninterrupted run's: "
-            f"**{'yes' if s['final_params_bit_equal'] else 'no'}** (the saved model and every rank's master "
-            "shard); every tensor of the final checkpoint "
-            f"({bench['comparison']['checkpoint_tensors_compared']}): "
-            f"{'equal' if s['all_checkpoint_tensors_bit_equal'] else 'differ: ' + ', '.join(differing)}; "
-            f"losses and evaluations: {'equal' if s['losses_equal'] else 'differ'}.",
-            f"- Wall clock: uninterrupted {st['wall_s']:.0f} s ({st['update_s']:.2f} s per update), under "
-            "faults "
-            f"{faulted['wall_s']:.0f} s; other processes used {fmt(st.get('other_cpu_cores'), 2)} and "
-            f"{fmt(faulted.get('other_cpu_cores'), 2)} CPU cores meanwhile (of {m.get('cpus')}).",
-            "",
-        ]
+    lines += _faults_table(bench)
+    lines += _summary(bench)
     return "\n".join(lines)
+
+
+def _faults_table(bench: dict) -> list[str]:
+    """Each fault injected: where, when, what was lost and how long the job took to recover."""
+    from acco_bench.report import fmt, md_table
+
+    faulted = bench.get("faulted")
+    if not faulted:
+        return []
+    lines = []
+    rows = [
+        [
+            i + 1,
+            f["kind"],
+            f["signal"],
+            f["rank"],
+            f["attempt"],
+            f["during"],
+            f["resumed_from"],
+            f["reached"],
+            f.get("next_resumed_from", "-"),
+            f.get("lost_updates", "-"),
+            fmt(f["down_s"], 1),
+            fmt(f.get("restart_s"), 1),
+            fmt(f.get("training_s"), 1),
+            fmt(f.get("recover_s"), 1),
+            ", ".join(f"rank {r}: {v}" for r, v in f.get("worker_exit_codes", {}).items()),
+        ]
+        for i, f in enumerate(faulted["faults"])
+    ]
+    lines += [
+        md_table(
+            [
+                "#",
+                "fault",
+                "signal",
+                "rank",
+                "attempt",
+                "during",
+                "resumed from",
+                "reached",
+                "next resumed from",
+                "lost (updates)",
+                "down s",
+                "restart s",
+                "training s",
+                "recover s",
+                "first exit",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    lines += [
+        "*reached*: the newest update any worker logged before the group ended; *lost* = reached minus "
+        "the update the next attempt resumed from; *down*: from the signal to the last worker's exit; "
+        "*restart*: to the next group's workers; *training*: to its start of training (rank 0's "
+        "TensorBoard file: the workers have imported, loaded the data and the model); *recover*: to its "
+        "first new update (none when that group was itself killed in its warm start); *first exit*: the "
+        "exit code of the worker that failed first, as torchrun logs it (75: checkpointed on the "
+        "signal).",
+        "",
+    ]
+    if faulted["unplanned"]:
+        lines += [f"Attempts that ended without a fault of the drill: {faulted['unplanned']}", ""]
+    return lines
+
+
+def _summary(bench: dict) -> list[str]:
+    """The drill's outcome: faults survived, work lost, time to recover, and the final parameters
+    against the uninterrupted run's."""
+    from acco_bench.report import fmt
+
+    s = bench.get("summary")
+    if not s:
+        return []
+    c, m, faulted = bench["config"], bench.get("machine") or {}, bench.get("faulted")
+    lines = []
+    st = bench["straight"]
+    differing = bench["comparison"].get("checkpoint_tensors_differing", [])
+    lines += [
+        f"- Faults injected {s['faults_injected']} of {s['faults_planned']}, survived "
+        f"{s['faults_survived']}; restarts {s['restarts']}, failures not injected by the drill "
+        f"{s['unplanned_failures']}; the job "
+        + ("finished (exit 0)." if s["finished"] else "did **not** finish."),
+        f"- Work lost per fault: at most {s['lost_updates_max']} updates (mean {s['lost_updates_mean']}, "
+        f"{s['lost_updates_total']} in all; a save every {c['save_step']}): "
+        + ("at most one save interval (two for a host crash)." if s["at_most_one_save_interval_lost"]
+           else "**more than one save interval** (two for a host crash)."),
+        f"- Time to recover (signal to the first new update): median {fmt(s['recover_s_median'], 1)} s, "
+        f"max {fmt(s['recover_s_max'], 1)} s, of which the new group's start-up (its workers started to "
+        f"its start of training) median {fmt(s.get('startup_s_median'), 1)} s; the group was down within "
+        f"{fmt(s['down_s_max'], 1)} s of a signal at most.",
+        "- Final parameters bit-equal to the uninterrupted run's: "
+        f"**{'yes' if s['final_params_bit_equal'] else 'no'}** (the saved model and every rank's master "
+        "shard); every tensor of the final checkpoint "
+        f"({bench['comparison']['checkpoint_tensors_compared']}): "
+        f"{'equal' if s['all_checkpoint_tensors_bit_equal'] else 'differ: ' + ', '.join(differing)}; "
+        f"losses and evaluations: {'equal' if s['losses_equal'] else 'differ'}.",
+        f"- Wall clock: uninterrupted {st['wall_s']:.0f} s ({st['update_s']:.2f} s per update), under "
+        "faults "
+        f"{faulted['wall_s']:.0f} s; other processes used {fmt(st.get('other_cpu_cores'), 2)} and "
+        f"{fmt(faulted.get('other_cpu_cores'), 2)} CPU cores meanwhile (of {m.get('cpus')}).",
+        "",
+    ]
+    return lines

@@ -16,7 +16,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
     "acco_bench/analysis.py:method_metrics": 112,
     "acco_bench/convergence.py:update_closeness": 110,
-    "acco_bench/fault_results.py:markdown": 103,
     "acco_bench/gpu.py:_measure": 89,
     "acco_bench/gpu_micro.py:run": 97,
     "acco_bench/race.py:run_race": 102,
