@@ -81,18 +81,7 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
 
     The first ``skip`` updates are left out of the medians when at least ``skip + 2`` exist.
     """
-    summary = {}
-    if (run_dir / "summary.json").exists():
-        summary = json.loads((run_dir / "summary.json").read_text())
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    train = [r for r in metrics if r.get("type") == "train"]
-    evals = [r for r in metrics if r.get("type") == "eval"]
-    workers = {}
-    for path in sorted((run_dir / "workers").glob("rank*.jsonl")):
-        with contextlib.suppress(ValueError):
-            workers[int(path.stem[4:])] = {r["step"]: r for r in read_jsonl(path) if "step" in r}
-    if not train:
-        raise BenchError(f"{run_dir}: no training records in metrics.jsonl")
+    summary, train, evals, workers = _read_run(run_dir)
     if len(train) < skip + 2:
         skip = 0
     steady = train[skip:]
@@ -108,11 +97,7 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
             vals = [r.get(key) for r in steady]
         return _median(vals)
 
-    walls = [r["wall_time"] for r in train]
-    diffs = [b - a for a, b in zip(walls[skip:], walls[skip + 1:])] if len(train) > 1 else []
-    if skip == 0 and walls:
-        diffs = [walls[0]] + diffs
-    step_time = _median(diffs) if diffs else summary.get("step_time_s")
+    step_time = _step_time(train, skip, summary)
     compute = per_update("compute_s", max)
     comm = per_update("comm_s", min)
     wait = per_update("wait_s", statistics.mean)
@@ -125,26 +110,8 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
     span = last["wall_time"] - first["wall_time"]
     samples_ps = (last["samples"] - first["samples"]) * seq / span if span > 0 else None
     tokens_ps = samples_ps * settings.max_length if samples_ps is not None else None
-
-    mbs = [r.get("micro_batches") for r in steady if isinstance(r.get("micro_batches"), list)]
-    n_workers = len(mbs[0]) if mbs else settings.hosts
-    mb_by_worker = ([statistics.mean(m[i] for m in mbs) for i in range(n_workers)] if mbs
-                    else summary.get("micro_batches_per_update_by_worker"))
-    # per-worker throughput: that worker's micro-batches per second of the steady span
-    # per-worker throughput: that worker's samples per second over the steady span
-    per_worker_sps = None
-    if mbs and span > 0:
-        per_worker_sps = [sum(m[i] for m in mbs) * settings.batch_size / span for i in range(n_workers)]
-    per_worker_timers = {}
-    for rank, w in sorted(workers.items()):
-        rows = [w[s] for s in steps if s in w]
-        counts = [own_micro_batches(r.get("micro_batches"), rank) for r in rows]
-        per_worker_timers[str(rank)] = {
-            "compute_s_per_update": _median(r.get("compute_s") for r in rows),
-            "wait_s_per_update": _median(r.get("wait_s") for r in rows),
-            "comm_s_per_update": _median(r.get("comm_s") for r in rows),
-            "micro_batches_per_update": (statistics.mean(counts) if counts and None not in counts else None),
-        }
+    by_worker = _by_worker(workers, steady, steps, settings, span, summary)
+    mb_by_worker, per_worker_sps, per_worker_timers = by_worker
     final_eval = summary.get("final_eval_loss")
     if final_eval is None and evals:
         final_eval = evals[-1].get("eval_loss")
@@ -176,6 +143,58 @@ def method_metrics(run_dir: Path, settings: BenchSettings, skip: int = 1) -> dic
         # [wall_time_s, samples (sequences), training loss] per update, for time-to-loss figures
         "curve": [[r["wall_time"], r["samples"] * seq, r["loss"]] for r in train],
     }
+
+
+def _read_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], dict[int, dict]]:
+    """A run folder's summary.json, rank 0's train and eval records, and each worker's records by
+    update (workers/rank*.jsonl)."""
+    summary = {}
+    if (run_dir / "summary.json").exists():
+        summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    train = [r for r in metrics if r.get("type") == "train"]
+    evals = [r for r in metrics if r.get("type") == "eval"]
+    workers = {}
+    for path in sorted((run_dir / "workers").glob("rank*.jsonl")):
+        with contextlib.suppress(ValueError):
+            workers[int(path.stem[4:])] = {r["step"]: r for r in read_jsonl(path) if "step" in r}
+    if not train:
+        raise BenchError(f"{run_dir}: no training records in metrics.jsonl")
+    return summary, train, evals, workers
+
+
+def _step_time(train: list[dict], skip: int, summary: dict) -> float | None:
+    """The median seconds between consecutive updates after the first `skip` (rank 0's clock)."""
+    walls = [r["wall_time"] for r in train]
+    diffs = [b - a for a, b in zip(walls[skip:], walls[skip + 1:])] if len(train) > 1 else []
+    if skip == 0 and walls:
+        diffs = [walls[0]] + diffs
+    return _median(diffs) if diffs else summary.get("step_time_s")
+
+
+def _by_worker(workers: dict, steady: list[dict], steps: list[int], settings: BenchSettings, span: float,
+               summary: dict) -> tuple[list | None, list | None, dict]:
+    """Each worker's micro-batches per update, samples per second over the steady span, and median
+    timers."""
+    mbs = [r.get("micro_batches") for r in steady if isinstance(r.get("micro_batches"), list)]
+    n_workers = len(mbs[0]) if mbs else settings.hosts
+    mb_by_worker = ([statistics.mean(m[i] for m in mbs) for i in range(n_workers)] if mbs
+                    else summary.get("micro_batches_per_update_by_worker"))
+    # per-worker throughput: that worker's samples per second over the steady span
+    per_worker_sps = None
+    if mbs and span > 0:
+        per_worker_sps = [sum(m[i] for m in mbs) * settings.batch_size / span for i in range(n_workers)]
+    per_worker_timers = {}
+    for rank, w in sorted(workers.items()):
+        rows = [w[s] for s in steps if s in w]
+        counts = [own_micro_batches(r.get("micro_batches"), rank) for r in rows]
+        per_worker_timers[str(rank)] = {
+            "compute_s_per_update": _median(r.get("compute_s") for r in rows),
+            "wait_s_per_update": _median(r.get("wait_s") for r in rows),
+            "comm_s_per_update": _median(r.get("comm_s") for r in rows),
+            "micro_batches_per_update": (statistics.mean(counts) if counts and None not in counts else None),
+        }
+    return mb_by_worker, per_worker_sps, per_worker_timers
 
 
 def combine_repeats(results: list[dict]) -> dict:
