@@ -150,32 +150,7 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
     master = flat.params.detach().clone()
     opt = ShardedAdamW(master, cfg)
     stream = MicroBatchStream(blocks, batch_size, 0, 1, seed)
-
-    def grad_sum(theta: torch.Tensor, batches) -> torch.Tensor:
-        flat.params.copy_(theta)
-        flat.grads.zero_()
-        for b in batches:
-            net(**b).loss.backward()
-        return flat.grads.clone()
-
-    def snapshot() -> dict:
-        return {k: v.detach().clone() for k, v in opt.state_tensors().items()}
-
-    def trial(state: dict, g: torch.Tensor) -> torch.Tensor:
-        """What a committed step from `state` with gradient g would give (no state changes)."""
-        now = snapshot()
-        for key, t in opt.state_tensors().items():
-            t.copy_(state[key])
-        opt.restore_step(int(state["step"]))
-        out = torch.empty_like(master)
-        opt.trial(g.clone(), lr, out=out)
-        for key, t in opt.state_tensors().items():
-            t.copy_(now[key])
-        opt.restore_step(int(now["step"]))
-        return out
-
-    def closeness(u: torch.Tensor, v: torch.Tensor) -> float:
-        return float((u - v).norm() / (u.norm() + v.norm()))
+    probe = _AdamProbe(net, flat, opt, master, lr)
 
     steps = sorted(set(int(s) for s in steps if int(s) >= 1))
     if not steps:
@@ -187,31 +162,12 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
     for target in steps:
         while done < target:
             batch = [next(stream) for _ in range(2 * k)]
-            prev_state = snapshot()
+            prev_state = probe.snapshot()
             prev_half = batch[:k]
-            g = grad_sum(master, batch) / (2 * k)
+            g = probe.grad_sum(master, batch) / (2 * k)
             opt.commit(g, lr)
             done += 1
-        state = snapshot()
-        theta = master.clone()
-        batch = [next(stream) for _ in range(2 * k)]
-        other = [next(stream) for _ in range(2 * k)]
-        first, second = batch[:k], batch[k:]
-        g_first = grad_sum(theta, first)
-        g_second = grad_sum(theta, second)
-        u_adam = trial(state, (g_first + g_second) / (2 * k)) - theta
-        u_other = trial(state, grad_sum(theta, other) / (2 * k)) - theta
-        # the brief's recipe: theta~ one trial step ahead, with the first half
-        theta_tilde = trial(state, g_first / k)
-        u_brief = trial(state, (g_first + grad_sum(theta_tilde, second)) / (2 * k)) - theta
-        # the algorithm's estimate of theta_t, from the previous state and half of the previous batch
-        prev_theta = prev_state["master"]
-        theta_est = trial(prev_state, grad_sum(prev_theta, prev_half) / k)
-        u_algo = trial(state, (grad_sum(theta_est, first) + g_second) / (2 * k)) - theta
-        points.append({"after_steps": target, "brief": closeness(u_brief, u_adam),
-                       "algorithm": closeness(u_algo, u_adam), "noise": closeness(u_other, u_adam),
-                       "estimate_error": float((theta_est - theta).norm() / (theta - prev_theta).norm()),
-                       "u_adam_norm": float(u_adam.norm())})
+        points.append({"after_steps": target, **_closeness_point(probe, stream, k, prev_state, prev_half)})
     return {
         "model": model,
         "model_size": model_size or {},
@@ -230,6 +186,68 @@ def update_closeness(data_path: str | None, tokenizer: str = "bpe", model: str =
         "mean_algorithm": statistics.fmean(p["algorithm"] for p in points),
         "mean_noise": statistics.fmean(p["noise"] for p in points),
     }
+
+
+class _AdamProbe:
+    """The model's summed gradient at any parameters, and the library's AdamW step from any saved
+    optimizer state, without changing the optimizer's own state."""
+
+    def __init__(self, net, flat, opt, master, lr: float):
+        self.net, self.flat, self.opt, self.master, self.lr = net, flat, opt, master, lr
+
+    def grad_sum(self, theta, batches):
+        self.flat.params.copy_(theta)
+        self.flat.grads.zero_()
+        for b in batches:
+            self.net(**b).loss.backward()
+        return self.flat.grads.clone()
+
+    def snapshot(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.opt.state_tensors().items()}
+
+    def trial(self, state: dict, g):
+        """What a committed step from `state` with gradient g would give (no state changes)."""
+        import torch
+
+        now = self.snapshot()
+        for key, t in self.opt.state_tensors().items():
+            t.copy_(state[key])
+        self.opt.restore_step(int(state["step"]))
+        out = torch.empty_like(self.master)
+        self.opt.trial(g.clone(), self.lr, out=out)
+        for key, t in self.opt.state_tensors().items():
+            t.copy_(now[key])
+        self.opt.restore_step(int(now["step"]))
+        return out
+
+
+def _closeness(u, v) -> float:
+    return float((u - v).norm() / (u.norm() + v.norm()))
+
+
+def _closeness_point(probe: _AdamProbe, stream, k: int, prev_state: dict, prev_half: list) -> dict:
+    """At the optimizer's current state: the brief's and the algorithm's update, and another batch's
+    (the noise floor), each against plain Adam's update on the same 2k micro-batches."""
+    state = probe.snapshot()
+    theta = probe.master.clone()
+    batch = [next(stream) for _ in range(2 * k)]
+    other = [next(stream) for _ in range(2 * k)]
+    first, second = batch[:k], batch[k:]
+    g_first = probe.grad_sum(theta, first)
+    g_second = probe.grad_sum(theta, second)
+    u_adam = probe.trial(state, (g_first + g_second) / (2 * k)) - theta
+    u_other = probe.trial(state, probe.grad_sum(theta, other) / (2 * k)) - theta
+    # the brief's recipe: theta~ one trial step ahead, with the first half
+    theta_tilde = probe.trial(state, g_first / k)
+    u_brief = probe.trial(state, (g_first + probe.grad_sum(theta_tilde, second)) / (2 * k)) - theta
+    # the algorithm's estimate of theta_t, from the previous state and half of the previous batch
+    prev_theta = prev_state["master"]
+    theta_est = probe.trial(prev_state, probe.grad_sum(prev_theta, prev_half) / k)
+    u_algo = probe.trial(state, (probe.grad_sum(theta_est, first) + g_second) / (2 * k)) - theta
+    return {"brief": _closeness(u_brief, u_adam), "algorithm": _closeness(u_algo, u_adam),
+            "noise": _closeness(u_other, u_adam),
+            "estimate_error": float((theta_est - theta).norm() / (theta - prev_theta).norm()),
+            "u_adam_norm": float(u_adam.norm())}
 
 
 # --------------------------------------------------------------------------------------------
