@@ -258,12 +258,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     from acco_bench import comm_share
     from acco_bench.analysis import method_metrics
 
-    settings.validate()
-    if REFERENCE not in settings.methods:
-        raise BenchError(f"the race needs {REFERENCE} in --methods: its final eval loss is the target")
-    if not settings.eval_step:
-        raise BenchError("the race needs an eval step (--eval-step >= 1)")
-    check_worker_available()
+    _check_race(settings)
     out.mkdir(parents=True, exist_ok=True)
     order = [REFERENCE, *(m for m in settings.methods if m != REFERENCE)]
     budget = settings.nb_steps_tot
@@ -312,17 +307,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
                     + (f"{measured:.2f}" if measured is not None else "-")
                     + (f" (asked {share:.2f})" if share is not None else ""))
             add_targets({method: methods[method]}, target)
-            r = methods[method]
-            log(
-                f"[acco-bench] {method}: "
-                + (
-                    f"reached {target:.4f} after {r['time_to_target_s']:.1f} s of training, "
-                    f"{r['samples_to_target']:.0f} samples"
-                    if r["reached_target"]
-                    else f"did not reach {target:.4f} in {r['samples']} samples "
-                    f"({r['training_time_s']:.1f} s)"
-                )
-            )
+            _say_reached(method, methods[method], target, log)
         network = net.describe()
     if target is not None:
         add_targets(methods, target)
@@ -330,19 +315,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     if warned := drift.warning(methods):
         log(f"[acco-bench] {warned} (race.md)")
     race = {
-        "config": {
-            **settings.describe(),
-            "methods": order,
-            "budget_micro_batches": budget,
-            "cap_micro_batches": CAP_FACTOR * budget,
-            "scheduler": scheduler,
-            "warmup": budget // 10,
-            "eval_batches_per_worker": eval_batches,
-            "network": network,
-            "machine": machine_description(),
-            "worker_command": worker_command(),
-            "method_settings": {m: RACE_METHOD_DEFAULTS[m] for m in order if m in RACE_METHOD_DEFAULTS},
-        },
+        "config": _race_config(settings, order, scheduler, eval_batches, network),
         **comm_share.share_fields(share, measured, network["bandwidth"], calibration),
         "target_eval_loss": target,
         "compute_reference_s_per_micro_batch": compute_ref,
@@ -351,3 +324,47 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     (out / "bench.json").write_text(json.dumps(race, indent=2, default=str) + "\n")
     write_race_report(race, out)
     return race
+
+
+def _check_race(settings: BenchSettings) -> None:
+    """What the race needs before anything runs: valid settings, ddp (its loss is the target), an
+    eval step, and a worker command."""
+    settings.validate()
+    if REFERENCE not in settings.methods:
+        raise BenchError(f"the race needs {REFERENCE} in --methods: its final eval loss is the target")
+    if not settings.eval_step:
+        raise BenchError("the race needs an eval step (--eval-step >= 1)")
+    check_worker_available()
+
+
+def _say_reached(method: str, r: dict, target: float, log) -> None:
+    log(
+        f"[acco-bench] {method}: "
+        + (
+            f"reached {target:.4f} after {r['time_to_target_s']:.1f} s of training, "
+            f"{r['samples_to_target']:.0f} samples"
+            if r["reached_target"]
+            else f"did not reach {target:.4f} in {r['samples']} samples "
+            f"({r['training_time_s']:.1f} s)"
+        )
+    )
+
+
+def _race_config(settings: BenchSettings, order: list[str], scheduler: str, eval_batches: int,
+                 network: dict) -> dict:
+    """bench.json's config: the settings (rate as calibrated), the budget and cap, the schedule, the
+    network, the machine and the worker command."""
+    budget = settings.nb_steps_tot
+    return {
+        **settings.describe(),
+        "methods": order,
+        "budget_micro_batches": budget,
+        "cap_micro_batches": CAP_FACTOR * budget,
+        "scheduler": scheduler,
+        "warmup": budget // 10,
+        "eval_batches_per_worker": eval_batches,
+        "network": network,
+        "machine": machine_description(),
+        "worker_command": worker_command(),
+        "method_settings": {m: RACE_METHOD_DEFAULTS[m] for m in order if m in RACE_METHOD_DEFAULTS},
+    }
