@@ -116,10 +116,6 @@ def run(
     each group is timed, so that a run cut short by a time limit keeps what it measured (the
     compiled loss's larger chunks and nanoGPT's loss, each a compile more, come last)."""
     import torch
-    import torch.nn.functional as F
-    from transformers.activations import GELUTanh, NewGELUActivation
-
-    from acco.loss import linear_cross_entropy
 
     measure = _timer(device, repeats)
     dtype = torch.bfloat16
@@ -135,21 +131,51 @@ def run(
         if keep is not None:  # a snapshot: the loss's group grows after it is first kept
             keep({k: dict(v) if isinstance(v, dict) else v for k, v in out.items()})
 
+    kept("head_gemm", _head_gemm(measure, randn, rows, hidden, vocab))
+    kept("projections", _projections(measure, randn, rows, hidden))
+    kept("gelu", _gelu(measure, randn, rows, hidden))
+    batch = max(1, rows // length)
+    q, k, v = (randn(batch, heads, length, hidden // heads, grad=True) for _ in range(3))
+    do = randn(batch, heads, length, hidden // heads)
+    kept("local_attention", _local_attention(measure, q, k, v, do, window, device)
+         | _flex(measure, q, k, v, do, window, backend, device))  # fmt: skip
+    targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    hg, wg = randn(rows, hidden, grad=True), randn(vocab, hidden, grad=True)
+    loss = _loss(measure, hg, wg, targets, backend)
+    kept("loss", loss)
+    if shard:
+        kept("optimizer", _optimizer(measure, device, shard))
+    if backend:
+        loss |= _loss_compiled_more(measure, randn, hg, wg, targets, backend)
+        kept("loss", loss)
+    return out
+
+
+def _head_gemm(measure, randn, rows: int, hidden: int, vocab: int) -> dict:
+    """The LM head's three GEMMs (forward, and backward's two), at the vocabulary and padded to 128."""
     h = randn(rows, hidden)
     head = {}
     for v in sorted({vocab, -(-vocab // 128) * 128}):
         w, g = randn(v, hidden), randn(rows, v)
         head[f"vocab_{v}"] = measure(lambda w=w, g=g: (h @ w.t(), g @ w, g.t() @ h))
-    kept("head_gemm", head)
-    kept("projections", _projections(measure, randn, rows, hidden))
+    return head
+
+
+def _gelu(measure, randn, rows: int, hidden: int) -> dict:
+    from transformers.activations import GELUTanh, NewGELUActivation
+
     x, dy = randn(rows, 4 * hidden, grad=True), randn(rows, 4 * hidden)
-    kept("gelu", {
+    return {
         name: measure(lambda act=act: act(x).backward(dy))
         for name, act in (("gelu_new", NewGELUActivation()), ("gelu_pytorch_tanh", GELUTanh()))
-    })
-    batch = max(1, rows // length)
-    q, k, v = (randn(batch, heads, length, hidden // heads, grad=True) for _ in range(3))
-    do = randn(batch, heads, length, hidden // heads)
+    }
+
+
+def _local_attention(measure, q, k, v, do, window: int, device) -> dict:
+    """A local layer's attention by SDPA: masked, causal, and acco's blocked path where it applies."""
+    import torch.nn.functional as F
+
+    length = q.shape[2]
     mask = window_mask(length, window, device)
     attention = {
         "sdpa_masked": measure(
@@ -167,9 +193,13 @@ def run(
         attention["sdpa_blocked_checkpointed"] = measure(  # as the model trains it
             lambda: blocked_local_layer(q, k, v, window, band).backward(do)
         )
-    kept("local_attention", attention | _flex(measure, q, k, v, do, window, backend, device))
-    targets = torch.randint(0, vocab, (rows,), device=device, generator=gen)
-    hg, wg = randn(rows, hidden, grad=True), randn(vocab, hidden, grad=True)
+    return attention
+
+
+def _loss(measure, hg, wg, targets, backend: str | None) -> dict:
+    """todays_loss, acco's fused loss, and (with a backend) that compiled."""
+    from acco.loss import linear_cross_entropy
+
     loss = {
         "todays": measure(lambda: todays_loss(hg, wg, targets).backward()),
         "fused": measure(lambda: linear_cross_entropy(hg, wg, None, targets).backward()),
@@ -179,22 +209,29 @@ def run(
         loss["fused_compiled"] = measure(
             lambda: linear_cross_entropy(hg, wg, None, targets, compile_options=options).backward()
         )
-    kept("loss", loss)
-    if shard:
-        kept("optimizer", _optimizer(measure, device, shard))
-    if backend:
-        static = options | {"dynamic": False}  # each chunk size compiled for itself, as acco's 1024 is
-        for chunk in LOSS_CHUNKS:
-            loss[f"fused_compiled_{chunk}"] = measure(
-                lambda chunk=chunk: linear_cross_entropy(
-                    hg, wg, None, targets, chunk=chunk, compile_options=static
-                ).backward()
-            )
-        padded = randn(-(-vocab // 128) * 128, hidden, grad=True)  # nanoGPT pads its vocabulary
-        full = torch.compile(full_logits_loss, backend=backend)
-        loss["full_logits_compiled"] = measure(lambda: full(hg, padded, targets).backward())
-        kept("loss", loss)
-    return out
+    return loss
+
+
+def _loss_compiled_more(measure, randn, hg, wg, targets, backend: str) -> dict:
+    """The compiled fused loss at larger chunks, and nanoGPT's full-logits loss compiled: a
+    compile each, so timed last."""
+    import torch
+
+    from acco.loss import linear_cross_entropy
+
+    loss = {}
+    static = {"backend": backend, "dynamic": False}  # each chunk size compiled for itself, as acco's 1024 is
+    for chunk in LOSS_CHUNKS:
+        loss[f"fused_compiled_{chunk}"] = measure(
+            lambda chunk=chunk: linear_cross_entropy(
+                hg, wg, None, targets, chunk=chunk, compile_options=static
+            ).backward()
+        )
+    vocab, hidden = wg.shape
+    padded = randn(-(-vocab // 128) * 128, hidden, grad=True)  # nanoGPT pads its vocabulary
+    full = torch.compile(full_logits_loss, backend=backend)
+    loss["full_logits_compiled"] = measure(lambda: full(hg, padded, targets).backward())
+    return loss
 
 
 def _projections(measure, randn, rows: int, hidden: int) -> dict:
