@@ -274,7 +274,53 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     pool = random_batches(vocab, args.batch_size, args.max_length, device, seed=rank)
     say = print if rank == 0 else (lambda *a, **k: None)
-    result = {
+    result = _result_header(args, name, world, vocab, fpt, peak)
+    say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
+        f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
+    for variant, base, gc, compiled, local in variants:
+        if world > 1 and not base.startswith("engine-"):
+            continue  # single-process loops
+        if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
+            torch.cuda.reset_peak_memory_stats(device)
+        kw = dict(checkpointing=gc, compiled=compiled, profile=variant in _profiled(args))
+        try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
+            r = _run_variant(args, base, device, vocab, pool, local, kw)
+        except Exception as e:  # noqa: BLE001
+            result.setdefault("failed", {})[variant] = (
+                say(f"  {variant}: FAILED: {e!r}"[:500]) or repr(e)[:2000]
+            )
+            continue
+        if "profile" in r:
+            result.setdefault("profiles", {})[variant] = {"variant": variant} | r.pop("profile")
+        own_fpt = r.get("flops_per_token", fpt)  # the anchor's model is not --model's
+        r["mfu"] = r["tokens_per_s"] * own_fpt / (peak * 1e12 * world) if peak else None  # per GPU
+        if device.type == "cuda":
+            r["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        result["variants"][variant] = r
+        mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
+        say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
+        if rank == 0:  # so far: what a run cut short by a time limit still leaves
+            _write(out, result)
+    if device.type == "cuda" and not args.no_stream_check:
+        _check_side_stream(args, device, vocab, pool, result, say)
+        if rank == 0:
+            _write(out, result)
+    if rank == 0 and (args.micro == "on" or (args.micro == "auto" and device.type == "cuda")):
+        from acco_bench.gpu_micro import from_args
+
+        result["micro"] = from_args(args, device, keep=lambda m: _write(out, result | {"micro": m}))
+    if rank == 0:
+        _write(out, result)
+        print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
+    sc = result.get("stream_check")
+    return 1 if (sc is not None and not sc["passed"]) or result.get("failed") else 0
+
+
+def _result_header(args, name: str, world: int, vocab: int, fpt: float, peak: float | None) -> dict:
+    """gpu.json before any variant: the device, the versions, the model and batch, the peak."""
+    import torch
+
+    return {
         "device": name,
         "nproc": world,
         "torch": torch.__version__,
@@ -290,62 +336,32 @@ def _measure(args, device, rank: int = 0, world: int = 1) -> int:
         "compile_scope": args.compile_scope,
         "variants": {},
     }
-    say(f"acco-bench gpu: {name} x {world}, {args.model}, {args.batch_size}x{args.max_length} tokens per "
-        f"micro-batch, {2 * args.grad_accum} per update, peak {peak} TFLOP/s")
+
+
+def _run_variant(args, base: str, device, vocab: int, pool, local, kw: dict) -> dict:
+    """One variant's loop (the engine's, nanoGPT's or the plain one) with its local-attention kernel."""
     import acco.attention
 
     local_default = acco.attention.LOCAL_KERNEL
-    for variant, base, gc, compiled, local in variants:
-        if world > 1 and not base.startswith("engine-"):
-            continue  # single-process loops
-        if device.type == "cuda":  # this variant's own peak (the batch pool stays allocated)
-            torch.cuda.reset_peak_memory_stats(device)
-        kw = dict(checkpointing=gc, compiled=compiled, profile=variant in _profiled(args))
-        acco.attention.LOCAL_KERNEL = local  # read while tracing: each variant compiles its own model
-        try:  # a variant that fails (a compile on an untried GPU) is reported, the others still run
-            if base.startswith("engine-"):
-                r = run_engine(args, base.removeprefix("engine-"), device, vocab, pool, **kw)
-            elif base == "nanogpt":
-                r = run_nanogpt(args, device, vocab, pool, compiled=compiled, profile=kw["profile"])
-            else:
-                r = run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", **kw)
-        except Exception as e:  # noqa: BLE001
-            result.setdefault("failed", {})[variant] = (
-                say(f"  {variant}: FAILED: {e!r}"[:500]) or repr(e)[:2000]
-            )
-            continue
-        finally:
-            acco.attention.LOCAL_KERNEL = local_default
-        if "profile" in r:
-            result.setdefault("profiles", {})[variant] = {"variant": variant} | r.pop("profile")
-        own_fpt = r.get("flops_per_token", fpt)  # the anchor's model is not --model's
-        r["mfu"] = r["tokens_per_s"] * own_fpt / (peak * 1e12 * world) if peak else None  # per GPU
-        if device.type == "cuda":
-            r["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        result["variants"][variant] = r
-        mfu = f", MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
-        say(f"  {variant:15s} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}")
-        if rank == 0:  # so far: what a run cut short by a time limit still leaves
-            _write(out, result)
-    v = result["variants"]
-    if device.type == "cuda" and not args.no_stream_check:
-        ms = 1000 * v.get("engine-acco", {}).get("s_per_micro_batch", 0.05)
-        result["stream_check"] = stream_check(args, device, vocab, pool, ms)
-        sc = result["stream_check"]
-        say(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
-              f"{sc['delay_ms_per_round']:.0f} ms sleep per round on the comm stream (control on the compute "
-              f"stream: x{sc['compute_slowdown_control']:.2f}); {'PASSED' if sc['passed'] else 'FAILED'}")
-        if rank == 0:
-            _write(out, result)
-    if rank == 0 and (args.micro == "on" or (args.micro == "auto" and device.type == "cuda")):
-        from acco_bench.gpu_micro import from_args
+    acco.attention.LOCAL_KERNEL = local  # read while tracing: each variant compiles its own model
+    try:
+        if base.startswith("engine-"):
+            return run_engine(args, base.removeprefix("engine-"), device, vocab, pool, **kw)
+        if base == "nanogpt":
+            return run_nanogpt(args, device, vocab, pool, compiled=kw["compiled"], profile=kw["profile"])
+        return run_plain(args, device, vocab, pool, autocast=base == "plain-autocast", **kw)
+    finally:
+        acco.attention.LOCAL_KERNEL = local_default
 
-        result["micro"] = from_args(args, device, keep=lambda m: _write(out, result | {"micro": m}))
-    if rank == 0:
-        _write(out, result)
-        print(f"acco-bench gpu: wrote {out}/gpu.json and gpu.md")
-    sc = result.get("stream_check")
-    return 1 if (sc is not None and not sc["passed"]) or result.get("failed") else 0
+
+def _check_side_stream(args, device, vocab: int, pool, result: dict, say) -> None:
+    """The side-stream check (stream_check), at acco's measured micro-batch time, into `result`."""
+    ms = 1000 * result["variants"].get("engine-acco", {}).get("s_per_micro_batch", 0.05)
+    result["stream_check"] = stream_check(args, device, vocab, pool, ms)
+    sc = result["stream_check"]
+    say(f"  side-stream check: compute x{sc['compute_slowdown_side_stream']:.3f} with a "
+        f"{sc['delay_ms_per_round']:.0f} ms sleep per round on the comm stream (control on the compute "
+        f"stream: x{sc['compute_slowdown_control']:.2f}); {'PASSED' if sc['passed'] else 'FAILED'}")
 
 
 def summarise(result: dict) -> None:
