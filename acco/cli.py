@@ -73,7 +73,7 @@ def entry() -> None:
     """The command line's entry point (``acco-train``, ``python -m acco.cli``, main.py): `main`,
     then, after a run that ended its own way, out without Python's finalization. A worker that
     imported torch and transformers spends about 2 s on this 2-core VM tearing their modules down,
-    and a job waits for its slowest worker (BENCHMARKS.md, History, "From the test suite"). Only
+    and a job waits for its slowest worker (BENCHMARKS-history.md, "From the test suite"). Only
     the process's own exit is skipped: its other threads finish and its atexit hooks run (logging's
     flush, the heartbeat's stop) as at a normal exit. `main` itself, which tests call in process,
     exits as any function does."""

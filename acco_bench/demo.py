@@ -30,7 +30,8 @@ from acco_bench.settings import DEMO_ACCO, DEMO_COMM_SHARE, KNOWN_METHODS, Bench
 # The tiny model's recipe LR (3e-3) with the race's warm-up (a tenth of the budget: 2 updates here)
 # spiked on the synthetic corpus (eval loss up by 0.6 after update 14, grad norms of 24 and 50);
 # half the LR, warmed up over 6 updates, trains smoothly to a lower loss, at the same ratio to
-# ddp's time (BENCHMARKS.md, "From 5: the demo's learning rate"). A value given on the command line wins.
+# ddp's time (BENCHMARKS-history.md, "From 5: the demo's learning rate"). A value given on the
+# command line wins.
 DEMO_TRAIN = {"train.learning_rate": "1.5e-3", "train.warmup": "72"}
 
 

@@ -53,7 +53,7 @@ _SEC1 = dict(workers=2, elem_bytes=4, grad_accum=4, buckets=1)
 MEASURED = [
     dict(source="§1 table (1 ms)", link="100mbit", c=0.393, m=0.296, case=_SEC1,
          speedup={"torch-ddp": 0.69, "dpu": 1.68, "wp": 1.66, "acco": 1.13}),
-    dict(source="§1.4 (--sched batch)", link="100mbit", c=0.397, m=0.308, case=_SEC1,
+    dict(source="§1 profile (--sched batch)", link="100mbit", c=0.397, m=0.308, case=_SEC1,
          speedup={"torch-ddp": 0.71, "dpu": 1.66, "wp": 1.65, "acco": 1.08}),
     *[dict(source="§2 sweep", link=link, c=c, m=m, case=_SEC1,
            speedup=dict(zip(("torch-ddp", "dpu", "wp", "acco"), s))) for link, c, m, s in (
@@ -68,18 +68,18 @@ MEASURED = [
         ("1000mbit", 0.472, 0.032, (0.98, 1.21, 1.06, 0.95)),
         ("unshaped", 0.415, 0.006, (0.92, 0.91, 0.89, 0.96)))],
     # §5 race, 100 Mbit/s, the paper's setting (accumulating): samples / training time over ddp's
-    # 3840 / 39.5 s; torch-ddp at bucket_cap_mb=1 (4 buckets, §1.3), diloco H 10, streaming H 20, F 4,
+    # 3840 / 39.5 s; torch-ddp at bucket_cap_mb=1 (4 buckets, §1.1), diloco H 10, streaming H 20, F 4,
     # tau 1
     dict(source="§5 race (accumulating; samples/s)", link="100mbit", c=0.337, m=0.300,
          case=dict(_SEC1, buckets=4, accumulate=True),
          speedup={n: round(s / t / (3840 / 39.5), 2) for n, s, t in (
              ("torch-ddp", 3840, 48.8), ("acco", 7736, 46.1), ("diloco", 4480, 27.9),
              ("streaming-diloco", 4224, 22.8))}),
-    # §5.0 cluster, 100 Mbit/s, fixed batch: acco's int8 estimate round, even split, 1 of 4, by durations
-    dict(source="§5.0 cluster (int8 estimate)", link="100mbit", c=0.420, m=0.296, case=_SEC1,
+    # §5.1 cluster, 100 Mbit/s, fixed batch: acco's int8 estimate round, even split, 1 of 4, by durations
+    dict(source="§5.1 cluster (int8 estimate)", link="100mbit", c=0.420, m=0.296, case=_SEC1,
          acco={"acco-int8-e1": dict(estimate_comm="int8", split=1, micro_batches=4)},
          speedup={"acco": 1.17, "acco-int8-even": 1.34, "acco-int8-e1": 1.56, "acco-int8": 1.59}),
-    *[dict(source="§5.0 cluster (int8 estimate)", link=link, c=c, m=m, case=_SEC1,
+    *[dict(source="§5.1 cluster (int8 estimate)", link=link, c=c, m=m, case=_SEC1,
            speedup=dict(zip(("acco", "acco-int8-even", "acco-int8"), s))) for link, c, m, s in (
         ("50mbit", 0.469, 0.586, (0.88, 1.26, 1.30)), ("200mbit", 0.419, 0.153, (1.27, 1.28, 1.25)))],
 ]  # fmt: skip

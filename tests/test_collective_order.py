@@ -36,6 +36,10 @@ VARIANTS = {"acco-int8-auto": ("acco", dict(estimate_comm="int8", estimate_micro
                                             n_grad_accumulation=2, accumulate_while_waiting=False))}
 
 
+# The helpers that run their first argument on rank 0 alone while the others wait on the store.
+RANK0_ALONE = ("after_rank0", "decided_by_rank0", "_finish_on_rank0")
+
+
 class Recorder:
     """Wraps torch.distributed's collectives and BackgroundComm.submit in this process."""
 
@@ -73,8 +77,12 @@ class Recorder:
         import acco.checkpoint
         import acco.trainer
 
+        # Rank 0's work alone (its first argument), as each module runs it: none may issue a collective.
         for module in (acco.trainer, acco.checkpoint):
-            monkeypatch.setattr(module, "after_rank0", self._alone(module.after_rank0))
+            alone = [n for n in RANK0_ALONE if hasattr(module, n)]
+            assert alone, f"{module.__name__} runs rank 0's work alone through none of {RANK0_ALONE}"
+            for name in alone:
+                monkeypatch.setattr(module, name, self._alone(getattr(module, name)))
 
     def _wrap(self, name, fn, lock):
         def recorded(*args, **kwargs):
@@ -91,7 +99,7 @@ class Recorder:
 
         return recorded
 
-    def _alone(self, after_rank0):
+    def _alone(self, run_on_rank0):
         def wrapped(work, *args, **kwargs):
             def flagged():
                 self.rank0_alone = threading.current_thread()
@@ -100,7 +108,7 @@ class Recorder:
                 finally:
                     self.rank0_alone = None
 
-            return after_rank0(flagged, *args, **kwargs)
+            return run_on_rank0(flagged, *args, **kwargs)
 
         return wrapped
 

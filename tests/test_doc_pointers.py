@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 BENCHMARKS = ROOT / "BENCHMARKS.md"
-MARKDOWN = [*DOCS, BENCHMARKS]
+BENCHMARKS_HISTORY = ROOT / "BENCHMARKS-history.md"  # superseded figures and the notes behind the tables
+MARKDOWN = [*DOCS, BENCHMARKS, BENCHMARKS_HISTORY]
 # Where prose names a section: the Markdown files and the comments and docstrings of the code.
 POINTING = [
     *MARKDOWN,
@@ -30,13 +31,14 @@ POINTING = [
 FILE = r"(?P<file>(?:\.\./)?(?:docs/)?[A-Za-z][\w-]*\.md|BENCHMARKS|README)"
 # FILE, "Heading" (also FILE's "Heading", [FILE](FILE), "Heading" and FILE, section "Heading")
 QUOTED = re.compile(FILE + r"(?:\]\([^)\s]*\))?(?:'s?)?,?\s+(?:section\s+)?\\?\"(?P<name>[^\"\\]{2,80})\\?\"")
-# BENCHMARKS.md section 5.0, BENCHMARKS §5.1, and the map's §1.4 labels
+# BENCHMARKS.md section 5.1, BENCHMARKS §5.2, and the map's §1.1 labels
 NUMBERED = re.compile(
     r"(?:BENCHMARKS(?:\.md)?(?:'s?)?,?\s+(?:sections?\s+|§\s*)|§)"
     r"(?P<number>\d+(?:\.\d+)*)"
 )
 IN_BENCHMARKS = re.compile(r"\b[Ss]ections?\s+(?P<number>\d+(?:\.\d+)*)")
-HISTORY = re.compile(r"History,?\s+\(?\"(?P<name>[^\"]{2,80})\"")  # within BENCHMARKS.md: History, "From 4.1"
+# within BENCHMARKS-history.md: History, "From 4.1"
+HISTORY = re.compile(r"History,?\s+\(?\"(?P<name>[^\"]{2,80})\"")
 LINKED = re.compile(r"\]\((?P<file>[^)\s#]*)#(?P<anchor>[^)\s]+)\)")  # [text](FILE#anchor), [text](#anchor)
 ANCHORED = re.compile(
     r"(?P<file>(?:\.\./)?(?:docs/)?[A-Za-z][\w-]*\.md)#(?P<anchor>[\w-]+)"

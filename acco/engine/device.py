@@ -82,7 +82,7 @@ class HostOps:
         thread's round computes beside the training thread: it gets one intra-op thread (the
         setting is per thread), or the two threads' OpenMP teams share the cores and spin against
         each other (acco at 0.82-0.85 of ddp's tokens/s on 2 cores with GPT-Neo tiny at 8 x 256,
-        0.96-0.97 with this: BENCHMARKS.md, "From 1.4: the comm thread's cores on the CPU")."""
+        0.96-0.97 with this: BENCHMARKS-history.md, "From 1: the comm thread's cores on the CPU")."""
         torch.set_num_threads(1)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:

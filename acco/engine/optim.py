@@ -20,7 +20,7 @@ from acco.engine.config import EngineConfig
 # moments' copies), 48 MiB at most, and never more than 4 bytes per shard element. A smaller chunk
 # keeps the workspace in the cache: alone on a 2-core EPYC (32 MiB L3), on a 29.4M-element shard,
 # 2^18 took 78-87 ms against 115-131, but in training (4 workers on its 2 cores, the comm thread
-# beside the compute) no faster (BENCHMARKS.md, History, "From 10: the round's bytes"). On a GPU
+# beside the compute) no faster (BENCHMARKS-history.md, "From 10: the round's bytes"). On a GPU
 # each chunk is three kernel launches: acco-bench gpu's micro-benchmark times 2^18 to 2^22.
 TRIAL_CHUNK = 1 << 22
 

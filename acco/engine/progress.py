@@ -212,7 +212,7 @@ def host_listening(host: str, port: int, timeout_s: float = 1.0) -> bool:
     look up each one's name (torch's store servers, libuv's and the older one, log every new
     client's address), a reverse DNS query on the thread that serves every rank's store
     operations: with a resolver that did not answer, each such query held them all for its 5 s
-    timeout, one look in 60 here (BENCHMARKS.md, "From the test suite"). When the kept connection
+    timeout, one look in 60 here (BENCHMARKS-history.md, "From the test suite"). When the kept connection
     has closed, one fresh connection tells a store that was started again (torchrun's restarts)
     from one that is gone."""
     import socket
