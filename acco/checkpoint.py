@@ -60,7 +60,8 @@ from acco.engine.comm import MICRO_BATCHES
 from acco.engine.device import device_ops
 from acco.launch.process_group import decided_by_rank0, wait_on_store
 from acco.messages import size_text
-from acco.resume import checkpoint_folders, rank_file, step_of, verify
+from acco.resume import rank_file, verify
+from acco.run_folder import checkpoint_folders, step_of
 
 # How long the workers wait for each other's (and rank 0's) writes: writes are slow, not stuck.
 SAVE_TIMEOUT_S = 3600.0

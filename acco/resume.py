@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from acco.engine import CheckpointError
-from acco.run_folder import CHECKPOINT_NAME
+from acco.run_folder import checkpoint_folders, step_of
 
 META_KEYS = ("step", "samples", "method", "world_size", "numel")
 # Train settings a resume may change, but rarely should: each difference gets a warning.
@@ -49,19 +49,6 @@ SAME_WORLD_ONLY = ("torch-ddp", "diloco", "streaming-diloco")
 
 def rank_file(folder: Path, rank: int, world_size: int) -> Path:
     return folder / f"rank{rank}-of-{world_size}.pt"
-
-
-def step_of(folder: Path) -> int:
-    return int(CHECKPOINT_NAME.match(folder.name).group(1))
-
-
-def checkpoint_folders(output_dir: str | Path) -> list[Path]:
-    """Every checkpoint-N folder, whole or not (meta.json lost, files cut short), newest first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    return sorted((p for p in out.iterdir() if CHECKPOINT_NAME.match(p.name) and p.is_dir()),
-                  key=step_of, reverse=True)  # fmt: skip
 
 
 def load_meta(folder: Path) -> dict:

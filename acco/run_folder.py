@@ -14,14 +14,19 @@ CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 RUN_MARKERS = ("summary.json", "metrics.jsonl")
 
 
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (with meta.json), oldest first."""
+def step_of(folder: Path) -> int:
+    return int(CHECKPOINT_NAME.match(folder.name).group(1))
+
+
+def checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """Every checkpoint-N folder, whole or not (meta.json lost, files cut short), newest first."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in out.iterdir()
-        if (m := CHECKPOINT_NAME.match(p.name)) and (p / "meta.json").exists()
-    ]
-    return [p for _, p in sorted(found)]
+    return sorted((p for p in out.iterdir() if CHECKPOINT_NAME.match(p.name) and p.is_dir()),
+                  key=step_of, reverse=True)  # fmt: skip
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (with meta.json), oldest first."""
+    return [p for p in reversed(checkpoint_folders(output_dir)) if (p / "meta.json").exists()]

@@ -158,7 +158,8 @@ class OtherLoad:
 def whole_checkpoints(run_dir: Path) -> list[Path]:
     """The checkpoints that verify by meta.json and sizes (the CRCs are the job's to read), newest first."""
     from acco.engine import CheckpointError
-    from acco.resume import checkpoint_folders, verify
+    from acco.resume import verify
+    from acco.run_folder import checkpoint_folders
 
     whole = []
     for folder in checkpoint_folders(run_dir):
@@ -171,7 +172,7 @@ def whole_checkpoints(run_dir: Path) -> list[Path]:
 def newest_checkpoint(run_dir: Path) -> int:
     """The step of the newest checkpoint that verifies (0: none), the one a new group resumes from:
     a host crash's truncated file makes the job fall back past one."""
-    from acco.resume import step_of
+    from acco.run_folder import step_of
 
     whole = whole_checkpoints(run_dir)
     return step_of(whole[0]) if whole else 0

@@ -371,7 +371,7 @@ HELD_WRITE = """
 def test_the_last_background_checkpoint_lands_before_the_process_exits(tmp_path):
     """A one-worker job through the entry, its final checkpoint written in the background
     (train.async_save, the default) and held: the exit starts only once it is on disk, whole."""
-    from acco import resume
+    from acco import resume, run_folder
 
     script = write_script(tmp_path, "held.py", HELD_WRITE)
     out = tmp_path / "out"
@@ -380,7 +380,7 @@ def test_the_last_background_checkpoint_lands_before_the_process_exits(tmp_path)
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     said = [line for line in proc.stdout.splitlines() if line.startswith(("written", "exit"))]
-    saved = resume.checkpoint_folders(out)
+    saved = run_folder.checkpoint_folders(out)
     assert len(saved) == 1, (said, proc.stdout[-2000:])
     newest = saved[0]
     assert said == [f"written {newest.name}", "exit"], proc.stdout
