@@ -90,12 +90,16 @@ class CommRound:
     """Collectives + sharded optimizer for one worker. Runs in whichever thread calls it."""
 
     def __init__(
-        self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None, split, lookahead
+        self, flat: FlatParams, cfg: EngineConfig, group: dist.ProcessGroup | None, split, lookahead,
+        rounds,
     ):
         """`split` and `lookahead`: acco/engine/estimate.py's EstimateSplit and Lookahead, which the
-        engine builds and owns; the round reads the split and steps through the lookahead."""
+        engine builds and owns; the round reads the split and steps through the lookahead. `rounds`:
+        nodes.py's flat ring or two-level rounds, which move the payload and the parameters; the
+        statistics go over `group` (the whole job)."""
         self.cfg = cfg
         self.group = group
+        self.rounds = rounds
         self.layout = flat.layout
         self.world_size = flat.layout.world_size
         device = flat.params.device
@@ -121,8 +125,10 @@ class CommRound:
         self.int8 = None
         if cfg.method == "acco" and cfg.estimate_comm == "int8":
             # the block size, quantize.BLOCK, read now: tests set it
+            # on the nodes' layout the outer level alone: only the bytes that cross nodes are quantized
             self.int8 = quantize.Int8EstimateComm(
-                self.world_size, self.layout.rank, self.layout.shard_numel, device, group, quantize.BLOCK
+                rounds.outer_size, rounds.outer_rank, self.layout.shard_numel, device, rounds.outer_group,
+                quantize.BLOCK,
             )
             self.params = flat.params
         # read here: the split in effect (the estimate round's LR) and this worker's proposal
@@ -168,13 +174,13 @@ class CommRound:
         """grad_shard = this worker's shard of every worker's payload, summed (fp32). The ring
         first: when a peer has died or stalled, its error names the ring's neighbours. Every
         collective is issued at world size 1 too (NCCL runs a one-rank communicator)."""
-        if int8:  # straight into the fp32 shard
-            self.int8.reduce_scatter(payload, self.grad_shard)
+        if int8:  # straight into the fp32 shard (the nodes' inner level exact, in place)
+            self.int8.reduce_scatter(self.rounds.reduce_scatter_inner(payload), self.grad_shard)
         elif not self.in_place_reduce:  # fp32: straight into the fp32 shard
-            collectives.reduce_scatter(self.grad_shard, payload, group=self.group)
+            self.rounds.reduce_scatter(self.grad_shard, payload)
         else:  # into the payload's own slice, then widened
             summed = self._own(payload)
-            collectives.reduce_scatter(summed, payload, group=self.group)
+            self.rounds.reduce_scatter(summed, payload)
             self.grad_shard.copy_(summed)
 
     def _statistics(self, stats: torch.Tensor, kind: RoundKind) -> RoundResult:
@@ -243,6 +249,8 @@ class CommRound:
         """new_params = every worker's new shard (`sent`, its own slice), all-gathered in place
         (int8: the estimate's delta to the theta_t every worker holds, added to it)."""
         if int8:
-            self.int8.all_gather_delta(new_params, estimate, self.params)
+            chunk = self.rounds.node_chunk(new_params)
+            self.int8.all_gather_delta(chunk, estimate, self.rounds.node_chunk(self.params))
+            self.rounds.all_gather_inner(new_params, chunk)
         else:
-            collectives.all_gather(new_params, sent, group=self.group)
+            self.rounds.all_gather(new_params, sent)

@@ -23,6 +23,7 @@ METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco"
 LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
 ACCO_ESTIMATES = ("lean", "paper")
 ESTIMATE_COMMS = ("full", "int8")
+ROUNDS = ("nodes", "flat")
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # inductor's
 COMPILE_SCOPES = ("blocks", "model")
@@ -158,6 +159,12 @@ class EngineSettings:
     +4 bytes per parameter; the sum is rounded to bf16 once, for the wire). fp32 training: fp32
     either way. bf16 by measurement: the same eval loss to 4 digits at 16 to 64 micro-batches per
     worker per update, for 4 bytes per parameter less (BENCHMARKS.md, "Numerics")."""
+    rounds: str = "nodes"
+    """How a round's collectives cross the job, one of ROUNDS: "nodes", in two levels (reduce-scatter
+    inside each node, then between nodes on the node's shards; the all-gather in reverse), which sends
+    (R - 1) / R of the payload through each node's link to the others instead of the flat ring's
+    (W - 1) / W; "flat", one ring over every worker. The same where the job is one node, or one worker
+    per node. The node layout is the launcher's (acco/engine/nodes.py)."""
     bucket_cap_mb: float = 25.0
     """torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep)."""
     sync_every: int = 50
@@ -196,6 +203,9 @@ class EngineConfig(EngineSettings):
 
     method: str = "acco"
     """One of METHODS (the trainer's key for it is the seed's name, ``method_name``)."""
+    workers_per_node: int | None = None
+    """The job's layout for rounds=nodes: workers per node (None: the launcher's environment,
+    acco/engine/nodes.py's workers_per_node_from_env)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -249,6 +259,8 @@ class EngineConfig(EngineSettings):
             raise ConfigError(
                 f"acco_estimate must be one of {', '.join(ACCO_ESTIMATES)}, got {self.acco_estimate!r}"
             )
+        if self.rounds not in ROUNDS:
+            raise ConfigError(f"rounds must be one of {', '.join(ROUNDS)}, got {self.rounds!r}")
         if self.estimate_comm not in ESTIMATE_COMMS:
             raise ConfigError(
                 f"estimate_comm must be one of {', '.join(ESTIMATE_COMMS)}, got {self.estimate_comm!r}"

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine import collectives
 from acco.engine.background import BackgroundComm
 from acco.engine.comm import (
     EXHAUSTED,
@@ -42,7 +41,17 @@ from acco.engine.comm import (
 from acco.engine.config import CheckpointError, EngineConfig, UpdateRecord, advise
 from acco.engine.device import device_ops
 from acco.engine.estimate import EstimateSplit, Lookahead
-from acco.engine.flat import FLAT_ORDER, FlatParams, ShardLayout, broadcast_module, state_header, world_of
+from acco.engine.flat import (
+    FLAT_ORDER,
+    FlatParams,
+    ShardLayout,
+    broadcast_module,
+    same_layout,
+    shard_files,
+    state_header,
+    world_of,
+)
+from acco.engine.nodes import make_rounds
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
 # the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
@@ -87,13 +96,15 @@ class DecoupledEngine:
         # Rank 0's weights everywhere, in their own dtype, before the fp32 master shard is taken
         # from them (broadcasting after the cast would leave each rank a master of its own weights).
         broadcast_module(module, group)
-        self.flat = FlatParams(module, dtype, self.world_size, self.rank)
+        # the flat ring or the two-level rounds (nodes.py): which shard this worker owns follows
+        self.rounds = make_rounds(cfg.rounds, group, self.world_size, self.rank, cfg.workers_per_node)
+        self.flat = FlatParams(module, dtype, self.world_size, self.rounds.shard_rank)
         self.device = self.flat.params.device
         # acco's split of an update between its two rounds: decided here, read by the round
         self.split = EstimateSplit(cfg, self.flat.layout.shard_numel, self.flat.params.element_size())
         # what a round sends ahead of theta_{t+1} (wp's prediction, acco's estimate) and its state
         self.lookahead = Lookahead(cfg, self.flat.master_shard)
-        self.comm = CommRound(self.flat, cfg, group, self.split, self.lookahead)
+        self.comm = CommRound(self.flat, cfg, group, self.split, self.lookahead, self.rounds)
         self.overlapped = cfg.method != "ddp"
         # n_warmup_steps sequential updates, each of every round's share, on every worker
         rounds = len(ROUND_SCHEDULE[cfg.method])
@@ -379,7 +390,7 @@ class DecoupledEngine:
         self.comm.committed_micro_batches, self.comm.step = int(state["samples"]), int(state["step"])
         opt.restore_step(self.comm.step)
         self.wall_time_offset = float(state["wall_time"])
-        exact = state["world_size"] == self.world_size and state["rank"] == self.rank
+        exact = same_layout(state, self)
         if not exact and old_state is None:
             raise CheckpointError(
                 f"checkpoint was written by {state['world_size']} workers, this run has {self.world_size}: "
@@ -389,7 +400,7 @@ class DecoupledEngine:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(opt, name).copy_(state[name])
         else:
-            self._reshard(old_state, int(state["world_size"]))
+            self._reshard(shard_files(old_state, state), int(state["world_size"]))
         # wp computes at its prediction, saved by shard; every other model at the committed parameters
         predicted = state.get("predicted") if exact and self.wp else None
         self._gather(predicted if predicted is not None else opt.master, self.flat.params)
@@ -464,7 +475,7 @@ class DecoupledEngine:
         """`out` (full, padded, model dtype) = every worker's `shard`, gathered as the update round does."""
         sent = out[self.flat.shard]  # in place, as the round gathers
         sent.copy_(shard)
-        collectives.all_gather(out, sent, group=self.group)
+        self.rounds.all_gather(out, sent)
 
     def _prediction(self) -> torch.Tensor:
         """wp: the full vector of the predicted parameters, wherever it is now."""

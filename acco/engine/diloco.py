@@ -42,6 +42,7 @@ from acco.engine.config import LOCAL_SGD_METHODS, CheckpointError, EngineConfig,
 from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.device import device_ops
 from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, state_header, world_of
+from acco.engine.nodes import make_rounds
 from acco.engine.optim import ShardedAdamW, learning_rate
 
 _END = object()
@@ -89,6 +90,7 @@ class DiLoCoEngine:
             raise ValueError(f"DiLoCoEngine runs {', '.join(LOCAL_SGD_METHODS)}, not {cfg.method!r}")
         self.cfg, self.module, self.group = cfg, module, group
         self.world_size, self.rank = world_of(group)
+        self.rounds = make_rounds("flat", group, self.world_size, self.rank)
         dtype = torch.bfloat16 if cfg.use_mixed_precision else torch.float32
         broadcast_module(module, group)  # rank 0's weights, before the fp32 copy is taken from them
         # One "shard" holding everything: the inner optimizer is not sharded.

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from acco.engine.nodes import shard_file_rank
+
 # The order of the flat vector (decayed parameters first), recorded in checkpoints: a checkpoint
 # of another order cannot be resumed, its shards would land on other parameters.
 FLAT_ORDER = "decayed-first"
@@ -35,10 +37,28 @@ def state_header(engine) -> dict:
         "numel": engine.flat.layout.numel,
         "world_size": engine.world_size,
         "rank": engine.rank,
+        # the two-level rounds' S (0: the flat ring): which shard each rank's file holds
+        "workers_per_node": engine.rounds.workers_per_node,
         "samples": engine.committed_micro_batches,
         "step": engine.step,
         "wall_time": engine.last_wall_time,
     }
+
+
+def same_layout(state: dict, engine) -> bool:
+    """Whether a saved state is this worker's own: the same world, rank and shard order (an exact
+    resume), rather than one to reshard."""
+    return (state["world_size"] == engine.world_size and state["rank"] == engine.rank
+            and state.get("workers_per_node", 0) == engine.rounds.workers_per_node)
+
+
+def shard_files(old_state, state: dict):
+    """`old_state(rank)` (a saved worker's file) as a function of the flat shard it holds: on the
+    two-level layout worker (node r, local s) held shard s * R + r (acco/engine/nodes.py)."""
+    S = state.get("workers_per_node", 0)
+    if not S:
+        return old_state
+    return lambda shard: old_state(shard_file_rank(shard, int(state["world_size"]), S))
 
 
 @dataclass(frozen=True)
