@@ -34,14 +34,16 @@ def _engine_order(model) -> torch.Tensor:
     return torch.cat([idx for big, idx in spans if big] + [idx for big, idx in spans if not big])
 
 
-def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None, dtype=torch.float32):
+def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None, dtype=torch.float32,
+                   workers_per_node=1):
     """acco with the estimate round quantized as the engine does it, written out: the estimate's
     gradient is each worker's own sum, quantized shard by shard (blocks per shard) and summed in
     fp32; theta~ = theta_t + dequantized (theta~_exact - theta_t); the update round commits
     Opt(theta_t, exact mean of g~_t + g_t). ``bounds``: a list that receives, per estimate round,
     the largest error / bound ratio of the gradient and of the gathered estimate; ``estimates``:
     a list that receives (theta~ as gathered, theta~ before the all-gather's quantization, each
-    element's quantum).
+    element's quantum). ``workers_per_node`` S > 1 (the two-level rounds, fp32): what is quantized is
+    each node's exact sum of its S workers' gradients, shard by shard.
 
     ``dtype`` bf16 (mixed precision) rounds where the engine does: gradients at bf16(theta), each
     worker's added up micro-batch by micro-batch in bf16 (grad_accum_dtype bf16; the update's payload
@@ -103,6 +105,8 @@ def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None
         return back(out)
 
     def reduce_scatter(grads):
+        S = workers_per_node
+        grads = [sum(grads[i : i + S]) for i in range(0, world, S)]  # the inner level: exact
         total, bound = torch.zeros(world, shard), torch.zeros(world, shard)
         for g in grads:  # rank order, fp32
             for r, row in enumerate(shards(g)):

@@ -9,7 +9,10 @@ import torch
 from distributed import run_distributed
 from engine_helpers import Reference, assert_close, config, reference_acco, reference_delayed, run_engine
 
+from test_estimate_int8 import BLOCK, _train, reference_int8
+
 from acco.engine import ConfigError
+from acco.engine import quantize as qz
 from acco.engine.nodes import NodeLayout, check_layout, shard_file_rank, workers_per_node_from_env
 
 NODES = dict(rounds="nodes", workers_per_node=2)
@@ -44,7 +47,9 @@ def test_layout_from_the_environment_and_its_check(monkeypatch):
         config(rounds="tree")
 
 
-def test_methods_equal_their_references_on_two_nodes():
+# fake-cuda: the engines' GPU paths (comm stream, events) on the CPU, over the two levels' groups
+@pytest.mark.parametrize("device", ["host", "fake-cuda"])
+def test_methods_equal_their_references_on_two_nodes(device):
     n, world, updates, clip = 2, 4, 4, 0.45
     budget = n * world * updates
     common = dict(nb_steps_tot=budget, max_grad_norm=clip, **NODES)
@@ -55,7 +60,7 @@ def test_methods_equal_their_references_on_two_nodes():
         config(method="dpu", n_grad_accumulation=n, **common),
         config(method="wp", n_grad_accumulation=n, **common),
     ]
-    results = run_distributed(run_engine, world, "mlp", cfgs, 0.0, shard_rank)
+    results = run_distributed(run_engine, world, "mlp", cfgs, 0.0, shard_rank, device)
     (ddp, ddp_rec, order), (acco, acco_rec, _), (lean, _, _), (dpu, _, _), (wp, _, _) = results[0]
     assert order == 0 and [r[0][2] for r in results] == [0, 2, 1, 3]  # the two-level order, not flat
     for rank_result in results[1:]:
@@ -73,3 +78,19 @@ def test_methods_equal_their_references_on_two_nodes():
     for name, got, predict in (("dpu", dpu, False), ("wp", wp, True)):
         ref = Reference("mlp", cfgs[0], world, [n] * world)
         assert_close(got, reference_delayed(ref, updates, predict), f"{name} on 2 x 2 vs its recurrence")
+
+
+def test_int8_estimate_quantizes_the_node_sums_on_two_nodes():
+    # the inner level exact, the outer level's bytes int8: the reference quantizes each node's sum
+    updates, world = 4, 4
+    cfg = config(method="acco", n_grad_accumulation=2, nb_steps_tot=2 * 2 * world * updates,
+                 estimate_comm="int8", **NODES)
+    results = run_distributed(_train, world, "mlp", [cfg], BLOCK)
+    qz.BLOCK = 2048  # (set by the in-process reference runs' default)
+    params = results[0][0][0]
+    assert_close(params, reference_int8("mlp", cfg, world, updates, BLOCK, workers_per_node=2),
+                 "int8 estimate on 2 x 2 vs the node-sum reference")
+    flat = reference_int8("mlp", cfg, world, updates, BLOCK)  # each worker's own sum quantized
+    assert (params - flat).abs().max() > 1e-6
+    for r in range(1, world):
+        torch.testing.assert_close(results[r][0][0], params, rtol=0, atol=0)
