@@ -173,7 +173,7 @@ def make_rounds(rounds: str, group, world_size: int, rank: int, workers_per_node
     check_layout(world_size, S)
     if S in (1, world_size):
         return FlatRounds(group, world_size, rank)
-    key = (world_size, S, rank)
+    key = (dist.group.WORLD, S)  # a new default group (after destroy_process_group) makes new ones
     if key not in _made:
         _made[key] = NodeRounds(NodeLayout(world_size // S, S, rank))
     return _made[key]
