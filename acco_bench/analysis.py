@@ -52,6 +52,19 @@ def summary_stats(values: list[float]) -> dict:
     }
 
 
+def node_link_fields(sent: list[int] | None, updates: int) -> dict:
+    """The bytes through the links between hosts (nodes), measured: ``sent`` is each host's tx
+    counter over a method's run (every packet that left the host's namespace: the rounds, the
+    evaluations' all-reduce, the rendezvous, TCP/IP headers; the traffic between the workers of one
+    host stays inside it), per committed update over all links and per node. None on loopback."""
+    if sent is None or not updates:
+        return {"node_link_bytes": sent, "node_link_bytes_per_update": None,
+                "node_link_bytes_per_node_per_update": None}
+    total = sum(sent) / updates
+    return {"node_link_bytes": sent, "node_link_bytes_per_update": total,
+            "node_link_bytes_per_node_per_update": total / len(sent)}
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -177,7 +190,7 @@ def _by_worker(workers: dict, steady: list[dict], steps: list[int], settings: Be
     """Each worker's micro-batches per update, samples per second over the steady span, and median
     timers."""
     mbs = [r.get("micro_batches") for r in steady if isinstance(r.get("micro_batches"), list)]
-    n_workers = len(mbs[0]) if mbs else settings.hosts
+    n_workers = len(mbs[0]) if mbs else settings.workers
     mb_by_worker = ([statistics.mean(m[i] for m in mbs) for i in range(n_workers)] if mbs
                     else summary.get("micro_batches_per_update_by_worker"))
     # per-worker throughput: that worker's samples per second over the steady span

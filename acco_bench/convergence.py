@@ -105,7 +105,7 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
                 data_path=settings.data_path if settings.data == "text" else None,
                 tokenizer=settings.tokenizer or "bpe", model=settings.model, model_size=settings.model_size,
                 batch_size=settings.batch_size, max_length=settings.max_length, k=settings.grad_accum,
-                steps=closeness_steps, seed=seeds[0], threads=settings.worker_threads() * settings.hosts)
+                steps=closeness_steps, seed=seeds[0], threads=settings.worker_threads() * settings.workers)
         except Exception as e:  # noqa: BLE001 - reported, not fatal to the loss table
             log(f"[acco-bench] update closeness failed: {type(e).__name__}: {e}")
             conv["update_closeness"] = {"error": f"{type(e).__name__}: {e}"}
