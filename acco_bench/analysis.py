@@ -13,7 +13,7 @@ from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.acco_bound import acco_formula, acco_update_time, method_acco_spec
-from acco_bench.settings import BenchSettings
+from acco_bench.settings import BenchSettings, split_nodes
 
 COMM_MEASURES = {
     "ddp": "time inside the comm round (reduce-scatter, optimizer step, all-gather), computation waiting",
@@ -50,6 +50,18 @@ def summary_stats(values: list[float]) -> dict:
         "min": min(values),
         "max": max(values),
     }
+
+
+def nodes_comm(settings: BenchSettings | None, method: str, c: float, m: float) -> float:
+    """ddp's comm M per update (the flat ring's) as ``method``'s rounds would take it: on emulated nodes
+    an X-nodes method's two-level rounds send (R-1)/R of the payload through the node links instead of
+    (W-1)/W (acco_bench/map_bounds.py's round_comm)."""
+    from acco_bench.map_bounds import Case, round_comm
+
+    if settings is None or not split_nodes(method)[1]:
+        return m
+    k = Case(c=c, m=m, workers=settings.workers, workers_per_node=settings.workers_per_node, rounds="nodes")
+    return round_comm(k)[0]
 
 
 def node_link_fields(sent: list[int] | None, updates: int) -> dict:
@@ -310,7 +322,7 @@ def add_comparisons(methods: dict, settings: BenchSettings | None = None) -> dic
                 res["fraction_of_ideal_acco"] = res["speedup_step_vs_ddp"] / b["ideal_acco"]
         if b and spec:
             c, m = b["ddp_compute_s"], b["ddp_comm_s"]
-            res["bound_speedup"] = (c + m) / acco_update_time(c, m, **spec)
+            res["bound_speedup"] = (c + m) / acco_update_time(c, nodes_comm(settings, name, c, m), **spec)
             res["bound_formula"], res["bound_terms"] = acco_formula(spec)
             res["bound_spec"] = spec
             measured = res.get("speedup_samples_vs_ddp" if spec["accumulate"] else "speedup_step_vs_ddp")
