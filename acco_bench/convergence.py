@@ -54,7 +54,8 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
         check_worker_available()
         if settings.data == "text" and not settings.data_path:
             raise BenchError("convergence needs --data PATH (a text file, e.g. the TinyStories slice)")
-        with Network(settings.hosts, settings.bandwidth, None, settings.loopback) as net:
+        with Network(settings.hosts, settings.bandwidth, None, settings.loopback,
+                     settings.workers_per_node) as net:
             conv["config"]["network"] = net.note
             log(f"[acco-bench] convergence on {settings.data_path or settings.data}: {net.note}")
             for seed in seeds:
