@@ -13,7 +13,7 @@ from pathlib import Path
 
 from acco_bench import BenchError
 from acco_bench.acco_bound import acco_formula, acco_update_time, method_acco_spec
-from acco_bench.settings import BenchSettings
+from acco_bench.settings import BenchSettings, split_nodes
 
 COMM_MEASURES = {
     "ddp": "time inside the comm round (reduce-scatter, optimizer step, all-gather), computation waiting",
@@ -50,6 +50,31 @@ def summary_stats(values: list[float]) -> dict:
         "min": min(values),
         "max": max(values),
     }
+
+
+def nodes_comm(settings: BenchSettings | None, method: str, c: float, m: float) -> float:
+    """ddp's comm M per update (the flat ring's) as ``method``'s rounds would take it: on emulated nodes
+    an X-nodes method's two-level rounds send (R-1)/R of the payload through the node links instead of
+    (W-1)/W (acco_bench/map_bounds.py's round_comm)."""
+    from acco_bench.map_bounds import Case, round_comm
+
+    if settings is None or not split_nodes(method)[1]:
+        return m
+    k = Case(c=c, m=m, workers=settings.workers, workers_per_node=settings.workers_per_node, rounds="nodes")
+    return round_comm(k)[0]
+
+
+def node_link_fields(sent: list[int] | None, updates: int) -> dict:
+    """The bytes through the links between hosts (nodes), measured: ``sent`` is each host's tx
+    counter over a method's run (every packet that left the host's namespace: the rounds, the
+    evaluations' all-reduce, the rendezvous, TCP/IP headers; the traffic between the workers of one
+    host stays inside it), per committed update over all links and per node. None on loopback."""
+    if sent is None or not updates:
+        return {"node_link_bytes": sent, "node_link_bytes_per_update": None,
+                "node_link_bytes_per_node_per_update": None}
+    total = sum(sent) / updates
+    return {"node_link_bytes": sent, "node_link_bytes_per_update": total,
+            "node_link_bytes_per_node_per_update": total / len(sent)}
 
 
 def _median(xs):
@@ -177,7 +202,7 @@ def _by_worker(workers: dict, steady: list[dict], steps: list[int], settings: Be
     """Each worker's micro-batches per update, samples per second over the steady span, and median
     timers."""
     mbs = [r.get("micro_batches") for r in steady if isinstance(r.get("micro_batches"), list)]
-    n_workers = len(mbs[0]) if mbs else settings.hosts
+    n_workers = len(mbs[0]) if mbs else settings.workers
     mb_by_worker = ([statistics.mean(m[i] for m in mbs) for i in range(n_workers)] if mbs
                     else summary.get("micro_batches_per_update_by_worker"))
     # per-worker throughput: that worker's samples per second over the steady span
@@ -297,7 +322,7 @@ def add_comparisons(methods: dict, settings: BenchSettings | None = None) -> dic
                 res["fraction_of_ideal_acco"] = res["speedup_step_vs_ddp"] / b["ideal_acco"]
         if b and spec:
             c, m = b["ddp_compute_s"], b["ddp_comm_s"]
-            res["bound_speedup"] = (c + m) / acco_update_time(c, m, **spec)
+            res["bound_speedup"] = (c + m) / acco_update_time(c, nodes_comm(settings, name, c, m), **spec)
             res["bound_formula"], res["bound_terms"] = acco_formula(spec)
             res["bound_spec"] = spec
             measured = res.get("speedup_samples_vs_ddp" if spec["accumulate"] else "speedup_step_vs_ddp")

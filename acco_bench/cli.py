@@ -6,9 +6,12 @@
                            [--batch-sizes 1,2,4,8: small per-worker batches at the same samples]
     acco-bench race        [--hosts 2 --methods ddp,torch-ddp,acco,diloco,streaming-diloco
                            --bandwidth 100mbit]
+                           [--nodes 2 --workers-per-node 4 --methods ddp,ddp-nodes,acco,acco-nodes:
+                            emulated nodes, the flat ring against the two-level rounds]
     acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
-    acco-bench map         [--compute-s C --comm-s M --workers W ...]  (where each method wins; runs nothing)
+    acco-bench map         [--compute-s C --comm-s M --workers W --workers-per-node S ...]
+                           (where each method wins; runs nothing)
     acco-bench faults      [--workers 2 --faults 10 --save-step 2 --seed 0]  (a fault drill under torchrun)
     acco-bench report DIR                      (re-render a finished run's tables and plots)
 
@@ -23,7 +26,7 @@ import sys
 from pathlib import Path
 
 from acco_bench import BenchError
-from acco_bench.settings import KNOWN_METHODS, BenchSettings
+from acco_bench.settings import BenchSettings, check_methods
 
 # Every flag that sets a BenchSettings field defaults to that field's default (a subcommand may
 # choose another, said where it is set): each default is stated once, in acco_bench/settings.py.
@@ -32,11 +35,10 @@ DEFAULTS = BenchSettings()
 
 def _methods(text: str) -> tuple[str, ...]:
     ms = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in ms if m not in KNOWN_METHODS]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown method(s) {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}"
-        )
+    try:
+        check_methods(ms)
+    except BenchError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return ms
 
 
@@ -97,9 +99,30 @@ def _check_link(a) -> None:
                              "rate, or the comm share to set it by")
 
 
+def _add_nodes(p: argparse.ArgumentParser) -> None:
+    """Emulated nodes: R network namespaces of S workers each, the links between them shaped."""
+    p.add_argument("--nodes", action=_Given, type=int, default=None, metavar="R",
+                   help="emulated nodes: one network namespace each, its --workers-per-node workers talking "
+                        "unshaped inside it, the link between nodes shaped (default --hosts's)")
+    p.add_argument("--workers-per-node", action=_Given, type=int, default=DEFAULTS.workers_per_node,
+                   metavar="S", help="workers per emulated node (ranked node by node; every worker gets "
+                                     "ACCO_WORKERS_PER_NODE=S); NAME-nodes methods run the two-level rounds")
+
+
+def _layout(a) -> tuple[int, int]:
+    """(hosts, workers per host) from --hosts or --nodes/--workers-per-node, which exclude each other."""
+    given = getattr(a, "given", set())
+    if "hosts" in given and given & {"nodes", "workers_per_node"}:
+        raise BenchError("--hosts N is one worker per host (--nodes N --workers-per-node 1): give --hosts, "
+                         "or --nodes and --workers-per-node, not both")
+    nodes = getattr(a, "nodes", None)
+    return (a.hosts if nodes is None else nodes), getattr(a, "workers_per_node", DEFAULTS.workers_per_node)
+
+
 def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEFAULTS.methods) -> None:
     d = DEFAULTS
-    p.add_argument("--hosts", type=int, default=d.hosts, help="number of emulated hosts (one worker each)")
+    p.add_argument("--hosts", action=_Given, type=int, default=d.hosts,
+                   help="number of emulated hosts (one worker each)")
     p.add_argument("--methods", type=_methods, default=tuple(methods),
                    help=f"comma-separated, run in this order (default {','.join(methods)})")
     p.add_argument("--model", default=d.model, help="model config name (acco/conf/model)")
@@ -172,8 +195,10 @@ def _settings(a, **kw) -> BenchSettings:
     data, data_path = _data(a)
     size = {k: v for k, v in (("hidden_size", a.hidden_size), ("num_layers", a.num_layers),
                               ("num_heads", a.num_heads)) if v}
+    hosts, workers_per_node = _layout(a)
     return BenchSettings(
-        hosts=a.hosts,
+        hosts=hosts,
+        workers_per_node=workers_per_node,
         methods=a.methods,
         model=a.model,
         model_size=size,
@@ -206,10 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cluster", help="every method, one after the other, on N emulated hosts")
     _add_common(p, "outputs/bench/cluster", DEFAULTS.nb_steps_tot)
+    _add_nodes(p)
     _add_link(p)
 
     p = sub.add_parser("sweep", help="cluster at several bandwidths: speedup over ddp against bandwidth")
     _add_common(p, "outputs/bench/sweep", 120)
+    _add_nodes(p)
     _add_link(p, sweep=True)
 
     p = sub.add_parser("convergence", help="eval loss against samples on real text, several seeds, "
@@ -280,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlapped methods compute exactly their micro-batches per round (default: they keep "
         "accumulating while it runs, up to train.accumulate_cap, the paper's setting capped)",
     )
+    _add_nodes(p)
     _add_link(p)
     p.add_argument("--eval-step", type=int, default=2, help="evaluate every that many updates (every method)")
     p.add_argument("--eval-batches", type=int, default=8, help="eval batches per worker per evaluation")

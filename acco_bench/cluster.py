@@ -1,7 +1,9 @@
 """``acco-bench cluster`` and ``acco-bench sweep``: the methods side by side on an emulated cluster.
 
 Each of N emulated hosts (:class:`~acco_bench.network.EmulatedCluster`: a network namespace whose
-link is shaped with ``tc``) runs one training worker, ``python -m acco.cli train=METHOD ...`` with
+link is shaped with ``tc``) runs one training worker (``--nodes R --workers-per-node S``: S workers
+per host, unshaped between them, each method's ``node_link_bytes_per_update`` measured on the
+hosts' links), ``python -m acco.cli train=METHOD ...`` with
 torchrun's variables set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` = host 0's address, ...), so
 the gradients and parameters of every comm round cross the shaped links as real gloo traffic. The
 methods run one after the other on one cluster with identical settings (model, data, seed,
@@ -37,7 +39,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from acco_bench import BenchError, drift
-from acco_bench.analysis import add_comparisons, combine_repeats, method_metrics
+from acco_bench.analysis import add_comparisons, combine_repeats, method_metrics, node_link_fields
 from acco_bench.network import Network, parse_rate
 from acco_bench.settings import BenchSettings
 from acco_bench.workers import LoadMeter, check_worker_available, run_workers, worker_command
@@ -50,8 +52,12 @@ def _run_once(settings: BenchSettings, method: str, run_dir: Path, net: Network)
     if run_dir.exists():  # the trainer appends to metrics.jsonl: start clean
         shutil.rmtree(run_dir)
     load = LoadMeter()
+    before = net.tx_bytes()
     wall = run_workers(settings, method, run_dir, net, load)
+    after = net.tx_bytes()
     res = method_metrics(run_dir, settings)
+    sent = [b - a for a, b in zip(before, after)] if before is not None else None
+    res.update(node_link_fields(sent, res["updates"]))
     res.update(harness_wall_s=wall, load=load.result(), run_dir=str(run_dir),
                compute_s_per_micro_batch=drift.compute_per_micro_batch(run_dir))
     return res
@@ -72,7 +78,7 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
     own = net is None
     if own:
         bw = None if settings.comm_share is not None else settings.bandwidth
-        net = Network(settings.hosts, bw, settings.latency, settings.loopback)
+        net = Network(settings.hosts, bw, settings.latency, settings.loopback, settings.workers_per_node)
     try:
         if settings.comm_share is not None and calibration is None:
             calibration = comm_share.calibrate(settings, net, settings.comm_share, out / "calibration", log)
@@ -89,7 +95,7 @@ def run_bench(settings: BenchSettings, out: Path, net: Network | None = None, lo
                 log(
                     "[acco-bench] "
                     f"{method}{f' (repeat {rep + 1}/{settings.repeats})' if settings.repeats > 1 else ''}: "
-                    f"{settings.hosts} workers, {settings.grad_accum_for(method)} micro-batches per "
+                    f"{settings.workers} workers, {settings.grad_accum_for(method)} micro-batches per "
                     f"{'round' if method == 'acco' else 'update'} of "
                     f"{settings.batch_size}x{settings.max_length} tokens, "
                     f"nb_steps_tot={settings.nb_steps_tot}"
@@ -262,7 +268,7 @@ def run_share_sweep(settings, shares, out: Path, log=print) -> dict:
     check_worker_available()
     out.mkdir(parents=True, exist_ok=True)
     points = []
-    with Network(settings.hosts, None, settings.latency, settings.loopback) as net:
+    with Network(settings.hosts, None, settings.latency, settings.loopback, settings.workers_per_node) as net:
         base = None
         for share in shares:
             label = f"share {share:.2f}"

@@ -124,7 +124,7 @@ def _probe_settings(settings, bandwidth: str | None):
     if not any(o.split("=", 1)[0].lstrip("+~") == "train.max_eval_batches" for o in extra):
         extra += ("train.max_eval_batches=1",)  # only the final evaluation, and a short one
     return replace(settings, methods=("ddp",), bandwidth=bandwidth, comm_share=None, eval_step=None,
-                   nb_steps_tot=settings.probe_updates * settings.grad_accum * settings.hosts, extra=extra,
+                   nb_steps_tot=settings.probe_updates * settings.grad_accum * settings.workers, extra=extra,
                    repeats=1)
 
 

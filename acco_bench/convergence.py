@@ -54,7 +54,8 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
         check_worker_available()
         if settings.data == "text" and not settings.data_path:
             raise BenchError("convergence needs --data PATH (a text file, e.g. the TinyStories slice)")
-        with Network(settings.hosts, settings.bandwidth, None, settings.loopback) as net:
+        with Network(settings.hosts, settings.bandwidth, None, settings.loopback,
+                     settings.workers_per_node) as net:
             conv["config"]["network"] = net.note
             log(f"[acco-bench] convergence on {settings.data_path or settings.data}: {net.note}")
             for seed in seeds:
@@ -105,7 +106,7 @@ def run_convergence(settings: BenchSettings, seeds: list[int], out: Path, closen
                 data_path=settings.data_path if settings.data == "text" else None,
                 tokenizer=settings.tokenizer or "bpe", model=settings.model, model_size=settings.model_size,
                 batch_size=settings.batch_size, max_length=settings.max_length, k=settings.grad_accum,
-                steps=closeness_steps, seed=seeds[0], threads=settings.worker_threads() * settings.hosts)
+                steps=closeness_steps, seed=seeds[0], threads=settings.worker_threads() * settings.workers)
         except Exception as e:  # noqa: BLE001 - reported, not fatal to the loss table
             log(f"[acco-bench] update closeness failed: {type(e).__name__}: {e}")
             conv["update_closeness"] = {"error": f"{type(e).__name__}: {e}"}

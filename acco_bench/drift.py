@@ -25,7 +25,9 @@ from pathlib import Path
 from acco_bench.analysis import BUSY_CORES, own_micro_batches, read_jsonl
 
 DRIFT = 1.25  # compute per micro-batch this far from the reference (either way): drifted
-COMPUTE_HOLDS_COMM = frozenset({"torch-ddp"})  # methods whose compute_s includes comm
+# methods whose compute_s includes comm (torch-hsdp: FSDP's gathers and reduce-scatters run inside
+# forward and backward)
+COMPUTE_HOLDS_COMM = frozenset({"torch-ddp", "torch-hsdp"})
 
 
 def compute_per_micro_batch(run_dir: Path, rank: int = 0, skip: int = 1) -> float | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from acco_bench import BenchError
 from acco_bench.analysis import read_jsonl, summary_stats
 from acco_bench.convergence import run_convergence
-from acco_bench.settings import VARIANTS, BenchSettings, base_method
+from acco_bench.settings import BenchSettings, base_method, method_overrides
 
 
 def _lr_dir(out: Path, lr: float) -> Path:
@@ -104,7 +104,7 @@ def paired_ratio(by_method: dict, method: str) -> float | None:
 
 def estimate_of(method: str, train: dict) -> str:
     """acco's estimate in a method's runs: its variant's override, else the train config's."""
-    return next((o.split("=", 1)[1] for o in VARIANTS.get(method, (None, ()))[1]
+    return next((o.split("=", 1)[1] for o in method_overrides(method)
                  if o.startswith("train.acco_estimate=")), train["acco_estimate"])
 
 

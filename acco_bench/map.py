@@ -37,13 +37,17 @@ from acco_bench.map_bounds import (
     BACKWARD_SHARE,
     FOLLOW_DDP,
     METHODS,
+    TWO_LEVEL,
     Case,
     bounds,
     memory_bytes,
+    round_comm,
+    slow_link_share,
     speedups,
+    two_level,
     winner,
 )
-from acco_bench.settings import base_method
+from acco_bench.settings import base_method, split_nodes
 
 # ----------------------------------------------------------------------- measured (BENCHMARKS.md)
 
@@ -90,8 +94,9 @@ def check_rows(extra: list[dict] | None = None) -> list[dict]:
     for meas in MEASURED + (extra or []):
         k = Case(c=meas["c"], m=meas["m"], **meas["case"])
         b = speedups(k)
+        m, latency = round_comm(k)
         for n, spec in (meas.get("acco") or {}).items():  # a bench's acco variants: each its own bound
-            b[n] = (k.c + k.m) / acco_update_time(k.c, k.m, latency_s=k.latency_s, **spec)
+            b[n] = (k.c + k.m) / acco_update_time(k.c, m, latency_s=latency, **spec)
         rows.append({"source": meas["source"], "link": meas["link"], "c": k.c, "m": k.m,
                      "methods": {n: {"measured": s, "bound": b[n], "ratio": s / b[n]}
                                  for n, s in meas["speedup"].items()}})
@@ -124,8 +129,10 @@ def from_bench_json(path: Path) -> list[dict]:
     acc = bool(cfg.get("accumulate_while_waiting"))
     settings, plain = bench_settings(cfg), bench_settings({**cfg, "extra": ()})
     key = "speedup_samples_vs_ddp" if acc else "speedup_step_vs_ddp"
-    case = dict(workers=int(cfg.get("hosts", 2)), elem_bytes=2 if cfg.get("mixed_precision") else 4,
-                grad_accum=int(cfg.get("grad_accum", 4)), accumulate=acc)
+    per_node = int(cfg.get("workers_per_node") or 1)
+    case = dict(workers=int(cfg.get("hosts", 2)) * per_node, workers_per_node=per_node,
+                elem_bytes=2 if cfg.get("mixed_precision") else 4, grad_accum=int(cfg.get("grad_accum", 4)),
+                accumulate=acc)
     rows = []
     for p in points:
         b = p.get("bounds") or {}
@@ -133,9 +140,10 @@ def from_bench_json(path: Path) -> list[dict]:
             raise BenchError(f"--bench {path}: no ddp compute/comm figures (run it with ddp among --methods)")
         by_h: dict[tuple, dict] = {(): {}}  # diloco variants (diloco-h20) get a row with their own H
         specs = {}  # acco and its variants: their own bound from the overrides their workers got
-        for name, r in (p.get("methods") or {}).items():
+        for full, r in (p.get("methods") or {}).items():
+            name, nodes = split_nodes(full)  # X-nodes: X's bound on the two-level rounds, a row of its own
             base, h = base_method(name), name.rpartition("-h")[2]
-            if base not in METHODS or base == "ddp" or not isinstance(r, dict) or not r.get(key):
+            if base not in METHODS or full == "ddp" or not isinstance(r, dict) or not r.get(key):
                 continue
             if base == "acco":
                 spec = method_acco_spec(settings, name)
@@ -150,6 +158,7 @@ def from_bench_json(path: Path) -> list[dict]:
                 specs[base] = spec
             hk = (("sync_every" if base == "diloco" else "s_sync_every", int(h)),) \
                 if name != base and "diloco" in base and h.isdigit() else ()
+            hk += (("rounds", "nodes"),) if nodes else ()
             by_h.setdefault(hk, {})[base] = r[key]
         for hk, sp in by_h.items():
             if sp:
@@ -157,7 +166,8 @@ def from_bench_json(path: Path) -> list[dict]:
                     dict(
                         source=str(path)
                         + "".join(
-                            f" ({'diloco' if n == 'sync_every' else 'streaming'} H {v})" for n, v in hk
+                            " (two-level rounds)" if n == "rounds"
+                            else f" ({'diloco' if n == 'sync_every' else 'streaming'} H {v})" for n, v in hk
                         ),
                         link=str(p.get("label")),
                         c=b["ddp_compute_s"],
@@ -269,10 +279,31 @@ def summarize(k: Case, params: int | None, gpu_gib: float | None) -> dict:
     mem = {n: memory_bytes(n, k.workers, k.elem_bytes, k.fragments) for n in METHODS}
     gib = {n: mem[n] * params / 2**30 for n in METHODS} if params else None
     fits = [n for n in METHODS if not (gib and gpu_gib) or gib[n] <= gpu_gib]
-    return {"case": asdict(k), "time_s": t, "speedup": {n: t["ddp"] / v for n, v in t.items()},
-            "bytes_per_param": mem, "gib_per_gpu": gib, "fits": fits,
-            "winner_follow_ddp": winner(t, mem, [n for n in FOLLOW_DDP if n in fits]),
-            "winner_all": winner(t, mem, fits)}
+    out = {"case": asdict(k), "time_s": t, "speedup": {n: t["ddp"] / v for n, v in t.items()},
+           "bytes_per_param": mem, "gib_per_gpu": gib, "fits": fits,
+           "winner_follow_ddp": winner(t, mem, [n for n in FOLLOW_DDP if n in fits]),
+           "winner_all": winner(t, mem, fits)}
+    if k.workers_per_node > 1:
+        out["nodes"] = nodes_summary(k, params, mem, fits)
+    return out
+
+
+def nodes_summary(k: Case, params: int | None, mem: dict, fits: list[str]) -> dict:
+    """The two-level rounds beside the flat ring on k's nodes: the share of the payload on each node's
+    slow link per reduce-scatter (and per all-gather), in bytes with ``params``, and every method's
+    bound with them (speedups over ddp on the flat ring)."""
+    w, s = k.workers, k.workers_per_node
+    nodes = two_level(k)
+    t = {n: v for n, v in bounds(nodes).items() if n in TWO_LEVEL}
+    share = {"flat": slow_link_share(w, s, "flat"), "nodes": slow_link_share(w, s, "nodes")}
+    payload = params * k.elem_bytes if params else None
+    cands = [n for n in t if n in fits]
+    return {"nodes": w // s, "workers_per_node": s, "slow_link_share": share,
+            "slow_link_bytes_per_collective": {r: v * payload for r, v in share.items()} if payload else None,
+            "comm_s": round_comm(nodes)[0], "time_s": t,
+            "speedup": {n: (k.c + k.m) / v for n, v in t.items()},
+            "winner_follow_ddp": winner(t, mem, [n for n in FOLLOW_DDP if n in cands]),
+            "winner_all": winner(t, mem, cands)}
 
 
 # ----------------------------------------------------------------------- output
@@ -311,6 +342,11 @@ def assumptions(a) -> list[str]:
         "train/ddp.yaml (2) and ddp-ft.yaml (4); torch-ddp B = fp32 gradients / 25 MiB; diloco "
         f"H {a.sync_every}, streaming H {a.s_sync_every}, F {a.fragments}, tau {a.fragment_delay}; a method "
         f"fits when its state is at most {a.gpu_gib:g} GiB per GPU (A100 80 GB).",
+        "On nodes (--workers-per-node S, R = W / S nodes, ranked node by node): M is the flat ring's, each "
+        "node's link carrying (W-1)/W of the payload per reduce-scatter and per all-gather; the two-level "
+        "rounds (train.rounds=nodes) send (R-1)/R there, so their M is M's bandwidth part x ((R-1)/R) / "
+        "((W-1)/W) plus its latency part x (R-1)/(W-1), the traffic inside a node taken as free; torch-ddp "
+        "has no two-level form.",
         "Winner: the fastest bound (within 1%: the one needing less memory) among the methods that fit; "
         "'follows ddp' keeps to ddp, torch-ddp and acco (dpu and wp are one update stale and end 27-30% "
         "above ddp's loss; diloco takes local steps).",
@@ -366,7 +402,7 @@ def build(a) -> dict:
                  grad_accum=a.grad_accum, buckets=a.buckets or (math.ceil(a.params * 4 / (25 * 2**20))
                                                                 if a.params else 1),
                  sync_every=a.sync_every, s_sync_every=a.s_sync_every, fragments=a.fragments,
-                 fragment_delay=a.fragment_delay)
+                 fragment_delay=a.fragment_delay, workers_per_node=a.workers_per_node)
         result["user"] = summarize(k, int(a.params) if a.params else None, a.gpu_gib if a.params else None)
         result["user"]["from_run"] = getattr(a, "run", None)
     return result
@@ -402,8 +438,28 @@ def _user_section(u: dict) -> list[str]:
     rows = [[n, _f(u["time_s"][n], 3), _f(u["speedup"][n], 2, "x"), _f(u["bytes_per_param"][n], 2),
              _f(gib[n] * scale, 1) if gib else "-", "yes" if n in u["fits"] else "no"] for n in METHODS]
     lines += _table(["method", "bound s/update", "vs ddp", "bytes/param", f"{unit}/GPU", "fits"], rows)
-    return lines + ["", f"Fastest that follows ddp: **{u['winner_follow_ddp']}**; fastest of all: "
-                        f"**{u['winner_all']}**. {LEGEND}", ""]
+    lines += ["", f"Fastest that follows ddp: **{u['winner_follow_ddp']}**; fastest of all: "
+                  f"**{u['winner_all']}**. {LEGEND}", ""]
+    return lines + (_nodes_section(u) if u.get("nodes") else [])
+
+
+def _nodes_section(u: dict) -> list[str]:
+    """The flat ring against the two-level rounds on the user's nodes."""
+    n = u["nodes"]
+    w, share, per = u["case"]["workers"], n["slow_link_share"], n["slow_link_bytes_per_collective"]
+    ratio = share["nodes"] / share["flat"]
+    size = (f" ({per['flat'] / 2**20:.1f} MiB against {per['nodes'] / 2**20:.1f} MiB)" if per else "")
+    lines = ["## Flat ring against two-level rounds", "",
+             f"{n['nodes']} nodes of {n['workers_per_node']} workers: per reduce-scatter and per all-gather "
+             f"each node's slow link carries (W-1)/W = {share['flat']:.3f} of the payload on the flat ring, "
+             f"(R-1)/R = {share['nodes']:.3f} with the two-level rounds, x{ratio:.2f}"
+             f"{size}; ddp's comm M = {u['case']['m']:.4f} s becomes {n['comm_s']:.4f} s (W = {w}).", ""]
+    rows = [[m, _f(u["time_s"][m], 3), _f(u["speedup"][m], 2, "x"),
+             _f(n["time_s"].get(m), 3), _f(n["speedup"].get(m), 2, "x")] for m in METHODS]
+    lines += _table(["method", "flat bound s/update", "flat vs ddp", "two-level bound s/update",
+                     "two-level vs flat ddp"], rows)
+    return lines + ["", f"Two-level, fastest that follows ddp: **{n['winner_follow_ddp']}**; fastest of all: "
+                        f"**{n['winner_all']}** (torch-ddp has no two-level form: -).", ""]
 
 
 def _measured_section(r: dict) -> list[str]:
@@ -458,6 +514,10 @@ def add_arguments(p) -> None:
         "join the check table (repeatable)",
     )
     p.add_argument("--workers", type=int, default=None, help="W (default: --from's, else 8)")
+    p.add_argument("--workers-per-node", type=int, default=1, metavar="S",
+                   help="S workers per node, W / S nodes (2 or more): the flat ring's bounds beside the "
+                        "two-level rounds' (train.rounds=nodes), bytes on the slow link (W-1)/W against "
+                        "(R-1)/R of the payload; needs your figures")
     p.add_argument("--params", type=float, default=None, help="parameters (default: --from's): GiB per GPU")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="training precision (default: --from's, else bf16)")  # fmt: skip
@@ -493,6 +553,18 @@ def take_run_figures(a) -> None:
             setattr(a, name, fallback[name])
 
 
+def check_nodes(a) -> None:
+    """--workers-per-node: whole nodes, at least two of them, and figures of the user's to scale."""
+    s = getattr(a, "workers_per_node", 1)
+    if s == 1:
+        return
+    if s < 1 or a.workers % s or a.workers // s < 2:
+        raise BenchError(f"--workers-per-node {s} must divide --workers {a.workers} into 2 nodes or more")
+    if a.compute_s is None:
+        raise BenchError("--workers-per-node compares the layouts on your figures: give --compute-s and "
+                         "--comm-s (the flat ring's, ddp's), or --from a ddp run")
+
+
 def run(a) -> int:
     try:
         a.gbits = [float(x) for x in str(a.gbits).split(",") if x.strip()]
@@ -504,6 +576,7 @@ def run(a) -> int:
                          "measured")
     if a.workers < 1 or a.grad_accum < 1 or a.sync_every < 1 or a.fragments < 1 or not 0 < a.mfu <= 1:
         raise BenchError("--workers, --grad-accum, --sync-every, --fragments must be >= 1 and 0 < --mfu <= 1")
+    check_nodes(a)
     for name in ("compute_s", "comm_s", "params", "gpu_gib"):  # nan and inf would reach the table
         value = getattr(a, name, None)
         if value is not None and not (0 <= value < math.inf and (value > 0 or name == "comm_s")):

@@ -1,11 +1,18 @@
 """The bounds ``acco-bench map`` draws (map.py has the rest): seconds per ddp-sized batch for every
 method from ddp's compute C and comm M per update (``bounds``), the speedups over ddp, the memory per
 worker in bytes per parameter (docs/algorithm.md's table, "Memory per worker") and the winner among
-the methods that fit."""
+the methods that fit.
+
+On nodes of S workers (``Case.workers_per_node``) M is the flat ring's, whose slowest links are the
+ones between nodes: ranked node by node, each node's link carries one ring edge, (W - 1) / W of the
+payload per reduce-scatter and per all-gather. The two-level rounds (``Case.rounds`` "nodes",
+acco/engine/nodes.py) send (R - 1) / R there: ``round_comm`` scales M's bandwidth part by that
+ratio and its latency part by the outer ring's steps, (R - 1) / (W - 1), the inner level on the
+node's fast links taken as free."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from acco_bench.acco_bound import acco_update_time
 
@@ -43,22 +50,58 @@ class Case:
     fragment_delay: int = 1  # streaming-diloco's tau (inner steps a fragment's all-reduce overlaps)
     latency_s: float = 0.0  # the part of m that is latency (does not shrink with the bytes)
     accumulate: bool = False  # overlapped methods keep computing while a round runs (samples/s)
+    workers_per_node: int = 1  # S: the W workers are W / S nodes of S, ranked node by node
+    rounds: str = "flat"  # the engine's methods' rounds: "flat" (m is this ring's) or "nodes" (two-level)
+
+
+# the map's methods whose rounds have a two-level form (torch-ddp's all-reduce is torch's, flat)
+TWO_LEVEL = tuple(n for n in METHODS if n != "torch-ddp")
+
+
+def slow_link_share(workers: int, workers_per_node: int, rounds: str = "flat") -> float:
+    """The share of a round's payload each node sends through its link to the other nodes, per
+    reduce-scatter (and per all-gather): the flat ring (W - 1) / W, the two-level rounds (R - 1) / R;
+    0 on one node."""
+    nodes = workers // workers_per_node
+    n = nodes if rounds == "nodes" else workers
+    return 0.0 if nodes < 2 else (n - 1) / n
+
+
+def round_comm(k: Case) -> tuple[float, float]:
+    """(M, its latency part) of k's layout: k.m and k.latency_s on the flat ring; with the two-level
+    rounds the bandwidth part scaled by (R - 1) / R over (W - 1) / W, the latency part by the outer
+    ring's steps, (R - 1) / (W - 1)."""
+    w, s = k.workers, k.workers_per_node
+    if k.rounds == "flat" or s in (1, w):
+        return k.m, k.latency_s
+    r = w // s
+    lat = k.latency_s * (r - 1) / (w - 1)
+    scale = slow_link_share(w, s, "nodes") / slow_link_share(w, s, "flat")
+    return (k.m - k.latency_s) * scale + lat, lat
+
+
+def two_level(k: Case) -> Case:
+    """k with the two-level rounds (its m still the flat ring's: ``bounds`` scales it)."""
+    return replace(k, rounds="nodes")
 
 
 def bounds(k: Case) -> dict[str, float]:
-    """Lower bounds on seconds per ddp-sized batch (one update; for diloco one inner step)."""
+    """Lower bounds on seconds per ddp-sized batch (one update; for diloco one inner step), each
+    method's rounds on k's layout (``round_comm``; torch-ddp always on the flat ring)."""
     c, m = k.c, k.m
+    flat_m = m
+    m, latency = round_comm(k)
     # the int8 estimate round
-    int8 = dict(estimate_comm="int8", elem_bytes=k.elem_bytes, latency_s=k.latency_s)
+    int8 = dict(estimate_comm="int8", elem_bytes=k.elem_bytes, latency_s=latency)
     # torch-ddp: DDP's all-reduce (ddp's bytes, M) overlaps the backward of the last micro-batch
     # only (the others run under no_sync), its last bucket starts when backward ends; then
     # ZeroRedundancyOptimizer broadcasts the fp32 parameters (half a ring round of 4-byte elements)
-    last = m / k.buckets
+    last = flat_m / k.buckets
     hidden = BACKWARD_SHARE * c / k.grad_accum
-    bcast = m / 2 * 4 / k.elem_bytes
+    bcast = flat_m / 2 * 4 / k.elem_bytes
     t = {
         "ddp": c + m,
-        "torch-ddp": c + max(0.0, m - last - hidden) + last + bcast,
+        "torch-ddp": c + max(0.0, flat_m - last - hidden) + last + bcast,
         "dpu": max(c, m),
         "wp": max(c, m),
         "acco": acco_update_time(c, m),  # two full rounds: max(C, 2M)
@@ -76,8 +119,9 @@ def bounds(k: Case) -> dict[str, float]:
 
 
 def speedups(k: Case) -> dict[str, float]:
+    """Over ddp on the flat ring (C + M, the ddp a benchmark measures), whatever k's rounds."""
     t = bounds(k)
-    return {n: t["ddp"] / v for n, v in t.items()}
+    return {n: (k.c + k.m) / v for n, v in t.items()}
 
 
 # docs/algorithm.md, "Memory per worker": bytes per parameter (model-sized, shard-sized / W) in

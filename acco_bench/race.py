@@ -34,6 +34,10 @@ flagged ``drifted`` in bench.json and race.md (:mod:`acco_bench.drift`).
 **Bytes sent per worker** are measured: the tx byte counter of each emulated host's link, read
 before and after the run (every packet: the gradients and parameters, the rendezvous, the
 evaluations' all-reduce, TCP/IP headers). On loopback there is no per-worker link: not measured.
+On emulated nodes (``--nodes R --workers-per-node S``) a host's link carries its S workers' traffic
+to the other nodes: **node_link_bytes_per_update** is those counters summed over the nodes, per
+committed update (and ``node_link_bytes_per_node_per_update`` per node); the per-worker fields are
+then None. ``X-nodes`` runs X's race settings with ``train.rounds=nodes``, X itself the flat ring.
 **State bytes per worker** are the engine's ``state_bytes()`` on rank 0, as the trainer records it
 in summary.json.
 """
@@ -49,11 +53,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from acco_bench import BenchError, drift
-from acco_bench.analysis import read_jsonl
+from acco_bench.analysis import node_link_fields, read_jsonl
 from acco_bench.cluster import RETRY_PAUSE_S, machine_description
 from acco_bench.network import Network
 from acco_bench.race_report import plot_race, race_markdown, write_race_report  # noqa: F401 (re-exported)
-from acco_bench.settings import BenchSettings
+from acco_bench.settings import BenchSettings, split_nodes
 from acco_bench.workers import LoadMeter, check_worker_available, run_workers, worker_command
 
 REFERENCE = "ddp"
@@ -162,11 +166,16 @@ def _has_key(extra, key: str) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] == key for o in extra)
 
 
+def method_defaults(method: str) -> dict[str, str]:
+    """A method's race settings (RACE_METHOD_DEFAULTS): X-nodes has X's."""
+    return RACE_METHOD_DEFAULTS.get(split_nodes(method)[0], {})
+
+
 def race_overrides(settings: BenchSettings, budget: int, scheduler: str, eval_batches: int,
                    target: float | None, method: str = REFERENCE) -> tuple[str, ...]:
     """The race's own Hydra overrides for one method (a key the user set with --override wins)."""
     ours = {"train.scheduler_name": scheduler, "train.warmup": str(budget // 10),
-            "train.max_eval_batches": str(eval_batches), **RACE_METHOD_DEFAULTS.get(method, {})}
+            "train.max_eval_batches": str(eval_batches), **method_defaults(method)}
     if target is not None:
         ours["train.stop_at_eval_loss"] = repr(float(target))
     return tuple(f"{k}={v}" for k, v in ours.items() if not _has_key(settings.extra, k)) + tuple(
@@ -175,6 +184,7 @@ def race_overrides(settings: BenchSettings, budget: int, scheduler: str, eval_ba
 
 
 def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sent: list[int] | None) -> dict:
+    """A race run's figures from its folder; ``sent``: each host's tx bytes over the run."""
     summary = (
         json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     )
@@ -194,6 +204,7 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         xs = [r[key] for r in timers[1:] if r.get(key) is not None]
         return statistics.median(xs) if xs else None
 
+    per_worker = sent if s.workers_per_node == 1 else None  # one link per worker only then
     return {
         "final_eval_loss": curve[-1]["eval_loss"],
         "samples": samples,
@@ -201,9 +212,10 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         "training_time_s": train_s,
         "samples_per_training_s": samples / train_s if train_s > 0 else None,
         "stopped_at_target": summary.get("stopped_at_eval_loss"),
-        "bytes_sent_per_worker": sent,
-        "bytes_sent_per_worker_mean": statistics.fmean(sent) if sent else None,
-        "bytes_sent_per_sample": statistics.fmean(sent) / samples if sent and samples else None,
+        "bytes_sent_per_worker": per_worker,
+        "bytes_sent_per_worker_mean": statistics.fmean(per_worker) if per_worker else None,
+        "bytes_sent_per_sample": statistics.fmean(per_worker) / samples if per_worker and samples else None,
+        **node_link_fields(sent, len(train)),
         "state_bytes_per_worker": summary.get("state_bytes"),
         "compute_s_per_update": median("compute_s"),
         "comm_s_per_update": median("comm_s"),
@@ -268,7 +280,7 @@ def run_race(settings: BenchSettings, out: Path, scheduler: str = "constant", ev
     accepted: list[float | None] = []  # the same, of every checked method run so far (drift.py)
     share = settings.comm_share
     bw = None if share is not None else settings.bandwidth
-    with Network(settings.hosts, bw, settings.latency, settings.loopback) as net:
+    with Network(settings.hosts, bw, settings.latency, settings.loopback, settings.workers_per_node) as net:
         if share is not None:
             calibration = comm_share.calibrate(settings, net, share, out / "calibration", log)
             settings = replace(settings, bandwidth=calibration["rate"])
@@ -366,5 +378,5 @@ def _race_config(settings: BenchSettings, order: list[str], scheduler: str, eval
         "network": network,
         "machine": machine_description(),
         "worker_command": worker_command(),
-        "method_settings": {m: RACE_METHOD_DEFAULTS[m] for m in order if m in RACE_METHOD_DEFAULTS},
+        "method_settings": {m: method_defaults(m) for m in order if method_defaults(m)},
     }

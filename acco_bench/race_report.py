@@ -23,8 +23,9 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         "Training time excludes the evaluations' own seconds. The crossing is interpolated between the last "
         "evaluation above the target and the first at or below it; *crossing bracket* is the time between "
         "those two evaluations over the time to target (the crossing is known to within it). Bytes sent: tx "
-        "counters of each host's link over the whole run (null on loopback); samples are sequences over all "
-        "workers.",
+        "counters of each host's link over the whole run (null on loopback); *node link MiB per update*: "
+        "those counters summed over the hosts (the nodes), per committed update, per node; samples are "
+        "sequences over all workers.",
         "",
         md_table(*_evaluations(race)),
         "",
@@ -49,10 +50,11 @@ def race_markdown(race: dict, plots: list[str]) -> str:
 def _settings_line(race: dict) -> str:
     """The race's hosts, link, target, budget, schedule and evaluations, in one paragraph."""
     from acco_bench.report import fmt
+    from acco_bench.settings import layout_label
 
     cfg = race["config"]
     return (
-        f"{cfg['hosts']} hosts; {cfg['network']['note']}. Target: ddp's final eval loss at its budget of "
+        f"{layout_label(cfg)}; {cfg['network']['note']}. Target: ddp's final eval loss at its budget of "
         f"{cfg['budget_micro_batches']} micro-batches, **{fmt(race.get('target_eval_loss'), 4)}**; the other "
         f"methods stop there or at {cfg['cap_micro_batches']} micro-batches. accumulate_while_waiting="
         f"{str(cfg['accumulate_while_waiting']).lower()}, LR schedule {cfg['scheduler']} (warm-up "
@@ -77,18 +79,20 @@ def _results(race: dict) -> tuple[list[str], list[list]]:
     rows = []
     for name, r in race["methods"].items():
         if "error" in r:
-            rows.append([name, "failed: " + r["error"].splitlines()[0][:80]] + ["-"] * 8)
+            rows.append([name, "failed: " + r["error"].splitlines()[0][:80]] + ["-"] * 9)
             continue
         sent = r.get("bytes_sent_per_worker_mean")
+        link = r.get("node_link_bytes_per_node_per_update")
         state = r.get("state_bytes_per_worker")
         rows.append([name, fmt(r.get("time_to_target_s"), 1), fmt(r.get("time_to_target_vs_ddp"), 2, "x"),
                      fmt(r.get("samples_to_target"), 0), fmt(r.get("crossing_bracket"), 3),
                      fmt(r["final_eval_loss"], 4), f"{r['samples']} / {fmt(r['training_time_s'], 1)} s",
                      fmt(sent / mb if sent is not None else None, 1),
+                     fmt(link / mb if link is not None else None, 2),
                      fmt(state / mb if state is not None else None, 1)])  # fmt: skip
     header = ["method", "time to target s", "vs ddp", "samples to target", "crossing bracket",
               "last eval loss", "samples / training time", "MiB sent per worker",
-              "state MiB per worker"]  # fmt: skip
+              "node link MiB per update", "state MiB per worker"]  # fmt: skip
     return header, rows
 
 
@@ -118,6 +122,7 @@ def _evaluations(race: dict) -> tuple[list[str], list[list]]:
 
 def plot_race(race: dict, out: Path) -> list[str]:
     from acco_bench.report import colors_for, pyplot
+    from acco_bench.settings import layout_label
 
     plt = pyplot()
     palette = colors_for(race["methods"])
@@ -153,7 +158,7 @@ def plot_race(race: dict, out: Path) -> list[str]:
         if net["kind"] == "loopback"
         else f"{net['bandwidth'] or 'unshaped'} links, latency {net['latency']}"
     )
-    fig.suptitle(f"race to ddp's final eval loss: {cfg['hosts']} hosts, {link}", fontsize=10)
+    fig.suptitle(f"race to ddp's final eval loss: {layout_label(cfg)}, {link}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "race.png", dpi=120)
     plt.close(fig)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from acco_bench import drift
+from acco_bench.settings import layout_label
 
 COLORS = {"ddp": "#1f77b4", "torch-ddp": "#9467bd", "dpu": "#ff7f0e", "wp": "#8c564b", "acco": "#d62728",
           "acco-paper": "#e377c2", "acco-lean": "#2ca02c", "diloco": "#17becf", "streaming-diloco": "#bcbd22",
@@ -72,7 +73,7 @@ def bench_table(bench: dict) -> str:
     rows = []
     for name, r in bench["methods"].items():
         if "error" in r:
-            rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 13)
+            rows.append([name, "FAILED: " + r["error"].splitlines()[0]] + [""] * 14)
             continue
         rows.append(
             [
@@ -91,6 +92,7 @@ def bench_table(bench: dict) -> str:
                 fmt(r.get("time_to_target_loss_s"), 1),
                 fmt(r.get("peak_gpu_mem_mb") or r.get("peak_rss_mb"), 0),
                 fmt((r.get("load") or {}).get("other_cpu_cores"), 2),
+                fmt(_mib(r.get("node_link_bytes_per_node_per_update")), 2),
             ]
         )
     return md_table(
@@ -110,15 +112,20 @@ def bench_table(bench: dict) -> str:
             "s to target loss",
             "peak MiB (GPU allocator on a GPU, else RSS)",
             "other load (cores)",
+            "node link MiB per update",
         ],
         rows,
     )
 
 
+def _mib(n: float | None) -> float | None:
+    return None if n is None else n / 2**20
+
+
 def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
     cfg = bench["config"]
     net = cfg.get("network", {})
-    lines = [f"# acco-bench cluster: {cfg['hosts']} hosts, {net.get('note', '')}", ""]
+    lines = [f"# acco-bench cluster: {layout_label(cfg)}, {net.get('note', '')}", ""]
     if "comm_share_measured" in bench:  # runs before --comm-share have none
         from acco_bench.comm_share import share_line
 
@@ -170,8 +177,9 @@ def bench_markdown(bench: dict, plots: list[str] | None = None) -> str:
         "until the 3-update running mean of the training loss first reaches "
         f"{fmt(bench.get('target_train_loss'), 3)}, "
         "the highest of the methods' final losses; other load: CPU cores used by "
-        "processes other than the workers during the run (above 0.15 the timings are disturbed). "
-        "Ratios are from this one run"
+        "processes other than the workers during the run (above 0.15 the timings are disturbed); node link "
+        "MiB per update: the tx counters of the hosts' links over the run, per committed update and per "
+        "node (null on loopback). Ratios are from this one run"
         + (
             f" (median of {cfg.get('repeats')} repetitions per method)"
             if (cfg.get("repeats") or 1) > 1
@@ -221,7 +229,7 @@ def plot_bench(bench: dict, out: Path) -> list[str]:
     ax.set_ylabel("seconds per optimizer update")
     net = bench["config"].get("network", {})
     ax.set_title(
-        f"{bench['config']['hosts']} hosts, {net.get('bandwidth') or net.get('kind')}: time per update"
+        f"{layout_label(bench['config'])}, {net.get('bandwidth') or net.get('kind')}: time per update"
     )
     ax.legend()
     fig.tight_layout()
@@ -278,7 +286,7 @@ def plot_bench(bench: dict, out: Path) -> list[str]:
 def sweep_markdown(sweep: dict, plots: list[str]) -> str:
     cfg = sweep["config"]
     methods = [m for m in cfg["methods"]]
-    lines = [f"# acco-bench sweep: {cfg['hosts']} hosts, model `{cfg['model']}` {cfg.get('model_size')}", ""]
+    lines = [f"# acco-bench sweep: {layout_label(cfg)}, model `{cfg['model']}` {cfg.get('model_size')}", ""]
     header = ["link", "share asked", "rate Mbit/s", "ddp C s", "ddp M s", "comm % (share measured)",
               "(C+M)/max(C,M)", "(C+M)/max(C,2M)"]
     header += [f"{m} step s" for m in methods] + [f"{m} vs ddp" for m in methods if m != "ddp"]

@@ -39,7 +39,48 @@ VARIANTS = {
     **{f"streaming-diloco-h{h}": ("streaming-diloco", (f"train.sync_every={h}", "train.num_fragments=4",
                                                        "train.fragment_sync_delay=1")) for h in (8, 20, 50)},
 }
-KNOWN_METHODS = ALL_METHODS + tuple(VARIANTS)
+# torch's FSDP2 HSDP over the (nodes, workers per node) mesh (train/torch-hsdp.yaml): known by name,
+# not among the defaults
+OTHER_METHODS = ("torch-hsdp",)
+KNOWN_METHODS = ALL_METHODS + OTHER_METHODS + tuple(VARIANTS)
+# Every method whose rounds have a two-level form (train.rounds): NAME runs the flat ring over every
+# worker (train.rounds=flat), NAME-nodes the two-level rounds (acco/engine/nodes.py), so a benchmark
+# on emulated nodes compares both layouts. torch-ddp and torch-hsdp take no train.rounds.
+NODES_SUFFIX = "-nodes"
+TWO_LEVEL = ("ddp", "dpu", "wp", "acco", "diloco", "streaming-diloco")
+
+
+def split_nodes(method: str) -> tuple[str, bool]:
+    """(the method without its -nodes suffix, whether it had one): acco-int8-auto-nodes is
+    (acco-int8-auto, True)."""
+    if method.endswith(NODES_SUFFIX):
+        return method[: -len(NODES_SUFFIX)], True
+    return method, False
+
+
+def check_methods(methods) -> None:
+    """One line for the methods that acco-bench cannot run: unknown names, or -nodes on a method
+    without two-level rounds."""
+    unknown = [m for m in methods if split_nodes(m)[0] not in KNOWN_METHODS]
+    if unknown:
+        raise BenchError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}, "
+                         f"each of {', '.join(TWO_LEVEL)} and their variants also as NAME{NODES_SUFFIX} "
+                         "(the two-level rounds)")
+    flat_only = [m for m in methods if split_nodes(m)[1] and base_method(m) not in TWO_LEVEL]
+    if flat_only:
+        raise BenchError(f"{', '.join(flat_only)}: no two-level rounds (train.rounds) in "
+                         f"{base_method(flat_only[0])}; {NODES_SUFFIX} goes with {', '.join(TWO_LEVEL)} and "
+                         "their variants")
+
+
+def method_overrides(method: str) -> tuple[str, ...]:
+    """A method's own Hydra overrides: its variant's, then train.rounds for the methods that have it
+    (flat without -nodes: the ring over every worker, as before emulated nodes)."""
+    name, nodes = split_nodes(method)
+    o = VARIANTS.get(name, (None, ()))[1]
+    if base_method(name) in TWO_LEVEL:
+        o += (f"train.rounds={'nodes' if nodes else 'flat'}",)
+    return o
 
 
 def model_settings(name: str, size: dict | None = None) -> dict:
@@ -57,7 +98,8 @@ def model_settings(name: str, size: dict | None = None) -> dict:
 
 
 def base_method(method: str) -> str:
-    """The train config a method or variant name runs (acco-lean: acco)."""
+    """The train config a method or variant name runs (acco-lean: acco; acco-int8-auto-nodes: acco)."""
+    method = split_nodes(method)[0]
     return VARIANTS[method][0] if method in VARIANTS else method
 
 
@@ -78,7 +120,8 @@ class BenchSettings:
     """Everything that defines one run of the methods; identical for every method of the run. These
     are the defaults of acco-bench's flags too (acco_bench/cli.py reads them from here)."""
 
-    hosts: int = 2
+    hosts: int = 2  # emulated hosts: the nodes, each a network namespace
+    workers_per_node: int = 1  # workers per host, unshaped between them (--nodes R --workers-per-node S)
     bandwidth: str | None = "100mbit"  # None: unshaped
     # ddp's comm over its step to calibrate the rate to (acco_bench/comm_share.py); None: --bandwidth
     comm_share: float | None = None
@@ -104,21 +147,29 @@ class BenchSettings:
     # I/O thread, woken thousands of times a second by a shaped link, does not preempt the compute
     # thread on every wake-up (see BENCHMARKS.md: the emulation's cores are shared with the network)
     sched: str = "normal"
-    threads: int | None = None  # torch threads per worker (default: cores // hosts)
+    threads: int | None = None  # torch threads per worker (default: cores // workers)
     data: str = "synthetic"
     data_path: str | None = None
     tokenizer: str | None = None
     eval_step: int | None = None  # None: only the final evaluation matters (a large value)
     extra: tuple[str, ...] = ()  # more Hydra overrides, for every method and rank
 
+    @property
+    def workers(self) -> int:
+        """Every worker of the job: hosts x workers per host, ranked host by host."""
+        return self.hosts * self.workers_per_node
+
     def validate(self) -> None:
-        bad = [m for m in self.methods if m not in KNOWN_METHODS]
-        if bad:
-            raise BenchError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(KNOWN_METHODS)}")
+        check_methods(self.methods)
         if not self.methods:
             raise BenchError("no method to run")
-        if self.hosts < 1:
-            raise BenchError("--hosts must be >= 1")
+        if self.hosts < 1 or self.workers_per_node < 1:
+            raise BenchError("--hosts (--nodes) and --workers-per-node must be >= 1")
+        two_level = [m for m in self.methods if split_nodes(m)[1]]
+        if two_level and (self.hosts < 2 or self.workers_per_node < 2):
+            raise BenchError(f"{two_level[0]} runs the two-level rounds: it needs --nodes >= 2 and "
+                             f"--workers-per-node >= 2 (got {self.hosts} x {self.workers_per_node}, where "
+                             "they are the flat ring)")
         if self.repeats < 1:
             raise BenchError("--repeats must be >= 1")
         if self.sched not in ("normal", "batch"):
@@ -132,8 +183,8 @@ class BenchSettings:
             )
         if self.slow_worker is not None:
             rank, factor = self.slow_worker
-            if not 0 <= rank < self.hosts:
-                raise BenchError(f"--slow-worker rank {rank} is not one of the {self.hosts} hosts")
+            if not 0 <= rank < self.workers:
+                raise BenchError(f"--slow-worker rank {rank} is not one of the {self.workers} workers")
             if factor < 1:
                 raise BenchError(f"--slow-worker factor must be >= 1, got {factor}")
         if self.probe_updates < 3:
@@ -168,13 +219,13 @@ class BenchSettings:
     def worker_threads(self) -> int:
         if self.threads:
             return self.threads
-        return max(1, (os.cpu_count() or 1) // max(1, self.hosts))
+        return max(1, (os.cpu_count() or 1) // max(1, self.workers))
 
     def overrides(self, method: str, out_dir: Path, rank: int) -> list[str]:
         """The Hydra overrides of one worker."""
         o = [
             f"train={base_method(method)}",
-            *VARIANTS.get(method, (None, ()))[1],
+            *method_overrides(method),
             f"model={self.model}",
             f"data={self.data}",
             f"train.nb_steps_tot={self.nb_steps_tot}",
@@ -205,4 +256,11 @@ class BenchSettings:
         d["slow_worker"] = list(self.slow_worker) if self.slow_worker else None
         d["grad_accum_per_method"] = {m: self.grad_accum_for(m) for m in self.methods}
         d["worker_threads"] = self.worker_threads()
+        d["workers"] = self.workers
         return d
+
+
+def layout_label(cfg: dict) -> str:
+    """A run's hosts as its outputs say them: "2 hosts", or "2 nodes x 2 workers"."""
+    s = int(cfg.get("workers_per_node") or 1)
+    return f"{cfg['hosts']} hosts" if s == 1 else f"{cfg['hosts']} nodes x {s} workers"

@@ -1,7 +1,8 @@
 """One method's training workers on the emulated hosts (or loopback), and the CPU load beside them.
 
-`run_workers` starts ``python -m acco.cli train=METHOD ...`` once per host with torchrun's
-variables set, bounds the run in time and stops every process of a failed one; `LoadMeter` records
+`run_workers` starts ``python -m acco.cli train=METHOD ...`` once per worker with torchrun's
+variables set (`layout_env`: the workers of a host share its namespace, ranked host by host),
+bounds the run in time and stops every process of a failed one; `LoadMeter` records
 how busy the machine's cores were meanwhile (other processes' load moves a benchmark's figures).
 The cluster benchmark, the race, the convergence runs and the comm-share calibration all start
 their workers here.
@@ -141,6 +142,18 @@ class LoadMeter:
         return out
 
 
+def layout_env(rank: int, nodes: int, workers_per_node: int) -> dict[str, str]:
+    """torchrun's variables for worker ``rank`` of ``nodes`` x ``workers_per_node``, ranked node by
+    node (rank = node * S + local, torchrun's order), and ``ACCO_WORKERS_PER_NODE``, which the engine
+    reads first for the two-level rounds' layout (acco/engine/nodes.py)."""
+    if not 0 <= rank < nodes * workers_per_node:
+        raise ValueError(f"rank {rank} is not one of the {nodes} x {workers_per_node} workers")
+    node, local = divmod(rank, workers_per_node)
+    return {"RANK": str(rank), "WORLD_SIZE": str(nodes * workers_per_node), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(workers_per_node), "GROUP_RANK": str(node),
+            "ACCO_WORKERS_PER_NODE": str(workers_per_node)}
+
+
 def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Network,
                 load: LoadMeter | None = None) -> float:
     """Run one method's workers to completion; returns the wall time. Raises BenchError on a
@@ -155,10 +168,10 @@ def run_workers(settings: BenchSettings, method: str, out_dir: Path, net: Networ
     files = []
     start = time.monotonic()
     try:
-        for rank in range(settings.hosts):
+        for rank in range(settings.workers):
             env = dict(os.environ)
-            env.update(RANK=str(rank), WORLD_SIZE=str(settings.hosts), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR=addr, MASTER_PORT=str(port), OMP_NUM_THREADS=threads,
+            env.update(layout_env(rank, settings.hosts, settings.workers_per_node))
+            env.update(MASTER_ADDR=addr, MASTER_PORT=str(port), OMP_NUM_THREADS=threads,
                        MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="1")
             argv = [*worker_command(), *settings.overrides(method, out_dir, rank)]
             if rank == 0:

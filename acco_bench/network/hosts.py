@@ -17,10 +17,16 @@ __all__ = ["Network"]
 
 
 class Network:
-    """Where the workers run: an :class:`EmulatedCluster` or local processes on 127.0.0.1."""
+    """Where the workers run: an :class:`EmulatedCluster` or local processes on 127.0.0.1.
 
-    def __init__(self, hosts: int, bandwidth: str | None, latency: str | None, loopback: bool):
+    ``workers_per_node`` workers share each host's namespace (rank r on host r // S): they talk
+    to each other over the namespace's own address, hence its loopback, unshaped; only what
+    crosses hosts goes through a host's shaped link."""
+
+    def __init__(self, hosts: int, bandwidth: str | None, latency: str | None, loopback: bool,
+                 workers_per_node: int = 1):
         self.hosts = hosts
+        self.workers_per_node = workers_per_node
         self.cluster: EmulatedCluster | None = None
         self._port = 29500
         if loopback:
@@ -55,15 +61,18 @@ class Network:
         self.note = self._note()
 
     def _note(self) -> str:
-        hosts, bandwidth, latency = self.hosts, self.bandwidth, self.latency
+        bandwidth, latency = self.bandwidth, self.latency
+        per_node = self.workers_per_node
+        hosts = f"{self.hosts} network namespaces" + (
+            f" of {per_node} workers each (unshaped inside)" if per_node > 1 else "")
         joined = ("joined by TUN devices and a user-space delay line" if self.shaper == "tbf+delayline"
                   else "on a bridge")
         if bandwidth is None:
-            self.note = f"{hosts} network namespaces {joined}, unshaped links"
+            self.note = f"{hosts} {joined}, unshaped links"
         else:
-            self.note = f"{hosts} network namespaces {joined}, each link shaped to {bandwidth} with tc tbf" \
+            self.note = f"{hosts} {joined}, each link shaped to {bandwidth} with tc tbf" \
                 if self.shaper != "netem" else \
-                f"{hosts} network namespaces {joined}, each link shaped to {bandwidth} with tc netem"
+                f"{hosts} {joined}, each link shaped to {bandwidth} with tc netem"
         if self.shaper == "tbf+delayline":
             self.note += f", one-way latency {latency} (no netem in this kernel)"
         elif self.shaper == "netem" and latency is not None:
@@ -79,12 +88,19 @@ class Network:
         proc = self.cluster.delay_proc if self.cluster is not None else None
         return [proc] if proc is not None else []
 
+    def node_of(self, rank: int) -> int:
+        """The host (namespace) worker ``rank`` runs on: ranked host by host."""
+        if not 0 <= rank < self.hosts * self.workers_per_node:
+            raise IndexError(f"rank {rank} is not one of the {self.hosts} x {self.workers_per_node} workers")
+        return rank // self.workers_per_node
+
     def tx_bytes(self) -> list[int] | None:
-        """Bytes each host has sent on its link so far (None on loopback)."""
+        """Bytes each host has sent on its link so far, all its workers together (None on loopback)."""
         return None if self.cluster is None else self.cluster.tx_bytes()
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "bandwidth": self.bandwidth, "latency": self.latency,
+        return {"kind": self.kind, "hosts": self.hosts, "workers_per_node": self.workers_per_node,
+                "bandwidth": self.bandwidth, "latency": self.latency,
                 "latency_emulated": self.latency_emulated, "shaper": self.shaper, "note": self.note}
 
     def master(self) -> tuple[str, int]:
@@ -101,9 +117,10 @@ class Network:
     ) -> subprocess.Popen:
         kw = dict(env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                   start_new_session=True, preexec_fn=_preexec(sched_batch))
+        node = self.node_of(rank)
         if self.cluster is None:
             return subprocess.Popen(argv, **kw)
-        return self.cluster.popen(rank, argv, **kw)
+        return self.cluster.popen(node, argv, **kw)
 
     def close(self) -> None:
         if self.cluster is not None:
