@@ -133,7 +133,8 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
     p.add_argument("--num-heads", type=int, default=d.model_size["num_heads"],
                    help="model.num_heads override (0: the config's own)")
     p.add_argument("--nb-steps-tot", type=int, default=nb_steps,
-                   help="training budget in micro-batches over all workers (same for every method)")
+                   help="training budget in micro-batches over all workers (same for every method; "
+                        "race: 240 per worker unless given)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum,
                    help="micro-batches per worker per update for ddp/torch-ddp/dpu/wp; acco runs half of it "
                         "per round, two rounds per update (same effective batch); must be even")
@@ -196,13 +197,16 @@ def _settings(a, **kw) -> BenchSettings:
     size = {k: v for k, v in (("hidden_size", a.hidden_size), ("num_layers", a.num_layers),
                               ("num_heads", a.num_heads)) if v}
     hosts, workers_per_node = _layout(a)
+    nb_steps_tot = a.nb_steps_tot  # the race's default: as many micro-batches per worker at any size
+    if nb_steps_tot is None:
+        nb_steps_tot = a.budget_per_worker * hosts * workers_per_node
     return BenchSettings(
         hosts=hosts,
         workers_per_node=workers_per_node,
         methods=a.methods,
         model=a.model,
         model_size=size,
-        nb_steps_tot=a.nb_steps_tot,
+        nb_steps_tot=nb_steps_tot,
         grad_accum=a.grad_accum,
         batch_size=a.batch_size,
         max_length=a.max_length,
@@ -296,9 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="time to ddp's final eval loss: ddp to its budget, then every other method "
         "until its eval loss reaches ddp's or it has seen twice ddp's samples",
     )
-    from acco_bench.race import RACE_BUDGET, RACE_METHODS
+    from acco_bench.race import RACE_BUDGET_PER_WORKER, RACE_METHODS
 
-    _add_common(p, "outputs/bench/race", RACE_BUDGET, methods=RACE_METHODS)
+    _add_common(p, "outputs/bench/race", None, methods=RACE_METHODS)
+    p.set_defaults(budget_per_worker=RACE_BUDGET_PER_WORKER)
     p.set_defaults(accumulate_while_waiting=True, retry_disturbed=1)  # a run on a drifted machine: once more
     p.add_argument(
         "--fixed-batch",

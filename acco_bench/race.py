@@ -62,7 +62,10 @@ from acco_bench.workers import LoadMeter, check_worker_available, run_workers, w
 
 REFERENCE = "ddp"
 RACE_METHODS = ("ddp", "torch-ddp", "acco", "diloco", "streaming-diloco")
-RACE_BUDGET = 480  # ddp's budget in micro-batches over all workers (the defaults: 60 updates of 4 x 2)
+# ddp's budget in micro-batches over all workers, per worker: the defaults' 60 updates of 4
+# micro-batches on every worker, whatever the number of workers (480 at 2, 960 at 2 x 2), so a race
+# on more workers trains as many updates (and DiLoCo syncs as often) as on 2, not half as many
+RACE_BUDGET_PER_WORKER = 240
 CAP_FACTOR = 2  # the other methods stop at this many times ddp's samples
 # Per-method settings for the race's short runs (60 ddp updates), chosen by measurement
 # (BENCHMARKS.md): DiLoCo's sync period from the H sweep (the configs' 50 suits long runs, here it

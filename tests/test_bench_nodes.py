@@ -42,6 +42,14 @@ def test_nodes_and_workers_per_node_make_the_layout(command):
     assert layout() == (BenchSettings().hosts, 1, BenchSettings().hosts)
 
 
+def test_the_race_budget_scales_with_the_workers():
+    # as many micro-batches per worker (so as many updates, and DiLoCo syncs) at 4 workers as at 2
+    budget = lambda *flags: _settings(build_parser().parse_args(["race", *flags])).nb_steps_tot  # noqa: E731
+    assert budget("--hosts", "2") == 480
+    assert budget("--hosts", "4") == budget("--nodes", "2", "--workers-per-node", "2") == 960
+    assert budget("--hosts", "4", "--nb-steps-tot", "100") == 100  # given: as given
+
+
 @pytest.mark.parametrize("flags", [["--hosts", "2", "--nodes", "2"],
                                    ["--hosts", "4", "--workers-per-node", "2"]])
 def test_hosts_and_nodes_exclude_each_other(flags, tmp_path, capsys):
