@@ -4,12 +4,26 @@ the layout's checks and the collectives' two levels are the ones the docstring s
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from distributed import run_distributed
-from engine_helpers import Reference, assert_close, config, reference_acco, reference_delayed, run_engine
+from engine_helpers import (
+    Reference,
+    assert_close,
+    config,
+    loss_fn,
+    make_model,
+    reference_acco,
+    reference_delayed,
+    reference_diloco,
+    run_engine,
+    stream,
+)
+from torch.nn.utils import parameters_to_vector
 
-from acco.engine import ConfigError
+from acco.engine import ConfigError, build_engine
 from acco.engine.nodes import NodeLayout, check_layout, shard_file_rank, workers_per_node_from_env
 
 NODES = dict(rounds="nodes", workers_per_node=2)
@@ -73,3 +87,52 @@ def test_methods_equal_their_references_on_two_nodes():
     for name, got, predict in (("dpu", dpu, False), ("wp", wp, True)):
         ref = Reference("mlp", cfgs[0], world, [n] * world)
         assert_close(got, reference_delayed(ref, updates, predict), f"{name} on 2 x 2 vs its recurrence")
+
+
+def _diloco_run(rank, world, kind, cfgs):
+    """Every rank: each config's final parameters, records and local parameters after each step."""
+    out = []
+    for cfg in cfgs:
+        model = make_model(kind)
+        engine = build_engine(model, cfg)
+        records, local = [], []
+        for record in engine.run(stream(kind, rank, world), loss_fn):
+            records.append(record)
+            local.append(engine.local.clone())
+        engine.close()
+        out.append((parameters_to_vector(model.parameters()).detach(), records, torch.stack(local)))
+    return out
+
+
+def test_diloco_one_replica_per_node_equals_its_reference():
+    """rounds=nodes on 2 x 2: one replica per node. Each inner step the node's two workers average
+    their gradients and take the same AdamW step (bit-identical local parameters inside a node,
+    different between nodes); a fragment's pseudo-gradient is averaged over the 2 nodes. Equal to
+    the reference of 2 replicas, each stepping on its 2 workers' micro-batches; the records' loss
+    is the node's. rounds=flat on the same 4 workers keeps 4 replicas of one worker."""
+    kind, world, n = "mlp", 4, 2
+    diloco = dict(method="diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 7, sync_every=3,
+                  max_grad_norm=0.5)
+    streaming = dict(method="streaming-diloco", n_grad_accumulation=n, nb_steps_tot=n * world * 9,
+                     sync_every=4, num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5,
+                     outer_lr=0.5, outer_momentum=0.8)  # fmt: skip
+    cfgs = [config(**diloco, **NODES), config(**streaming, **NODES), config(**streaming, rounds="flat")]
+    results = run_distributed(_diloco_run, world, kind, cfgs)
+    for rank_result in results[1:]:  # the final model is the global one, the same everywhere
+        for (theta, *_), (theta0, *_) in zip(rank_result, results[0]):
+            assert torch.equal(theta, theta0)
+    for c, (cfg, S) in enumerate(zip(cfgs, (2, 2, 1))):
+        theta, records, local = results[0][c]
+        expected, losses = reference_diloco(kind, cfg, world, workers_per_replica=S)
+        what = f"{cfg.method} rounds={cfg.rounds}"
+        assert [r.step for r in records] == list(range(1, len(losses) + 1)), what
+        assert records[-1].committed_micro_batches == cfg.nb_steps_tot, what
+        assert_close(theta, expected, f"{what} vs the reference of {world // S} replicas of {S}")
+        assert_close(torch.tensor([r.loss for r in records]), torch.tensor(losses), f"{what}: losses")
+        node_peer, other_node = results[1][c][2], results[2][c][2]
+        if S == 2:  # the node's workers take the same steps; the nodes' data differ
+            assert torch.equal(local, node_peer), what
+            assert not torch.allclose(local, other_node), what
+            assert all(math.isclose(r.loss, p.loss) for r, p in zip(records, results[1][c][1])), what
+        else:  # every worker its own replica
+            assert not torch.allclose(local, node_peer), what
