@@ -15,6 +15,7 @@ from engine_helpers import (
     config,
     loss_fn,
     make_model,
+    micro_batch,
     reference_acco,
     reference_delayed,
     reference_diloco,
@@ -96,7 +97,9 @@ def _diloco_run(rank, world, kind, cfgs):
         model = make_model(kind)
         engine = build_engine(model, cfg)
         records, local = [], []
-        for record in engine.run(stream(kind, rank, world), loss_fn):
+        bf16 = cfg.use_mixed_precision
+        loss = (lambda m, b: loss_fn(m, (b[0].bfloat16(), b[1].bfloat16()))) if bf16 else loss_fn
+        for record in engine.run(stream(kind, rank, world), loss):
             records.append(record)
             local.append(engine.local.clone())
         engine.close()
@@ -136,3 +139,54 @@ def test_diloco_one_replica_per_node_equals_its_reference():
             assert all(math.isclose(r.loss, p.loss) for r, p in zip(records, results[1][c][1])), what
         else:  # every worker its own replica
             assert not torch.allclose(local, node_peer), what
+
+
+def test_diloco_on_nodes_in_mixed_precision():
+    """bf16 on 2 x 2, the gradients summed in bf16 or in fp32 (rounded once for the node's wire):
+    the node's workers still hold the same bits, every worker ends on the same global parameters,
+    and the run stays near the fp32 reference of 2 replicas of 2."""
+    kind, world = "mlp", 4
+    common = dict(method="streaming-diloco", n_grad_accumulation=2, nb_steps_tot=2 * world * 8, sync_every=4,
+                  num_fragments=2, fragment_sync_delay=1, use_mixed_precision=True, **NODES)  # fmt: skip
+    cfgs = [config(**common, grad_accum_dtype=d) for d in ("bf16", "fp32")]
+    results = run_distributed(_diloco_run, world, kind, cfgs)
+    expected, _ = reference_diloco(kind, config(**{**common, "use_mixed_precision": False}), world, 2)
+    for c, cfg in enumerate(cfgs):
+        theta, records, local = results[0][c]
+        assert theta.dtype == torch.bfloat16 and all(math.isfinite(r.loss) for r in records)
+        assert torch.equal(local, results[1][c][2]) and torch.equal(results[2][c][2], results[3][c][2])
+        assert all(torch.equal(theta, r[c][0]) for r in results[1:])
+        # bf16 ends 0.0012 from the fp32 reference, which moved the parameters by up to 0.12
+        torch.testing.assert_close(theta.float(), expected, rtol=0, atol=0.005, msg=cfg.grad_accum_dtype)
+
+
+def _short_stream_run(rank, world, short_rank, short, cfg):
+    model = make_model("mlp")
+    engine = build_engine(model, cfg)
+    data = [micro_batch("mlp", j * world + rank) for j in range(short if rank == short_rank else 6)]
+    records, local, next_loss = [], [], []
+    for record in engine.run(data, loss_fn):
+        records.append((record.step, record.weight, record.loss))
+        local.append(engine.local.clone())
+        with torch.no_grad():  # this worker's next micro-batch alone, at the parameters it is computed at
+            next_loss.append(loss_fn(model, data[record.step]).item() if record.step < len(data) else None)
+    engine.close()
+    return parameters_to_vector(model.parameters()).detach(), records, torch.stack(local), next_loss
+
+
+def test_diloco_on_nodes_when_one_worker_s_data_runs_out():
+    """Worker 2 (node 1, local 0) has 3 micro-batches, the others 6: at step 4 node 1 steps on
+    worker 3's alone (its weight and loss), the node's workers still alike; the node's
+    data-exhausted flag, which worker 2's chunk of the wire does not hold, reaches every worker with
+    the sync at step 4, where all stop."""
+    world = 4
+    cfg = config(method="diloco", n_grad_accumulation=1, nb_steps_tot=1000, sync_every=4, **NODES)
+    results = run_distributed(_short_stream_run, world, 2, 3, cfg)
+    for rank, (theta, records, *_) in enumerate(results):
+        assert [step for step, *_ in records] == [1, 2, 3, 4], rank
+        assert [w for _, w, _ in records] == ([4, 4, 4, 2] if rank >= 2 else [4, 4, 4, 4]), rank
+        assert torch.equal(theta, results[0][0])
+    assert torch.equal(results[2][2], results[3][2]) and torch.equal(results[0][2], results[1][2])
+    # node 1's 4th loss is worker 3's 4th micro-batch's alone, also on worker 2
+    assert math.isclose(results[2][1][3][2], results[3][3][2], rel_tol=1e-6)
+    assert results[3][1][3][2] == results[2][1][3][2]
