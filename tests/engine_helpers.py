@@ -135,7 +135,21 @@ def reference_delayed(ref: Reference, updates: int, predict: bool, counts_per_ro
     return ref.delayed(updates, predict, counts_per_round)
 
 
-def reference_diloco(kind: str, cfg: EngineConfig, world: int) -> tuple[torch.Tensor, list[float]]:
-    """Final global parameters and worker 0's loss per inner step."""
-    ref = Reference(kind, cfg, world, [cfg.n_grad_accumulation] * world)
+def reference_diloco(
+    kind: str, cfg: EngineConfig, world: int, workers_per_replica: int = 1
+) -> tuple[torch.Tensor, list[float]]:
+    """Final global parameters and replica 0's loss per inner step. A replica of S =
+    `workers_per_replica` workers (diloco on nodes of S) takes each inner step on its workers'
+    micro-batches together: the reference's replica q reads, per inner step, worker q S's n
+    micro-batches, then worker q S + 1's, ..., as those workers' streams hold them; the mean of
+    their gradients is its step's. S = 1: worker q is replica q, read as `stream`."""
+    S, n = workers_per_replica, cfg.n_grad_accumulation
+    replicas = world // S
+
+    def read(q: int, j: int):
+        step, k = divmod(j, S * n)  # the replica's j-th micro-batch: worker q S + s's (step n + i)-th
+        s, i = divmod(k, n)
+        return micro_batch(kind, (step * n + i) * world + q * S + s)
+
+    ref = reference.Reference(make_model(kind), cfg, replicas, [S * n] * replicas, read=read, loss_fn=loss_fn)
     return ref.diloco(), ref.losses

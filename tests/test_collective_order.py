@@ -2,20 +2,25 @@
 
 NCCL matches the collectives of a group by the order in which each rank issues them. The comm
 thread issues a round's collectives whenever it gets to them, so a collective of the main thread
-(an evaluation's barrier or all-reduce, a checkpoint's flag) issued while a round may be in flight
-lands before the round's on one rank and after it on another: a hang, or a wrong sum. gloo's ring
-runs on tagged point-to-point messages and hides it. So these tests do not wait for a hang: every
-torch.distributed call is recorded with its thread, and a round counts as in flight from its
-submission until the main thread has seen its result. Asserted, for every method through the
-trainer with evaluations, checkpoints and a stop at the eval loss (then the final save):
+(an evaluation's barrier or all-reduce, a checkpoint's flag) issued on a group while a round on that
+group may be in flight lands before the round's on one rank and after it on another: a hang, or a
+wrong sum. gloo's ring runs on tagged point-to-point messages and hides it. So these tests do not
+wait for a hang: every torch.distributed call is recorded with its thread and group, and a round
+counts as in flight from its submission until the main thread has seen its result. Asserted, for
+every method through the trainer with evaluations, checkpoints and a stop at the eval loss (then
+the final save), and for diloco and streaming-diloco on 2 nodes of 2 workers (one replica per node:
+the main thread all-reduces the inner step's gradients over the node while a fragment's round runs
+between nodes, on other groups):
 
-- no main-thread collective while a round is in flight;
+- no main-thread collective on a group that a round in flight uses (checked once the round has
+  landed, when every group it used is known);
 - no collective inside what rank 0 does alone (after_rank0): the others never join it;
 - every rank issues the same sequence of collectives on each thread.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import pytest
@@ -47,6 +52,8 @@ class Recorder:
         self.calls: list[tuple[str, str]] = []  # (thread, function), in issue order
         self.violations: list[str] = []
         self.in_flight: set = set()
+        self.running = None  # the round the comm thread is inside
+        self.overlapped = 0  # main-thread collectives issued beside a round in flight (other groups)
         # The thread running rank 0's work alone (after_rank0), else None: a checkpoint's is the
         # writer thread (train.async_save) while the comm thread's rounds go on.
         self.rank0_alone: threading.Thread | None = None
@@ -61,9 +68,18 @@ class Recorder:
         recorder = self
 
         class Tracked:  # a round is in flight until the main thread has seen its result
-            def __init__(self, future):
-                self.future = future
+            def __init__(self, comm, fn):
+                self.groups: set = set()  # the groups the round issued on
+                self.beside: list = []  # (context, function, group) the main thread issued meanwhile
                 recorder.in_flight.add(self)
+                self.future = submit(comm, lambda: self._run(fn))
+
+            def _run(self, fn):
+                recorder.running = self
+                try:
+                    return fn()
+                finally:
+                    recorder.running = None
 
             def done(self):
                 return self.future.done()
@@ -71,9 +87,16 @@ class Recorder:
             def result(self):
                 out = self.future.result()
                 recorder.in_flight.discard(self)
+                for context, name, group in self.beside:
+                    if group in self.groups:
+                        recorder.violations.append(
+                            f"{context}: main-thread {name} on a group of the round in flight"
+                        )
+                    else:
+                        recorder.overlapped += 1
                 return out
 
-        monkeypatch.setattr(BackgroundComm, "submit", lambda comm, fn: Tracked(submit(comm, fn)))
+        monkeypatch.setattr(BackgroundComm, "submit", lambda comm, fn: Tracked(comm, fn))
         import acco.checkpoint
         import acco.trainer
 
@@ -85,12 +108,19 @@ class Recorder:
                 monkeypatch.setattr(module, name, self._alone(getattr(module, name)))
 
     def _wrap(self, name, fn, lock):
+        signature = inspect.signature(fn)
+
         def recorded(*args, **kwargs):
             main = threading.current_thread() is threading.main_thread()
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            group = dist.GroupMember.WORLD if group is None else group
             with lock:
                 self.calls.append(("main" if main else "comm", name))
-            if main and self.in_flight:
-                self.violations.append(f"{self.context}: main-thread {name} while a round is in flight")
+            if main:
+                for tracked in list(self.in_flight):
+                    tracked.beside.append((self.context, name, group))
+            elif self.running is not None:
+                self.running.groups.add(group)
             if self.rank0_alone is threading.current_thread():
                 # the other ranks never issue it: record and skip, or the test would hang
                 self.violations.append(f"{self.context}: {name} inside rank 0's work alone (after_rank0)")
@@ -120,7 +150,7 @@ class Recorder:
 OUT_OF_REACH = 1000
 
 
-def _train_every_method(rank, world, out_dir, methods):
+def _train_every_method(rank, world, out_dir, methods, overrides=None):
     from omegaconf import OmegaConf
 
     from acco.data import load_tokenizer, synthetic_corpus
@@ -136,7 +166,7 @@ def _train_every_method(rank, world, out_dir, methods):
         for name in methods:
             method, extra = VARIANTS.get(name, (name, {}))
             recorder.calls.clear()
-            recorder.context = name
+            recorder.context, recorder.overlapped = name, 0
             model = build_model(
                 {**OmegaConf.load(TINY), "num_layers": 2}, vocab_size=len(tokenizer), max_length=16
             )
@@ -160,10 +190,10 @@ def _train_every_method(rank, world, out_dir, methods):
                 num_fragments=2 if method == "streaming-diloco" else 1,
                 fragment_sync_delay=1 if method == "streaming-diloco" else 0,
             )
-            args.update(extra)
+            args.update(extra, **(overrides or {}))
             trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=docs, args=args)
             summary = trainer.train()  # stops at the first evaluation (step 4), checkpoints at 2 and 4
-            results[name] = (summary["updates"], list(recorder.calls))
+            results[name] = (summary["updates"], list(recorder.calls), recorder.overlapped)
             del trainer
     finally:
         mp.undo()
@@ -179,7 +209,7 @@ def test_no_collective_while_a_round_is_in_flight_nor_on_rank0_alone(tmp_path, m
         assert violations == []
     (results, _), (others, _) = per_rank
     for method in methods:
-        step, calls = results[method]
+        step, calls, _ = results[method]
         assert step == 4, (method, step)  # stopped at the first evaluation
         assert any(thread == "main" for thread, _ in calls)
         if method in ("acco", "ddp", "dpu", "wp", "acco-int8-auto"):  # the rounds' statistics are seen
@@ -191,3 +221,30 @@ def test_no_collective_while_a_round_is_in_flight_nor_on_rank0_alone(tmp_path, m
             mine = [name for t, name in calls if t == thread]
             theirs = [name for t, name in others[method][1] if t == thread]
             assert mine == theirs, (method, thread)
+
+
+def test_one_replica_per_node_keeps_each_group_s_order(tmp_path, monkeypatch):
+    """diloco and streaming-diloco on 2 nodes of 2 workers (the launcher's ACCO_WORKERS_PER_NODE;
+    rounds=nodes, the default): a fragment's round touches the outer group alone, and the node's
+    gather of it runs on the main thread when it lands, so the inner step's gradient all-reduce on
+    the main thread, issued while a streaming fragment's round is in flight, shares no group with
+    it. No checkpoint at step 2, where fragment 0's round is launched: step 3's inner all-reduce
+    then runs beside it (a checkpoint's quiesce would land it first)."""
+    monkeypatch.setenv("ACCO_WORKERS_PER_NODE", "2")
+    methods = ("diloco", "streaming-diloco")
+    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), methods, dict(save_step=3))
+    for _, violations in per_rank:
+        assert violations == []
+    results = per_rank[0][0]
+    for method in methods:
+        step, calls, overlapped = results[method]
+        assert step == 4, (method, step)
+        # the inner step's all-reduce on the main thread, the flags' in the round
+        assert ("main", "all_reduce") in calls and ("comm", "all_reduce") in calls
+        if method == "streaming-diloco":  # the overlap this test is about happened
+            assert overlapped > 0
+        for others, _ in per_rank[1:]:
+            for thread in ("main", "comm"):
+                mine = [name for t, name in calls if t == thread]
+                theirs = [name for t, name in others[method][1] if t == thread]
+                assert mine == theirs, (method, thread)

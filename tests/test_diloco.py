@@ -8,6 +8,7 @@ torchft's local_sgd.py recurrence written out with whole parameters, fragment by
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 import re
@@ -20,7 +21,7 @@ from fake_cuda import DEVICES, maybe_installed
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from acco.engine import ConfigError, EngineConfig, build_engine
+from acco.engine import CheckpointError, ConfigError, EngineConfig, build_engine
 from acco.engine.diloco import DiLoCoEngine, fragment_slices
 from acco.engine.flat import FlatParams
 
@@ -138,9 +139,44 @@ def test_checkpoint_resume_is_exact_with_an_all_reduce_in_flight(device):
     # Fragments sync at offsets 2 and 4 of every 4 steps: fragment 0's all-reduce is launched at step 6
     # and applied at step 7, so the checkpoint after step 6 is taken with it in flight.
     results = run_distributed(_resume_run, world, cfg, 6, device)
-    for straight, resumed, in_flight in results:
+    for straight, resumed, in_flight, _ in results:
         assert in_flight
         assert torch.equal(straight, resumed)
+
+
+def test_one_replica_per_node_resumes_exactly_and_not_on_another_layout():
+    """rounds=nodes on 2 x 2 (a replica per node): a checkpoint taken with a fragment's round in
+    flight (landed, gathered in the node and kept by the save) resumes exactly; it is refused, with
+    one line, by a run of 4 replicas of one worker (rounds=flat), and a flat one's (its header's
+    workers_per_node 0) by the node layout."""
+    cfg = config(method="streaming-diloco", n_grad_accumulation=1, nb_steps_tot=4 * 14, sync_every=4,
+                 num_fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.25,
+                 rounds="nodes", workers_per_node=2)  # fmt: skip
+    results = run_distributed(_resume_across_layouts, 4, cfg, 6)
+    for straight, resumed, in_flight, refusals in results:
+        assert in_flight
+        assert torch.equal(straight, resumed)
+        assert refusals == [
+            "streaming-diloco resumes only on the replica layout it was saved with: the checkpoint has "
+            "2 replicas of 2 workers (one per node), this run 4 replicas of one worker (train.rounds, "
+            "train.workers_per_node)",
+            "streaming-diloco resumes only on the replica layout it was saved with: the checkpoint has "
+            "4 replicas of one worker, this run 2 replicas of 2 workers (one per node) (train.rounds, "
+            "train.workers_per_node)",
+        ]
+
+
+def _resume_across_layouts(rank, world, cfg, stop_at):
+    straight, resumed, in_flight, state = _resume_runs(rank, world, cfg, stop_at)
+    flat = dataclasses.replace(cfg, rounds="flat")
+    refusals = []
+    for saved, run in ((state, flat), ({**state, "workers_per_node": 0}, cfg)):
+        engine = build_engine(make_model("block"), run)
+        with pytest.raises(CheckpointError) as refused:
+            engine.load_state_dict(saved)
+        refusals.append(str(refused.value))
+        engine.close()
+    return straight, resumed, in_flight, refusals
 
 
 def _resume_run(rank, world, cfg, stop_at, device):
@@ -172,7 +208,7 @@ def _resume_runs(rank, world, cfg, stop_at):
     list(engine.run(batches, loss_fn))
     engine.close()
     vec = parameters_to_vector
-    return vec(straight_model.parameters()).detach(), vec(model.parameters()).detach(), in_flight
+    return vec(straight_model.parameters()).detach(), vec(model.parameters()).detach(), in_flight, state
 
 
 _INITIAL = "global parameters: the initial ones, no sync yet; next sync at step 3"

@@ -3,13 +3,15 @@
 DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (Douillard et al. 2025), with the semantics of
 torchft's ``local_sgd.py``, the reference implementation:
 
-- Every worker runs the inner optimizer, AdamW with ddp's hyper-parameters and schedule, on its
-  own data and its own full copy of the parameters, with no collective per step. Its state is not
-  sharded: every worker keeps the fp32 local parameters and both moments in full.
+- A replica runs the inner optimizer, AdamW with ddp's hyper-parameters and schedule, on its own
+  data and its own full copy of the parameters. With rounds=nodes on R > 1 nodes of S > 1 workers
+  a replica is a node: each inner step its workers average their gradients over the node and take
+  the same step (replicas.py); else every worker is a replica, with no collective per step. The
+  state is not sharded: every worker keeps the fp32 local parameters and both moments in full.
 - The model is cut into F fragments, contiguous runs of its parameters in registration order (the
   order of its layers); diloco has one. Fragment i is prepared at inner steps s with
   (s - offset_i) % H == 0, offset_i = floor(H / F * (i + 1)): its pseudo-gradient, the global
-  minus the local parameters, is all-reduced (averaged) in the background, and tau =
+  minus the local parameters, is averaged over the replicas in the background, and tau =
   fragment_sync_delay inner steps later it is applied by the outer Nesterov SGD to the fragment's
   global parameters. The local parameters then become the global ones, or with alpha =
   fragment_update_alpha keep that share of their own progress: local = lerp(global, local, alpha).
@@ -19,8 +21,9 @@ Evaluation and checkpoints see the global parameters; at the end of the run ever
 local progress is synchronised once more, so the final model is the global one. In mixed precision
 the pseudo-gradients travel in bf16 and are averaged back into fp32.
 
-Per inner step the loss and gradient norm reported are this worker's (there is no per-step
-collective to make them global); the data-exhausted flag travels with the next all-reduce.
+Per inner step the loss and gradient norm reported are the replica's: this worker's, or on the node
+layout its node's (there is no per-step collective between replicas to make them global); the
+data-exhausted flag travels with the next all-reduce.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine import collectives, progress
+from acco.engine import progress
 from acco.engine.background import BackgroundComm
 from acco.engine.comm import LOSS, WEIGHT, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, CheckpointError, EngineConfig, UpdateRecord
@@ -44,6 +47,7 @@ from acco.engine.device import device_ops
 from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, state_header, world_of
 from acco.engine.nodes import make_rounds
 from acco.engine.optim import ShardedAdamW, learning_rate
+from acco.engine.replicas import make_replicas
 
 _END = object()
 
@@ -82,6 +86,12 @@ def fragment_slices(flat: FlatParams, module: nn.Module, num_fragments: int) -> 
     return fragments
 
 
+def _replicas_text(workers_per_node: int, world_size: int) -> str:
+    if not workers_per_node:
+        return f"{world_size} replicas of one worker"
+    return f"{world_size // workers_per_node} replicas of {workers_per_node} workers (one per node)"
+
+
 class DiLoCoEngine:
     """Trains `module` in place with diloco or streaming-diloco; `run` yields one record per inner step."""
 
@@ -90,12 +100,15 @@ class DiLoCoEngine:
             raise ValueError(f"DiLoCoEngine runs {', '.join(LOCAL_SGD_METHODS)}, not {cfg.method!r}")
         self.cfg, self.module, self.group = cfg, module, group
         self.world_size, self.rank = world_of(group)
-        self.rounds = make_rounds("flat", group, self.world_size, self.rank)
+        # rounds=nodes on R > 1 nodes of S > 1 workers: one replica per node (replicas.py), else
+        # every worker its own
+        self.rounds = make_rounds(cfg.rounds, group, self.world_size, self.rank, cfg.workers_per_node)
         dtype = torch.bfloat16 if cfg.use_mixed_precision else torch.float32
         broadcast_module(module, group)  # rank 0's weights, before the fp32 copy is taken from them
         # One "shard" holding everything: the inner optimizer is not sharded.
         self.flat = FlatParams(module, dtype, 1, 0)
         self.device = self.flat.params.device
+        self.replicas = make_replicas(self.rounds, group, self.world_size, self.device)
         self.local = self.flat.master_shard  # fp32 local parameters, the inner AdamW's master
         self.inner = ShardedAdamW(self.local, cfg, self.flat.decay_numel, trial=False)
         self.global_params = self.local.clone()  # the last synchronised parameters, fp32
@@ -105,8 +118,9 @@ class DiLoCoEngine:
         H, F = cfg.sync_every, cfg.num_fragments
         self.offsets = [math.floor(H / F * (i + 1)) for i in range(F)]
         # The wire: one fragment's pseudo-gradient (model dtype), the data-exhausted and the stop
-        # flags, padded to a multiple of the world size for the reduce-scatter + all-gather.
-        padded = -(-(max(sizes) + 2) // self.world_size) * self.world_size
+        # flags, padded to a multiple of the world size for the reduce-scatter + all-gather (on the
+        # node layout: S chunks of R shards).
+        padded = self._wire_numel(max(sizes))
         self.wire = torch.zeros(padded, dtype=dtype, device=self.device)
         self.wire_shard = torch.empty(padded // self.world_size, dtype=dtype, device=self.device)
         self.averaged = torch.empty(max(sizes), dtype=torch.float32, device=self.device)  # fp32 average
@@ -153,13 +167,29 @@ class DiLoCoEngine:
             n += 1
         return n
 
-    def _apply(self, n: int) -> float:
-        """One AdamW step on the accumulated `n` micro-batches (none: no step); returns the LR.
-        The step's statistics are queued for the host (`_read_stats`), not read."""
+    def _average(self, n: int) -> bool:
+        """The replica's gradient sum and statistics: this worker's own, or on the node layout the
+        node's (summed in the model dtype, as ddp's wire); whether the replica takes an inner step."""
+        if not self.replicas.per_step:
+            return n > 0
+        if self.sum_fp32:  # the fp32 sum rounded to bf16 once, for the wire
+            self.flat.grads.copy_(self.grad)
+        stepped = self.replicas.average_step(
+            self.flat.grads, self.stats, n, self._exhausted, self._stop_requested
+        )
+        if self.sum_fp32:
+            self.grad.copy_(self.flat.grads)
+        return stepped
+
+    def _apply(self, n: int) -> tuple[float, bool]:
+        """One AdamW step on the replica's accumulated micro-batches, `n` of them this worker's
+        (none anywhere in the replica: no step); returns the LR and whether it stepped. The step's
+        statistics are queued for the host (`_read_stats`), not read."""
         per_step = self.world_size * self.cfg.n_grad_accumulation
         lr = learning_rate(self.cfg, self.committed_micro_batches, per_step)
         norm = self.norm.zero_()
-        if n:
+        stepped = self._average(n)
+        if stepped:
             if self.grad is not self.flat.grads and not self.sum_fp32:
                 self.grad.copy_(self.flat.grads)
             self.grad.div_(self.stats[WEIGHT].to(self.grad.dtype))
@@ -182,14 +212,14 @@ class DiLoCoEngine:
         # worker some worker's data ran out (no record is yielded for those, `run`).
         self.step += 1
         self.committed_micro_batches += per_step
-        return lr
+        return lr, stepped
 
-    def _read_stats(self, n: int) -> tuple[float, float]:
+    def _read_stats(self, stepped: bool) -> tuple[float, float]:
         """The last step's (gradient norm before clipping, loss weight) on the host; waits for that
         step alone (the next one's micro-batches may already be queued behind it)."""
         self.stats_ready.synchronize()
         loss_sum, weight, norm = self.host_stats.tolist()
-        if n:
+        if stepped:
             self._last_loss = loss_sum / weight
         return (norm if self.cfg.max_grad_norm else float("nan")), weight
 
@@ -202,33 +232,35 @@ class DiLoCoEngine:
             k = s.stop - s.start
             torch.sub(self.global_params[s], self.local[s], out=self.wire[n : n + k])
             n += k
-        self.wire[n] = float(self._exhausted)
-        self.wire[n + 1] = float(self._stop_requested)
-        m = -(-(n + 2) // self.world_size) * self.world_size  # this fragment's wire, padded
+        self.replicas.write_flags(self.wire[n : n + 2], self._exhausted, self._stop_requested)
+        m = self._wire_numel(n)
         self.wire[n + 2 : m].zero_()
         step = self.step
         self.pending = (i, self.background.submit(lambda: self._all_reduce(i, step, n, m)))
 
+    def _wire_numel(self, n: int) -> int:
+        """A fragment of `n` elements' wire: with the two flags, padded to a multiple of the world size."""
+        return -(-(n + 2) // self.world_size) * self.world_size
+
     def _all_reduce(self, i: int, step: int, n: int, m: int) -> tuple[bool, bool]:
-        """On the comm thread: sum the first `m` wire elements over the workers in place (a
-        bandwidth-optimal reduce-scatter then all-gather, issued at world size 1 too); returns
+        """On the comm thread: sum the first `m` wire elements over the replicas in place (a
+        bandwidth-optimal reduce-scatter then all-gather, issued at world size 1 too; on the node
+        layout between nodes only, this worker's chunk: the node gathers it at `_land`); returns
         whether some worker ran out of data (element `n`) and whether one was asked to stop (`n + 1`),
         read here so that the compute side never waits."""
         progress.mark(f"update {step} (all-reduce of fragment {i})")
-        shard = self.wire_shard[: m // self.world_size]
-        collectives.reduce_scatter(shard, self.wire[:m], group=self.group)
-        collectives.all_gather(self.wire[:m], shard, group=self.group)
-        exhausted, stop = (self.wire[n : n + 2] > 0).tolist()
-        return exhausted, stop
+        return self.replicas.sum_fragment(self.wire, self.wire_shard, n, m)
 
     def _land(self) -> tuple[float, float]:
-        """Wait for the all-reduce in flight and keep its fp32 average; (wait_s, busy_s)."""
+        """Wait for the all-reduce in flight (on the node layout, then gather the node's chunks on
+        this thread) and keep its fp32 average over the replicas; (wait_s, busy_s)."""
         i, future = self.pending
+        n = sum(s.stop - s.start for s in self.fragments[i])
         start = time.perf_counter()
         timed = future.result()
+        self.replicas.gather_fragment(self.wire[: self._wire_numel(n)])
         wait, busy, (exhausted, stop) = time.perf_counter() - start, timed.busy_s, timed.value
-        n = sum(s.stop - s.start for s in self.fragments[i])
-        torch.div(self.wire[:n], self.world_size, out=self.averaged[:n])
+        torch.div(self.wire[:n], self.replicas.count, out=self.averaged[:n])
         if exhausted:  # some worker ran out of data: this sync is the last
             self._stop = True
         self._stop_agreed |= stop  # some worker was asked to stop: every worker stops at this step
@@ -310,7 +342,7 @@ class DiLoCoEngine:
         compute = time.perf_counter() - start
         while True:
             start = time.perf_counter()
-            lr = self._apply(n)
+            lr, stepped = self._apply(n)
             compute += time.perf_counter() - start
             wait, busy = self._fragments_step()
             finished = self.committed_micro_batches >= self.cfg.nb_steps_tot or self._stop
@@ -321,9 +353,9 @@ class DiLoCoEngine:
                 start = time.perf_counter()
                 self.computed_ahead = self._compute(batches, loss_fn)
                 next_compute = time.perf_counter() - start
-            norm, weight = self._read_stats(n)
+            norm, weight = self._read_stats(stepped)
             self.last_wall_time = time.perf_counter() - t0
-            if n:  # an inner step with no data (after this worker's ran out) is no update: no record
+            if stepped:  # an inner step with no data (after the replica's ran out) is no update: no record
                 yield UpdateRecord(
                     step=self.step,
                     committed_micro_batches=self.committed_micro_batches,
@@ -334,7 +366,7 @@ class DiLoCoEngine:
                     wait_s=wait,
                     comm_s=busy,
                     wall_time=self.last_wall_time,
-                    weight=weight * self.world_size,
+                    weight=weight * self.replicas.count,
                     grad_norm=norm,
                     stop=self._stop_agreed,
                 )
@@ -479,6 +511,13 @@ class DiLoCoEngine:
             raise CheckpointError(
                 f"{self.cfg.method} resumes only on the world size it was saved with "
                 f"({state['world_size']} workers; every worker's local state is its own)"
+            )
+        if state.get("workers_per_node", 0) != self.rounds.workers_per_node:
+            raise CheckpointError(
+                f"{self.cfg.method} resumes only on the replica layout it was saved with: the checkpoint "
+                f"has {_replicas_text(state.get('workers_per_node', 0), self.world_size)}, this run "
+                f"{_replicas_text(self.rounds.workers_per_node, self.world_size)} (train.rounds, "
+                f"train.workers_per_node)"
             )
         if (state["fragments"], state["sync_every"]) != (self.cfg.num_fragments, self.cfg.sync_every):
             raise CheckpointError(
