@@ -11,11 +11,16 @@ trainer with evaluations, checkpoints and a stop at the eval loss (then the fina
 
 - no main-thread collective while a round is in flight;
 - no collective inside what rank 0 does alone (after_rank0): the others never join it;
-- every rank issues the same sequence of collectives on each thread.
+- every rank issues the same sequence of collectives on each thread;
+- on 2 nodes x 2 workers (the two-level rounds: an inner group per node, an outer group per local
+  index), for acco and wp (whose committed parameters the main thread gathers over both levels):
+  on each group, every member issues the same sequence of collectives, the comm thread's and the
+  main thread's together, which is the order NCCL matches them by on that group's communicator.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import pytest
@@ -44,7 +49,7 @@ class Recorder:
     """Wraps torch.distributed's collectives and BackgroundComm.submit in this process."""
 
     def __init__(self, monkeypatch):
-        self.calls: list[tuple[str, str]] = []  # (thread, function), in issue order
+        self.calls: list[tuple[str, str, tuple | str]] = []  # (thread, function, group), in issue order
         self.violations: list[str] = []
         self.in_flight: set = set()
         # The thread running rank 0's work alone (after_rank0), else None: a checkpoint's is the
@@ -85,10 +90,16 @@ class Recorder:
                 monkeypatch.setattr(module, name, self._alone(getattr(module, name)))
 
     def _wrap(self, name, fn, lock):
+        signature = inspect.signature(fn)
+
         def recorded(*args, **kwargs):
             main = threading.current_thread() is threading.main_thread()
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            # the group by its members' global ranks: the same key on every member
+            world = group in (None, dist.GroupMember.WORLD)
+            members = "world" if world else tuple(dist.get_process_group_ranks(group))
             with lock:
-                self.calls.append(("main" if main else "comm", name))
+                self.calls.append(("main" if main else "comm", name, members))
             if main and self.in_flight:
                 self.violations.append(f"{self.context}: main-thread {name} while a round is in flight")
             if self.rank0_alone is threading.current_thread():
@@ -120,7 +131,7 @@ class Recorder:
 OUT_OF_REACH = 1000
 
 
-def _train_every_method(rank, world, out_dir, methods):
+def _train_every_method(rank, world, out_dir, methods, per_node=None):
     from omegaconf import OmegaConf
 
     from acco.data import load_tokenizer, synthetic_corpus
@@ -128,6 +139,8 @@ def _train_every_method(rank, world, out_dir, methods):
     from acco.trainer import DecoupledTrainer
 
     mp = pytest.MonkeyPatch()
+    if per_node is not None:  # the local launcher's emulated nodes (launch.workers_per_node)
+        mp.setenv("ACCO_WORKERS_PER_NODE", str(per_node))
     recorder = Recorder(mp)
     docs = synthetic_corpus(160)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
@@ -181,13 +194,38 @@ def test_no_collective_while_a_round_is_in_flight_nor_on_rank0_alone(tmp_path, m
     for method in methods:
         step, calls = results[method]
         assert step == 4, (method, step)  # stopped at the first evaluation
-        assert any(thread == "main" for thread, _ in calls)
+        assert any(thread == "main" for thread, _, _ in calls)
         if method in ("acco", "ddp", "dpu", "wp", "acco-int8-auto"):  # the rounds' statistics are seen
-            gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-            assert ("comm" if method != "ddp" else "main", gather) in calls, (method, calls)
+            assert ("comm" if method != "ddp" else "main", GATHER, "world") in calls, (method, calls)
         if method == "acco-int8-auto":
-            assert ("comm", "all_to_all_single") in calls
+            assert ("comm", "all_to_all_single", "world") in calls
         for thread in ("main", "comm"):
-            mine = [name for t, name in calls if t == thread]
-            theirs = [name for t, name in others[method][1] if t == thread]
+            mine = [name for t, name, _ in calls if t == thread]
+            theirs = [name for t, name, _ in others[method][1] if t == thread]
             assert mine == theirs, (method, thread)
+
+
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+INNER, OUTER = ((0, 1), (2, 3)), ((0, 2), (1, 3))  # 2 x 2: the nodes' groups, the local indices'
+
+
+def test_on_two_nodes_each_group_sees_the_same_collectives_in_the_same_order_on_every_member(tmp_path):
+    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), ("acco", "wp"), 2)
+    for _, violations in per_rank:
+        assert violations == []
+    for method in ("acco", "wp"):
+        calls = [results[method][1] for results, _ in per_rank]
+        assert all(results[method][0] == 4 for results, _ in per_rank), method
+        for rank, mine in enumerate(calls):
+            groups = {group for _, _, group in mine}
+            assert groups == {"world", INNER[rank // 2], OUTER[rank % 2]}, (method, rank, groups)
+            # the rounds cross both levels on the comm thread; wp's committed parameters too, gathered
+            # on the main thread (evaluations, checkpoints, the end of the run)
+            for group in (INNER[rank // 2], OUTER[rank % 2]):
+                assert any(t == "comm" and g == group for t, _, g in mine), (method, rank, group)
+                on_main = any(t == "main" and g == group for t, _, g in mine)
+                assert on_main == (method == "wp"), (method, rank, group)
+        for group in ("world", *INNER, *OUTER):
+            members = range(4) if group == "world" else group
+            seen = [[(t, name) for t, name, g in calls[rank] if g == group] for rank in members]
+            assert seen[0] and all(s == seen[0] for s in seen), (method, group)
