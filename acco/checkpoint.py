@@ -313,6 +313,9 @@ def save_run(
         "samples": record.committed_micro_batches,
         "method": args["method_name"],
         "world_size": world_size,
+        # the shard order of the rank files (flat.py's state_header): 0 flat, else the two-level
+        # rounds' workers per node; a resume on another layout reshards
+        "workers_per_node": state.get("workers_per_node", 0),
         "numel": state["numel"],
         "wall_time": record.wall_time,
         "train": args,
@@ -332,14 +335,21 @@ def save_run(
     )
 
 
+def shard_order(engine) -> int:
+    """The shard order of `engine`'s state as its checkpoints record it (meta.json's
+    workers_per_node): the two-level rounds' workers per node, 0 for the flat ring and for the
+    engines whose state is not in shards of the rounds (torch-ddp)."""
+    return getattr(getattr(engine, "rounds", None), "workers_per_node", 0)
+
+
 def resume_run(
     engine, position, folder: Path, meta: dict, rank: int, world_size: int, device, batch_size: int
 ) -> bool:
-    """Load a checkpoint into `engine` and the data `position`: exactly on the same world size
-    (True), from this worker's own file; else resharded from the same samples (False), each old
-    file memory-mapped so that only the slices this worker needs are read."""
+    """Load a checkpoint into `engine` and the data `position`: exactly on the same world size and
+    shard order (True), from this worker's own file; else resharded from the same samples (False),
+    each old file memory-mapped so that only the slices this worker needs are read."""
     old_world = int(meta["world_size"])
-    if old_world != world_size:
+    if old_world != world_size or int(meta.get("workers_per_node", 0)) != shard_order(engine):
         def old(r: int) -> dict:
             return load_worker(folder, r, old_world, mmap=True)
 

@@ -287,7 +287,8 @@ def launch_workers(cfg: DictConfig, nproc: int) -> int:
     save_signals = [signal.Signals[name] for name in job.args.save_on_signal]
     try:
         code = launch_local(
-            nproc, self_command(), env_extra={**threads, **debug}, check=check, save_signals=save_signals
+            nproc, self_command(), env_extra={**threads, **debug}, check=check, save_signals=save_signals,
+            workers_per_node=job.launch.workers_per_node,
         )
         if code == 128 + signal.SIGINT:  # Ctrl-C, forwarded: said here, the workers say nothing
             sys.stderr.write(INTERRUPTED)

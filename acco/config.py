@@ -300,6 +300,9 @@ class LaunchConfig:
     """The ``launch`` group: how a plain ``python main.py`` starts its workers."""
 
     nproc: Any = "auto"  # local workers: a positive integer, or "auto" (one per GPU, else 2)
+    # The local workers grouped into emulated nodes of this many (train.rounds=nodes runs its
+    # two-level rounds on them); null: one node. torchrun and srun say their own layout.
+    workers_per_node: int | None = None
     timeout_s: float = TrainArgs.timeout_s  # a collective that waits longer fails the run (train.timeout_s)
     debug: bool = False  # full tracebacks instead of one-line errors
 
@@ -309,6 +312,10 @@ class LaunchConfig:
             isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1
         ):
             raise ConfigError(f"launch.nproc must be a positive integer or 'auto', got {nproc!r}")
+        per_node = self.workers_per_node
+        if per_node is not None and (isinstance(per_node, bool) or not isinstance(per_node, int)
+                                     or per_node < 1):
+            raise ConfigError(f"launch.workers_per_node must be null or a positive integer, got {per_node!r}")
         if not 0 < self.timeout_s < math.inf:
             raise ConfigError(f"launch.timeout_s must be a positive finite number, got {self.timeout_s!r}")
 

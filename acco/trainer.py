@@ -37,6 +37,7 @@ from acco.data.on_device import OnDevice, Rewound, check_token_ids, without_full
 from acco.data.prepare import collate, forward_fields, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
+from acco.engine.layout import layout_words
 from acco.launch import preemption
 from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_at, init_distributed
 from acco.loss import causal_lm_loss, loss_note
@@ -76,6 +77,20 @@ def _not_exact(engine) -> str | None:
             f"{recomputed} pending micro-batch(es) are computed again at the committed parameters"
         )
     return None
+
+
+def _resharded(meta: dict, world_size: int, order: int, where: str) -> str:
+    """The line of a resharded resume; with the shard orders (meta.json's workers_per_node, this
+    engine's) where either is the two-level rounds'."""
+    old_world, old = int(meta["world_size"]), int(meta.get("workers_per_node", 0))
+
+    def order_of(world: int, per_node: int) -> str:
+        if not old and not order:
+            return ""
+        return f" ({layout_words(world, per_node)}' shard order)" if per_node else " (flat shard order)"
+
+    return (f"resuming from {old_world} workers{order_of(old_world, old)}, resharded to {world_size}"
+            f"{order_of(world_size, order)} {where}")
 
 
 class DecoupledTrainer:
@@ -189,6 +204,9 @@ class DecoupledTrainer:
         )
         self.model.train()
         self.engine = build_engine(self.model, args.engine_config())
+        rounds = getattr(self.engine, "rounds", None)  # the layout its rounds run on (engine/nodes.py)
+        if self.rank == 0 and self.world_size > 1 and rounds is not None:
+            print(f"layout: {rounds.note}", flush=True)
         self._writer, self._checkpoint_pause_s = CheckpointWriter(self.device, args.async_save), 0.0
         summary = log = None
         # A preemption notice from here on stops the run after an update, checkpointed
@@ -386,8 +404,8 @@ class DecoupledTrainer:
                 print(f"acco: warning: {change}", file=sys.stderr, flush=True)
             where = f"from {folder} (update {meta['step']}, {meta['samples']} micro-batches)"
             if not exact:
-                print(f"resuming from {meta['world_size']} workers, resharded to {self.world_size} {where}",
-                      flush=True)
+                order = checkpoint.shard_order(self.engine)
+                print(_resharded(meta, self.world_size, order, where), flush=True)
             else:
                 why = _not_exact(self.engine)
                 line = f"resuming {where}, not exactly: {why}" if why else f"resuming exactly {where}"

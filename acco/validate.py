@@ -15,8 +15,9 @@ modules that own a thing expose what the checks need (``acco.models.trainable_pa
 - mandatory values set and interpolations resolvable (``acco.job.job_of``, for ``validate_job``);
 - ``check_at_once``, before any worker starts, every check that costs nothing, their problems
   reported together: ``check_folders`` (output and cache dirs writable, no run overwritten, a
-  checkpoint to resume there: meta.json and sizes), the
-  data's path, model.tokenizer set, the pretrained model's folder or the new model's positions;
+  checkpoint to resume there: meta.json and sizes), the nodes the workers are grouped into
+  (``check_node_layout``), the data's path, model.tokenizer set, the pretrained model's folder
+  or the new model's positions;
 - the model config, or the pretrained model's ``config.json``, against train.max_length;
 - the tokenizer, loaded as rank 0 loads it, against the model's embedding;
 - ``train.resume_from_checkpoint``: whether and from where the job resumes (the checkpoint's CRCs
@@ -59,7 +60,10 @@ from acco.config import (
 )
 from acco.data.errors import DataError, looks_like_local_path
 from acco.data.text import corpus_sources, load_corpus, quiet_datasets, text_bytes
+from acco.engine.config import LOCAL_SGD_METHODS, ConfigError
+from acco.engine.layout import check_layout, layout_from_env
 from acco.job import Job, Loaded, job_of
+from acco.launch.env import dist_env
 from acco.run_folder import RUN_MARKERS, list_checkpoints
 
 __all__ = [
@@ -68,6 +72,7 @@ __all__ = [
     "check_at_once",
     "check_folders",
     "check_job",
+    "check_node_layout",
     "check_output_dir",
     "check_prepared",
     "validate_job",
@@ -498,6 +503,25 @@ def check_folders(job: Job) -> None:
             _resume_error(args.resume_from_checkpoint, e)
 
 
+def check_node_layout(job: Job) -> None:
+    """The nodes the job's workers are grouped into divide them (acco.engine.layout.check_layout):
+    a plain ``python main.py``'s launch.workers_per_node; under torchrun or srun the layout their
+    environment says, where the method's rounds run on it (train.rounds=nodes)."""
+    args = job.args
+    if dist_env() is None:  # the local launcher's emulated nodes
+        where, per_node, hint = "launch.workers_per_node", job.launch.workers_per_node, ""
+    elif args.rounds == "nodes" and args.method_name not in ("torch-ddp", *LOCAL_SGD_METHODS):
+        where, per_node = layout_from_env() or ("", None)
+        hint = ", or set train.rounds=flat (one ring)"
+    else:
+        return  # the engine never reads the launcher's layout
+    if per_node is not None:
+        try:
+            check_layout(job.world_size, per_node, where)
+        except ConfigError as e:
+            _fail(f"{e}{hint}", e)
+
+
 def check_at_once(job: Job) -> None:
     """Every check that costs nothing (a look at the file system, the config's own numbers), all
     run: their problems come in one ``InputError``, a line each, so that none hides another (a
@@ -506,6 +530,7 @@ def check_at_once(job: Job) -> None:
     model, args = job.model, job.args
     checks = [
         lambda: check_folders(job),
+        lambda: check_node_layout(job),
         lambda: check_data_path(job.data),
         lambda: check_tokenizer_spec(model),
         (lambda: check_pretrained_path(str(model["pretrained"]))) if model.get("pretrained")

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from acco import checkpoint, checkpoint_writer
 from acco.engine import CheckpointError, EngineConfig, build_engine
+from acco.engine.layout import NodeLayout, shard_file_rank
 from acco.resume import load_meta, rank_file
 from acco.run_folder import list_checkpoints
 
@@ -30,22 +31,26 @@ OVERLAPPED = ("acco", "acco-paper", "dpu", "wp")  # a pending accumulator betwee
 UNSHARDED = ("diloco", "streaming-diloco")  # every worker's local parameters and moments are its own
 
 
-def _old_states(numel: int, old_world: int, full: dict) -> list[dict]:
-    """The engine states `old_world` workers would have saved for these full fp32 vectors."""
+def _old_states(numel: int, old_world: int, full: dict, per_node: int = 0) -> list[dict]:
+    """The engine states `old_world` workers would have saved for these full fp32 vectors, in the
+    flat ring's shard order (`per_node` 0: worker r holds shard r) or the two-level rounds' on
+    nodes of `per_node` workers (worker r holds shard NodeLayout.shard_rank)."""
     size = -(-numel // old_world)
     states = []
     for r in range(old_world):
+        i = NodeLayout(old_world // per_node, per_node, r).shard_rank if per_node else r
         shard = {}
         for name, vector in full.items():
             padded = torch.zeros(size * old_world)
             padded[:numel] = vector
-            shard[name] = padded[r * size : (r + 1) * size].clone()
+            shard[name] = padded[i * size : (i + 1) * size].clone()
         states.append(
             {
                 "method": "acco",
                 "order": "decayed-first",
                 "numel": numel,
                 "world_size": old_world,
+                "workers_per_node": per_node,
                 "rank": r,
                 "samples": 40,
                 "step": 5,
@@ -60,18 +65,20 @@ def _old_states(numel: int, old_world: int, full: dict) -> list[dict]:
     return states
 
 
-def _reshard_on(rank: int, world: int, old_world: int) -> dict:
-    """A new worker of `world` loads the states `old_world` workers saved of a 24-parameter model; it
-    returns its optimizer shard, its parameters and the old ranks whose state it read."""
+def _reshard_on(rank: int, world: int, old_world: int, per_node: int = 0, old_per_node: int = 0) -> dict:
+    """A new worker of `world` (on nodes of `per_node` workers, 0: the flat ring) loads the states
+    `old_world` workers saved of a 24-parameter model (in `old_per_node`'s shard order); it returns
+    its optimizer shard, its parameters and the old ranks whose state it read."""
     torch.manual_seed(0)
     model = nn.Linear(7, 3)  # 24 parameters: padded to 27 for 3 workers, to 24 for 1, 2 or 4
-    engine = build_engine(model, EngineConfig(method="acco", nb_steps_tot=4))
+    rounds = dict(rounds="nodes", workers_per_node=per_node) if per_node else dict(rounds="flat")
+    engine = build_engine(model, EngineConfig(method="acco", nb_steps_tot=4, **rounds))
     numel = engine.flat.layout.numel
     full = {
         name: torch.randn(numel, generator=torch.Generator().manual_seed(i))
         for i, name in enumerate(("master", "exp_avg", "exp_avg_sq"))
     }
-    old, read = _old_states(numel, old_world, full), []
+    old, read = _old_states(numel, old_world, full, old_per_node), []
 
     def old_state(r: int) -> dict:
         read.append(r)
@@ -88,6 +95,7 @@ def _reshard_on(rank: int, world: int, old_world: int) -> dict:
     engine.close()
     return {
         "exact": exact,
+        "shard": engine.rounds.shard_rank,
         "read": read,
         "shards": {n: getattr(opt, n).clone() for n in full},
         "expected": expected,
@@ -114,6 +122,42 @@ def test_resharding_reads_only_the_overlapping_old_shards(old_world, world):
         assert got["grads"] == 0  # a per-worker accumulator does not survive resharding
         lo, hi = rank * new_size, min((rank + 1) * new_size, 24)
         assert got["read"] == list(range(lo // size, -(-hi // size))), rank  # the overlapping old shards only
+
+
+# (old world, its workers per node, new workers per node; 0: the flat ring) for 4 new workers: the
+# two-level shard order (2 x 2: worker r holds shard [0, 2, 1, 3][r]) to the flat one and back, from
+# other world sizes, and to 2 x 1 (a flat ring: S = 1) from 2 x 2.
+LAYOUTS_OF_4 = ((4, 2, 0), (4, 0, 2), (2, 0, 2), (3, 0, 2))
+
+
+def _reshard_layouts(rank: int, world: int, cases) -> list[dict]:
+    return [_reshard_on(rank, world, old_world, per_node, old_per_node)
+            for old_world, old_per_node, per_node in cases]  # fmt: skip
+
+
+@pytest.mark.parametrize("world, cases", [(4, LAYOUTS_OF_4), (2, ((4, 2, 1),))])
+def test_resharding_across_node_layouts_reads_each_shard_from_the_file_that_holds_it(world, cases):
+    """A checkpoint of the two-level rounds holds shard s * R + r in rank (r, s)'s file (meta.json's
+    workers_per_node): a resume on another layout (flat, another S, another world size) takes each
+    of its new shards from the files that hold it, and gathers the saved parameters."""
+    per_rank = run_distributed(_reshard_layouts, world, cases)
+    for (old_world, old_per_node, per_node), got in zip(cases, zip(*per_rank)):
+        size, new_size = -(-24 // old_world), -(-24 // world)
+        if per_node > 1 and world // per_node > 1:  # the two-level order
+            assert [g["shard"] for g in got] == [NodeLayout(world // per_node, per_node, r).shard_rank
+                                                 for r in range(world)]  # fmt: skip
+        else:
+            assert [g["shard"] for g in got] == list(range(world))
+        for rank, g in enumerate(got):
+            case = (old_world, old_per_node, per_node, rank)
+            assert g["exact"] is False
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(g["shards"][name], g["expected"][name]), (case, name)
+            assert torch.equal(g["params"], g["master"]) and g["samples"] == 40, case
+            lo, hi = g["shard"] * new_size, min((g["shard"] + 1) * new_size, 24)
+            shards = range(lo // size, -(-hi // size))
+            files = [shard_file_rank(i, old_world, old_per_node) if old_per_node else i for i in shards]
+            assert g["read"] == files, case  # the files of the overlapping old shards only
 
 
 def test_resharding_refuses_another_method_or_model():

@@ -15,7 +15,11 @@ between nodes, on other groups):
 - no main-thread collective on a group that a round in flight uses (checked once the round has
   landed, when every group it used is known);
 - no collective inside what rank 0 does alone (after_rank0): the others never join it;
-- every rank issues the same sequence of collectives on each thread.
+- every rank issues the same sequence of collectives on each thread;
+- on 2 nodes x 2 workers (the two-level rounds: an inner group per node, an outer group per local
+  index), for acco and wp (whose committed parameters the main thread gathers over both levels):
+  on each group, every member issues the same sequence of collectives, the comm thread's and the
+  main thread's together, which is the order NCCL matches them by on that group's communicator.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class Recorder:
     """Wraps torch.distributed's collectives and BackgroundComm.submit in this process."""
 
     def __init__(self, monkeypatch):
-        self.calls: list[tuple[str, str]] = []  # (thread, function), in issue order
+        self.calls: list[tuple[str, str, tuple | str]] = []  # (thread, function, group), in issue order
         self.violations: list[str] = []
         self.in_flight: set = set()
         self.running = None  # the round the comm thread is inside
@@ -114,8 +118,11 @@ class Recorder:
             main = threading.current_thread() is threading.main_thread()
             group = signature.bind(*args, **kwargs).arguments.get("group")
             group = dist.GroupMember.WORLD if group is None else group
+            # the group by its members' global ranks: the same key on every member
+            world = group is dist.GroupMember.WORLD
+            members = "world" if world else tuple(dist.get_process_group_ranks(group))
             with lock:
-                self.calls.append(("main" if main else "comm", name))
+                self.calls.append(("main" if main else "comm", name, members))
             if main:
                 for tracked in list(self.in_flight):
                     tracked.beside.append((self.context, name, group))
@@ -150,7 +157,7 @@ class Recorder:
 OUT_OF_REACH = 1000
 
 
-def _train_every_method(rank, world, out_dir, methods, overrides=None):
+def _train_every_method(rank, world, out_dir, methods, overrides=None, per_node=None):
     from omegaconf import OmegaConf
 
     from acco.data import load_tokenizer, synthetic_corpus
@@ -158,6 +165,8 @@ def _train_every_method(rank, world, out_dir, methods, overrides=None):
     from acco.trainer import DecoupledTrainer
 
     mp = pytest.MonkeyPatch()
+    if per_node is not None:  # the local launcher's emulated nodes (launch.workers_per_node)
+        mp.setenv("ACCO_WORKERS_PER_NODE", str(per_node))
     recorder = Recorder(mp)
     docs = synthetic_corpus(160)
     tokenizer = load_tokenizer("bpe", train_texts=docs, vocab_size=300)
@@ -211,15 +220,14 @@ def test_no_collective_while_a_round_is_in_flight_nor_on_rank0_alone(tmp_path, m
     for method in methods:
         step, calls, _ = results[method]
         assert step == 4, (method, step)  # stopped at the first evaluation
-        assert any(thread == "main" for thread, _ in calls)
+        assert any(thread == "main" for thread, _, _ in calls)
         if method in ("acco", "ddp", "dpu", "wp", "acco-int8-auto"):  # the rounds' statistics are seen
-            gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-            assert ("comm" if method != "ddp" else "main", gather) in calls, (method, calls)
+            assert ("comm" if method != "ddp" else "main", GATHER, "world") in calls, (method, calls)
         if method == "acco-int8-auto":
-            assert ("comm", "all_to_all_single") in calls
+            assert ("comm", "all_to_all_single", "world") in calls
         for thread in ("main", "comm"):
-            mine = [name for t, name in calls if t == thread]
-            theirs = [name for t, name in others[method][1] if t == thread]
+            mine = [name for t, name, _ in calls if t == thread]
+            theirs = [name for t, name, _ in others[method][1] if t == thread]
             assert mine == theirs, (method, thread)
 
 
@@ -230,9 +238,8 @@ def test_one_replica_per_node_keeps_each_group_s_order(tmp_path, monkeypatch):
     the main thread, issued while a streaming fragment's round is in flight, shares no group with
     it. No checkpoint at step 2, where fragment 0's round is launched: step 3's inner all-reduce
     then runs beside it (a checkpoint's quiesce would land it first)."""
-    monkeypatch.setenv("ACCO_WORKERS_PER_NODE", "2")
     methods = ("diloco", "streaming-diloco")
-    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), methods, dict(save_step=3))
+    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), methods, dict(save_step=3), 2)
     for _, violations in per_rank:
         assert violations == []
     results = per_rank[0][0]
@@ -240,11 +247,37 @@ def test_one_replica_per_node_keeps_each_group_s_order(tmp_path, monkeypatch):
         step, calls, overlapped = results[method]
         assert step == 4, (method, step)
         # the inner step's all-reduce on the main thread, the flags' in the round
-        assert ("main", "all_reduce") in calls and ("comm", "all_reduce") in calls
+        assert {("main", "all_reduce"), ("comm", "all_reduce")} <= {(t, name) for t, name, _ in calls}
         if method == "streaming-diloco":  # the overlap this test is about happened
             assert overlapped > 0
         for others, _ in per_rank[1:]:
             for thread in ("main", "comm"):
-                mine = [name for t, name in calls if t == thread]
-                theirs = [name for t, name in others[method][1] if t == thread]
+                mine = [name for t, name, _ in calls if t == thread]
+                theirs = [name for t, name, _ in others[method][1] if t == thread]
                 assert mine == theirs, (method, thread)
+
+
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+INNER, OUTER = ((0, 1), (2, 3)), ((0, 2), (1, 3))  # 2 x 2: the nodes' groups, the local indices'
+
+
+def test_on_two_nodes_each_group_sees_the_same_collectives_in_the_same_order_on_every_member(tmp_path):
+    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), ("acco", "wp"), None, 2)
+    for _, violations in per_rank:
+        assert violations == []
+    for method in ("acco", "wp"):
+        calls = [results[method][1] for results, _ in per_rank]
+        assert all(results[method][0] == 4 for results, _ in per_rank), method
+        for rank, mine in enumerate(calls):
+            groups = {group for _, _, group in mine}
+            assert groups == {"world", INNER[rank // 2], OUTER[rank % 2]}, (method, rank, groups)
+            # the rounds cross both levels on the comm thread; wp's committed parameters too, gathered
+            # on the main thread (evaluations, checkpoints, the end of the run)
+            for group in (INNER[rank // 2], OUTER[rank % 2]):
+                assert any(t == "comm" and g == group for t, _, g in mine), (method, rank, group)
+                on_main = any(t == "main" and g == group for t, _, g in mine)
+                assert on_main == (method == "wp"), (method, rank, group)
+        for group in ("world", *INNER, *OUTER):
+            members = range(4) if group == "world" else group
+            seen = [[(t, name) for t, name, g in calls[rank] if g == group] for rank in members]
+            assert seen[0] and all(s == seen[0] for s in seen), (method, group)

@@ -14,7 +14,9 @@ reduce-scatter; the two-level rounds send (R - 1) / R:
 So worker (node r, local s) owns shard s * R + r of the flat vector (`shard_rank`), not shard
 `rank`; with one node (R = 1) or one worker per node (S = 1) the two orders are the same and the
 two-level rounds are the flat ring. The optimizer shard stays 1/W. A checkpoint records the
-layout, so that a resume on another layout finds each shard's file (`shard_file_rank`).
+layout, so that a resume on another layout finds each shard's file (`shard_file_rank`). That
+arithmetic, and the layout as the launcher's environment says it, is layout.py's (no torch: the
+local launcher checks a layout before its workers start); this module re-exports it.
 
 Both collectives run in place, as collectives.py's do: the reduce-scatter's output may be the
 input's own shard, the all-gather's input the output's own shard.
@@ -22,68 +24,23 @@ input's own shard, the all-gather's input the output's own shard.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from acco.engine import collectives
 from acco.engine.config import ConfigError
+from acco.engine.layout import (
+    NodeLayout,
+    check_layout,
+    layout_words,
+    shard_file_rank,
+    workers_per_node_from_env,
+)
 
 __all__ = [
     "FlatRounds", "NodeLayout", "NodeRounds", "check_layout", "make_rounds", "shard_file_rank",
     "workers_per_node_from_env",
 ]
-
-# The launchers' word for how many workers share a node, first found wins: the local launcher's
-# emulated nodes (launch.workers_per_node), torchrun's, then SLURM's (a uniform "4", or "4(x2)").
-_ENV_KEYS = ("ACCO_WORKERS_PER_NODE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
-
-
-def workers_per_node_from_env(world_size: int) -> int:
-    """Workers per node as the launcher says it, else the whole job on one node."""
-    for key in _ENV_KEYS:
-        value = os.environ.get(key, "").split("(")[0].strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return world_size
-
-
-def check_layout(world_size: int, workers_per_node: int, where: str = "workers_per_node") -> None:
-    """One line, before anything starts, for a layout that cannot be a job's."""
-    if workers_per_node < 1 or world_size % workers_per_node:
-        raise ConfigError(
-            f"{where}={workers_per_node} does not divide the {world_size} workers into whole nodes: "
-            f"use a divisor of {world_size}"
-        )
-
-
-@dataclass(frozen=True)
-class NodeLayout:
-    nodes: int  # R
-    workers_per_node: int  # S
-    rank: int  # global: node * S + local
-
-    @property
-    def node(self) -> int:
-        return self.rank // self.workers_per_node
-
-    @property
-    def local(self) -> int:
-        return self.rank % self.workers_per_node
-
-    @property
-    def shard_rank(self) -> int:
-        """Which shard of the flat vector this worker owns in the two-level rounds."""
-        return self.local * self.nodes + self.node
-
-
-def shard_file_rank(shard: int, world_size: int, workers_per_node: int) -> int:
-    """The global rank that owned flat shard `shard` in a job of that layout (the rank its
-    checkpoint file is named after): the inverse of NodeLayout.shard_rank."""
-    nodes = world_size // workers_per_node
-    return (shard % nodes) * workers_per_node + shard // nodes
 
 
 class FlatRounds:
@@ -91,8 +48,9 @@ class FlatRounds:
 
     workers_per_node = 0  # recorded in checkpoints: a flat layout
 
-    def __init__(self, group, world_size: int, rank: int):
+    def __init__(self, group, world_size: int, rank: int, note: str = "flat ring"):
         self.group, self.world_size, self.shard_rank = group, world_size, rank
+        self.note = note  # the run's start-up line: the layout, and which rounds run on it
         # the int8 estimate round's level: the whole ring (see NodeRounds)
         self.outer_group, self.outer_size, self.outer_rank = group, world_size, rank
 
@@ -132,6 +90,7 @@ class NodeRounds:
             if s == layout.local:
                 self.outer_group = g
         self.outer_size, self.outer_rank = R, layout.node
+        self.note = f"{layout_words(R * S, S)}: two-level rounds"
 
     def node_chunk(self, vector: torch.Tensor) -> torch.Tensor:
         """This worker's chunk of a flat vector after the inner reduce-scatter: R shards, local s's."""
@@ -164,16 +123,24 @@ def make_rounds(rounds: str, group, world_size: int, rank: int, workers_per_node
     """The rounds' collectives for `rounds` ("flat" or "nodes"): NodeRounds where the job spans more
     than one node of more than one worker, else the flat ring (the same thing there). The groups
     are made once per process and layout."""
+    S = workers_per_node or workers_per_node_from_env(world_size)
     if rounds == "flat" or world_size == 1:
-        return FlatRounds(group, world_size, rank)
+        return FlatRounds(group, world_size, rank, _flat_note(world_size, S, rounds))
     if group is not None and group is not dist.GroupMember.WORLD:
         raise ConfigError("rounds=nodes needs the default process group (the whole job); "
                           "pass group=None or rounds=flat")
-    S = workers_per_node or workers_per_node_from_env(world_size)
     check_layout(world_size, S)
     if S in (1, world_size):
-        return FlatRounds(group, world_size, rank)
+        return FlatRounds(group, world_size, rank, _flat_note(world_size, S, rounds))
     key = (dist.group.WORLD, S)  # a new default group (after destroy_process_group) makes new ones
     if key not in _made:
         _made[key] = NodeRounds(NodeLayout(world_size // S, S, rank))
     return _made[key]
+
+
+def _flat_note(world_size: int, S: int, rounds: str) -> str:
+    """The start-up line of a flat ring: on which layout, and why not in two levels."""
+    if world_size % S:  # a layout that rounds=flat never reads (nor checks)
+        return "flat ring"
+    why = " (rounds=flat)" if rounds == "flat" and 1 < S < world_size else ""
+    return f"{layout_words(world_size, S)}: flat ring{why}"

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Collection
 
 from acco.config import EXIT_SAVED_ON_SIGNAL
+from acco.engine.layout import WORKERS_PER_NODE_ENV
 from acco.engine.progress import FAILURE_DIR_ENV, note_stopping
 from acco.launch.env import free_port
 
@@ -172,9 +173,11 @@ def launch_local(
     grace_s: float = 5.0,
     check: Callable[[], bytes | None] | None = None,
     save_signals: Collection[int] = (),
+    workers_per_node: int | None = None,
 ) -> int:
     """Run ``nproc`` local workers of ``argv`` (torchrun's variables set, master 127.0.0.1 on a
-    free port) and wait for them.
+    free port) and wait for them, grouped into emulated nodes of ``workers_per_node`` (None: one
+    node; each worker's ACCO_WORKERS_PER_NODE, acco/engine/layout.py).
 
     With ``check``, the workers are started first and ``check()`` runs here meanwhile; the workers
     go on past ``wait_for_go()`` only once it has returned, and that returns the bytes ``check()``
@@ -200,7 +203,7 @@ def launch_local(
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     report_dir, report_lock = _report_folder()
-    base = _workers_env(nproc, env_extra, report_dir, save_signals)
+    base = _workers_env(nproc, env_extra, report_dir, save_signals, workers_per_node)
     launch = _Launch(save_signals, report_dir)
     checked = check is None
     try:
@@ -232,10 +235,14 @@ def launch_local(
         launch.restore_signals()
 
 
-def _workers_env(nproc: int, env_extra: dict | None, report_dir: str, save_signals: Collection[int]) -> dict:
-    """The environment every worker shares: torchrun's variables, its report folder and the
-    signals it saves on (each worker adds its RANK and LOCAL_RANK)."""
-    base = dict(os.environ)
+def _workers_env(
+    nproc: int, env_extra: dict | None, report_dir: str, save_signals: Collection[int],
+    workers_per_node: int | None,
+) -> dict:
+    """The environment every worker shares: torchrun's variables, the layout of its emulated nodes,
+    its report folder and the signals it saves on (each worker adds its RANK and LOCAL_RANK, its
+    index on this machine: the GPU it takes, whatever its emulated node)."""
+    base = dict(os.environ, **{WORKERS_PER_NODE_ENV: str(workers_per_node or nproc)})
     base.update({k: str(v) for k, v in (env_extra or {}).items()})
     saves = ",".join(signal.Signals(s).name for s in save_signals)
     base.update(
