@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
+METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "torch-hsdp", "diloco", "streaming-diloco")
 # Methods with no per-update collective: local steps, and every sync_every of them an outer step.
 LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
 ACCO_ESTIMATES = ("lean", "paper")
