@@ -161,8 +161,9 @@ def test_one_node_is_plain_fsdp2_and_unequal_counts_give_the_count_weighted_mean
     check(uneven, ref_for("mlp", runs[1][1][0], world, [3, 1]), updates, "counts 3 and 1")
 
 
-def _reductions(rank, world, cfgs):
-    """What FSDP2's collectives carried (dtype) per config, and the trained parameters."""
+def _mixed_precision(rank, world, cfgs):
+    """What FSDP2's collectives carried (dtype) per config, the trained view and its dtype; and
+    where an engine built from other weights on each rank starts."""
     sent = []
     # (torch 2.13's names, which FSDP2 calls)
     originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
@@ -189,27 +190,38 @@ def _reductions(rank, world, cfgs):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    return out
+    model = make_model("mlp")
+    with torch.no_grad():  # every rank its own initial weights
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(100 + rank)))
+    own = parameters_to_vector(model.parameters()).detach().clone()
+    engine = build_engine(model, cfgs[0])
+    shards = torch.cat([p.full_tensor().flatten() for p in engine.sharded.parameters()])
+    return out, own, parameters_to_vector(model.parameters()).detach().clone(), shards
 
 
-def test_mixed_precision_gathers_bf16_parameters_and_reduces_fp32_gradients():
+def test_mixed_precision_gathers_bf16_parameters_and_reduces_fp32_gradients_from_rank0s_weights():
     world, updates = 2, 3
     cfgs = [
         config(**TWO_NODES, n_grad_accumulation=2, nb_steps_tot=2 * world * updates, use_mixed_precision=mp)
         for mp in (True, False)
     ]
-    (bf16, bf16_sent, view_dtype), (fp32, fp32_sent, fp32_view) = run_distributed(_reductions, world, cfgs)[0]
+    (runs, own0, _, _), (_, own1, view1, shards1) = run_distributed(_mixed_precision, world, cfgs)
+    (bf16, bf16_sent, view_dtype), (fp32, fp32_sent, fp32_view) = runs
 
     def kinds(sent, name):  # (float64: the engine's statistics, all-gathered beside FSDP's collectives)
         return {dtype for n, dtype in sent if n == name} - {torch.float64}
 
     assert kinds(bf16_sent, "all_gather_single") == {torch.bfloat16}  # the parameters, in bf16
     assert kinds(bf16_sent, "reduce_scatter_single") == {torch.float32}  # the gradients, in fp32
-    assert (
-        kinds(fp32_sent, "all_gather_single") == kinds(fp32_sent, "reduce_scatter_single") == {torch.float32}
-    )
+    fp32_kinds = kinds(fp32_sent, "all_gather_single") | kinds(fp32_sent, "reduce_scatter_single")
+    assert fp32_kinds == {torch.float32} and len(fp32_sent) > 2
     assert view_dtype == torch.bfloat16 and fp32_view == torch.float32  # the view: what training computes in
     assert torch.isfinite(bf16).all() and 0 < (bf16 - fp32).abs().max() < 0.05  # close to fp32, not equal
+    # Rank 1 started from its own weights: it trains from rank 0's, its fp32 shards exactly rank 0's
+    # fp32 weights (not the bf16-rounded ones), its view their bf16 rounding.
+    assert not torch.equal(own0, own1) and not torch.equal(own0, own0.bfloat16().float())
+    assert torch.equal(shards1, own0) and torch.equal(view1, own0.bfloat16())
 
 
 def _save_and_resume(rank, world, updates, at):

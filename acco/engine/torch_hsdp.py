@@ -178,6 +178,7 @@ class TorchHSDPEngine:
             start = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
             self.stats.zero_()
+            self.sharded.train(self.module.training)  # the caller's mode (dropout) for its module's copy
             # Progress marks before each collective: the all-gathers of the first forward, then the
             # reduce-scatters (and all-reduces between nodes) of the last backward.
             progress.mark(f"update {self.step + 1} (start)")
