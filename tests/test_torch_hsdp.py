@@ -276,9 +276,13 @@ def _save_and_resume(rank, world, updates, at):
         build_engine(make_model("mlp"), cfg, group=dist.new_group(list(range(world))))
     except ConfigError as e:
         refused.append(str(e))
-    return {"straight": straight, "uninterrupted": uninterrupted, "losses": first + second,
-            "resumed": parameters_to_vector(other.parameters()).detach().clone(), "sizes": sizes,
-            "moments": moments, "refused": refused}  # fmt: skip
+    # 3 rows over 2 workers: FSDP2 pads the shard of 1 row to 2; the state holds the row alone
+    torch.manual_seed(0)
+    padded = build_engine(nn.Linear(8, 3), cfg).state_dict()["params"]
+    written = {n: (t.numel(), t.untyped_storage().nbytes() // t.element_size()) for n, t in padded.items()}
+    return {"written": written, "straight": straight, "uninterrupted": uninterrupted,
+            "losses": first + second, "resumed": parameters_to_vector(other.parameters()).detach().clone(),
+            "sizes": sizes, "moments": moments, "refused": refused}  # fmt: skip
 
 
 def test_a_checkpoint_resumes_exactly_on_its_layout_and_is_refused_on_another():
@@ -299,3 +303,5 @@ def test_a_checkpoint_resumes_exactly_on_its_layout_and_is_refused_on_another():
         assert method_line.startswith("checkpoint was written by method 'torch-hsdp'"), method_line
         assert group_line.startswith("torch-hsdp needs the default process group"), group_line
     assert sum(results[r]["sizes"][n] for r in (0, 1) for n in numel) == sum(numel.values())
+    # the padded shard is saved without its padding: torch.save writes a view's whole storage
+    assert [got["written"]["weight"] for got in results] == [(16, 16), (8, 8), (16, 16), (8, 8)]

@@ -92,6 +92,12 @@ def shard_module(module: nn.Module, mesh: DeviceMesh, mixed_precision: bool) -> 
         fully_shard(unit, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy where it is a view into a larger storage (FSDP2 pads a shard whose rows do not
+    divide evenly): torch.save writes a view's whole storage."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 class TorchHSDPEngine:
     def __init__(self, module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
@@ -269,7 +275,7 @@ class TorchHSDPEngine:
             "samples": self.committed_micro_batches,
             "step": self.step,
             "wall_time": self.last_wall_time,
-            "params": {name: p.detach().to_local() for name, p in named.items()},
+            "params": {name: _own(p.detach().to_local()) for name, p in named.items()},
             "optimizer": moments,
             # run() has already read the next update's micro-batches when it yields: the data
             # position saved beside this state must be moved back by that many (exact resume).
