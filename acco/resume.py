@@ -44,7 +44,7 @@ RESUME_KEYS = ("n_grad_accumulation", "estimate_micro_batches", "learning_rate",
 # (batch_size may change only with the world size, where the position is converted by samples).
 DATA_KEYS = ("seed", "max_length", "batch_size")
 # Methods whose checkpoint holds per-worker state that is not resharded.
-SAME_WORLD_ONLY = ("torch-ddp", "diloco", "streaming-diloco")
+SAME_WORLD_ONLY = ("torch-ddp", "torch-hsdp", "diloco", "streaming-diloco")
 
 
 def rank_file(folder: Path, rank: int, world_size: int) -> Path:

@@ -123,6 +123,10 @@ class _Seen(TorchDispatchMode):
         self.fake = fake
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ for t in types):
+            # A wrapper subclass (torch-hsdp's DTensors) has no storage of its own: its own
+            # dispatch runs the op on its local tensors, which come back here.
+            return NotImplemented
         kwargs = kwargs or {}
         self.fake.before(func, args, kwargs)
         out = func(*args, **kwargs)

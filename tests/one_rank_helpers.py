@@ -128,6 +128,7 @@ def method_configs() -> list:
     return [
         config(method="ddp", n_grad_accumulation=N, **common),
         config(method="torch-ddp", n_grad_accumulation=N, **common),
+        config(method="torch-hsdp", n_grad_accumulation=N, **common),
         config(method="dpu", n_grad_accumulation=N, **common),
         config(method="wp", n_grad_accumulation=N, **common),
         config(method="acco", n_grad_accumulation=N // 2, acco_estimate="paper", **common),
@@ -150,7 +151,7 @@ def expected(cfg) -> tuple[torch.Tensor, list[float]]:
     if cfg.method in ("diloco", "streaming-diloco"):
         return reference_diloco("mlp", cfg, 1)
     ref = Reference("mlp", cfg, 1, [cfg.n_grad_accumulation])
-    if cfg.method in ("ddp", "torch-ddp"):
+    if cfg.method in ("ddp", "torch-ddp", "torch-hsdp"):
         theta = ref.ddp(UPDATES)
     elif cfg.method in ("dpu", "wp"):
         theta = reference_delayed(ref, UPDATES, predict=cfg.method == "wp")

@@ -25,7 +25,7 @@ from acco.run_folder import list_checkpoints
 
 # Every method with a fixed batch (acco also with the paper's estimate); the methods of the
 # engine's timed mode also with accumulate_while_waiting.
-EXACT = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
+EXACT = ("acco", "acco-paper", "ddp", "dpu", "wp", "torch-ddp", "torch-hsdp", "diloco", "streaming-diloco")
 SAVED = [(m, True) for m in EXACT] + [(m, False) for m in ("acco", "ddp", "dpu", "wp", "torch-ddp")]
 OVERLAPPED = ("acco", "acco-paper", "dpu", "wp")  # a pending accumulator between updates
 UNSHARDED = ("diloco", "streaming-diloco")  # every worker's local parameters and moments are its own

@@ -209,10 +209,11 @@ def _train_every_method(rank, world, out_dir, methods, overrides=None, per_node=
     return results, recorder.violations
 
 
-@pytest.mark.parametrize("methods", [("acco", "ddp", "dpu", "wp"),
+@pytest.mark.parametrize("methods", [("acco", "ddp", "dpu", "wp", "torch-hsdp"),
                                      ("torch-ddp", "diloco", "streaming-diloco", "acco-int8-auto")])
 def test_no_collective_while_a_round_is_in_flight_nor_on_rank0_alone(tmp_path, methods):
-    assert set(METHODS) == {"acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco"}
+    assert set(METHODS) == {"acco", "ddp", "dpu", "wp", "torch-ddp", "torch-hsdp", "diloco",
+                            "streaming-diloco"}
     per_rank = run_distributed(_train_every_method, 2, str(tmp_path), methods)
     for _, violations in per_rank:
         assert violations == []

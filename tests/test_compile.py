@@ -53,6 +53,7 @@ def _methods(rank, world, compiled_first):
     cfgs = {
         "ddp": config(method="ddp", n_grad_accumulation=n, nb_steps_tot=budget),
         "torch-ddp": config(method="torch-ddp", n_grad_accumulation=n, nb_steps_tot=budget),
+        "torch-hsdp": config(method="torch-hsdp", n_grad_accumulation=n, nb_steps_tot=budget),
         "acco": config(method="acco", n_grad_accumulation=n // 2, nb_steps_tot=budget),
         "dpu": config(method="dpu", n_grad_accumulation=n, nb_steps_tot=budget),
         "wp": config(method="wp", n_grad_accumulation=n, nb_steps_tot=budget),
@@ -74,7 +75,7 @@ def _methods(rank, world, compiled_first):
 
 def test_every_method_trains_the_same_compiled():
     results = run_distributed(_methods, 2, True)[0]
-    for method in ("ddp", "torch-ddp", "acco", "dpu", "wp", "diloco", "streaming-diloco"):
+    for method in ("ddp", "torch-ddp", "torch-hsdp", "acco", "dpu", "wp", "diloco", "streaming-diloco"):
         (eager, eager_rec), (compiled, compiled_rec) = results[method, False], results[method, True]
         assert len(compiled_rec) == len(eager_rec) >= 2, method
         assert_close(compiled, eager, f"{method}: parameters")

@@ -13,8 +13,9 @@ from acco.engine import Engine
 from acco.engine.decoupled import DecoupledEngine
 from acco.engine.diloco import DiLoCoEngine
 from acco.engine.torch_ddp import TorchDDPEngine
+from acco.engine.torch_hsdp import TorchHSDPEngine
 
-ENGINES = [DecoupledEngine, TorchDDPEngine, DiLoCoEngine]
+ENGINES = [DecoupledEngine, TorchDDPEngine, TorchHSDPEngine, DiLoCoEngine]
 
 
 def members(protocol) -> dict[str, object]:

@@ -178,6 +178,7 @@ def test_accumulate_cap_bounds_what_a_round_gathers_while_waiting():
     (dict(method="wp", n_grad_accumulation=1), True),
     (dict(method="ddp", n_grad_accumulation=2), True),  # never computes while a round runs
     (dict(method="torch-ddp", n_grad_accumulation=2), True),
+    (dict(method="torch-hsdp", n_grad_accumulation=2), True),
     (dict(method="diloco", n_grad_accumulation=2), True),
 ])  # fmt: skip
 def test_a_fixed_batch_is_one_no_round_can_grow(settings, fixed):

@@ -282,8 +282,8 @@ def test_rounds_are_named_as_the_spec_names_them(monkeypatch):
     from acco.engine.config import LOCAL_SGD_METHODS, METHODS
     from acco.engine.decoupled import ROUND_SCHEDULE
 
-    # torch-ddp and the local-SGD methods (diloco.py) run no comm round of DecoupledEngine
-    assert set(ROUND_SCHEDULE) == set(METHODS) - {"torch-ddp", *LOCAL_SGD_METHODS}
+    # torch-ddp, torch-hsdp and the local-SGD methods (diloco.py) run no comm round of DecoupledEngine
+    assert set(ROUND_SCHEDULE) == set(METHODS) - {"torch-ddp", "torch-hsdp", *LOCAL_SGD_METHODS}
     assert ROUND_SCHEDULE["acco"] == (RoundKind.ESTIMATE, RoundKind.UPDATE)
     assert all(ROUND_SCHEDULE[m] == (RoundKind.UPDATE,) for m in ("ddp", "dpu", "wp"))
     marks = []

@@ -55,7 +55,7 @@ def _train_with_and_without_checkpointing(rank: int, world_size: int, root: str)
     from acco.trainer import DecoupledTrainer
 
     losses = {}
-    for method in ("acco", "wp", "torch-ddp"):
+    for method in ("acco", "wp", "torch-ddp", "torch-hsdp"):
         for gc in (False, True):
             out = Path(root) / f"{method}-{gc}"
             torch.manual_seed(0)
@@ -80,7 +80,7 @@ def test_gradient_checkpointing_trains_the_same_and_resumes(tmp_path):
     from distributed import run_distributed
 
     losses = run_distributed(_train_with_and_without_checkpointing, 2, str(tmp_path))[0]
-    for method in ("acco", "wp", "torch-ddp"):
+    for method in ("acco", "wp", "torch-ddp", "torch-hsdp"):
         plain, checkpointed, resumed = (
             losses[(method, False)],
             losses[(method, True)],

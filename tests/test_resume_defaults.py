@@ -2,7 +2,7 @@
 synthetic data), as the command line runs it on 2 workers, resumed from a middle checkpoint: the
 resumed run's every later update and evaluation equal the uninterrupted run's bit for bit, and its
 line says "resuming exactly", wherever the batch is fixed (EngineConfig.fixed_batch: train=acco's
-one micro-batch per round under accumulate_cap 1.5, ddp, torch-ddp, diloco, streaming-diloco).
+one micro-batch per round under accumulate_cap 1.5, ddp, torch-ddp, torch-hsdp, diloco, streaming-diloco).
 dpu and wp's defaults let a round's 2 micro-batches grow to 3 as timing allows: their line says
 the resume is not exact and why, and the run goes on from the checkpoint."""
 
@@ -22,6 +22,7 @@ CASES = {
     "acco": (64, 4, 8),
     "ddp": (64, 4, 8),
     "torch-ddp": (64, 4, 8),
+    "torch-hsdp": (64, 4, 8),
     "dpu": (64, 4, 8),
     "wp": (64, 4, 8),
     "diloco": (240, 20, 20),

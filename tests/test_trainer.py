@@ -224,7 +224,8 @@ def test_unknown_train_key_is_rejected():
         TrainArgs.from_any({"batchsize": 4})
 
 
-@pytest.mark.parametrize("method", ["acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco"])
+@pytest.mark.parametrize("method", ["acco", "ddp", "dpu", "wp", "torch-ddp", "torch-hsdp", "diloco",
+                                    "streaming-diloco"])
 def test_the_api_takes_the_engines_method_key_and_the_command_lines_defaults(method):
     """DecoupledTrainer's args as a dict: the engine's key `method` (the seed's `method_name` as
     well), and every key it leaves out as `python main.py train=METHOD` sets it (the tiny model's

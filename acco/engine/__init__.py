@@ -58,8 +58,9 @@ def __getattr__(name: str):
 
 
 class Engine(Protocol):
-    """What every engine offers its caller (DecoupledEngine, TorchDDPEngine, DiLoCoEngine; the
-    trainer and acco/checkpoint.py use nothing else; tests/test_engine_interface.py checks all three).
+    """What every engine offers its caller (DecoupledEngine, TorchDDPEngine, TorchHSDPEngine,
+    DiLoCoEngine; the trainer and acco/checkpoint.py use nothing else; tests/test_engine_interface.py
+    checks them all).
 
     Between two records that `run` yields no comm round of the decoupled methods is in flight, but
     diloco's fragment all-reduce may be: call `quiesce()` on every worker before a collective of
@@ -124,6 +125,10 @@ def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
         from acco.engine.torch_ddp import TorchDDPEngine
 
         engine = TorchDDPEngine(module, cfg, group)
+    elif cfg.method == "torch-hsdp":
+        from acco.engine.torch_hsdp import TorchHSDPEngine
+
+        engine = TorchHSDPEngine(module, cfg, group)
     elif cfg.method in LOCAL_SGD_METHODS:
         from acco.engine.diloco import DiLoCoEngine
 
@@ -136,6 +141,8 @@ def build_engine(module, cfg: EngineConfig, group=None) -> Engine:
     _check_precision(cfg, engine.device.type)
     options = compile_options(cfg.compile, engine.device.type, cfg.compile_mode)
     compile_module(module, options, cfg.compile_scope)
+    if cfg.method == "torch-hsdp":  # it trains a sharded copy; the module is its committed view
+        compile_module(engine.sharded, options, cfg.compile_scope)
     return engine
 
 

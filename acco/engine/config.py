@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "diloco", "streaming-diloco")
+METHODS = ("acco", "ddp", "dpu", "wp", "torch-ddp", "torch-hsdp", "diloco", "streaming-diloco")
 # Methods with no per-update collective: local steps, and every sync_every of them an outer step.
 LOCAL_SGD_METHODS = ("diloco", "streaming-diloco")
 ACCO_ESTIMATES = ("lean", "paper")
@@ -93,8 +93,8 @@ class EngineSettings:
     and TrainArgs check them, with the key names their callers use."""
 
     n_grad_accumulation: int = 1
-    """Minimum micro-batches a worker computes per comm round. ddp/torch-ddp/dpu/wp: per update;
-    acco: per round, and one update takes two rounds (so acco k matches ddp 2k)."""
+    """Minimum micro-batches a worker computes per comm round. ddp/torch-ddp/torch-hsdp/dpu/wp: per
+    update; acco: per round, and one update takes two rounds (so acco k matches ddp 2k)."""
     nb_steps_tot: int = 1000
     """The budget: micro-batch gradients over all workers that enter committed updates, whatever
     the method. The paper's runs: 50000 (acco/conf/train/base.yaml)."""
@@ -116,7 +116,8 @@ class EngineSettings:
     schedule is the same function of data seen for every method and every worker speed."""
     use_mixed_precision: bool = False
     """bf16 compute and bf16 gradients on the wire, with fp32 master weights and AdamW state
-    (torch-ddp: autocast and DDP's bf16 hook); False: fp32 throughout."""
+    (torch-ddp: autocast and DDP's bf16 hook; torch-hsdp: FSDP2's bf16 parameters, gradients reduced in
+    fp32); False: fp32 throughout."""
     accumulate_while_waiting: bool = True
     """Keep computing micro-batches until the comm round has finished (the paper's default).
     False: exactly n_grad_accumulation per round (fixed batch, for exact comparisons)."""
@@ -222,8 +223,8 @@ class EngineConfig(EngineSettings):
     @property
     def fixed_batch(self) -> bool:
         """Whether every update takes the same micro-batches per worker whatever the timing: true for
-        the methods that never compute while a round runs (ddp, torch-ddp, diloco), and for dpu, wp
-        and acco where no round's minimum can grow under accumulate_cap (train=acco's one micro-batch
+        the methods that never compute while a round runs (ddp, torch-ddp, torch-hsdp, diloco), and for
+        dpu, wp and acco where no round's minimum can grow under accumulate_cap (train=acco's one micro-batch
         per round at 1.5) or accumulate_while_waiting is off. Then a checkpoint keeps the gradients
         accumulated for the next round and a resume on the same world size is exact."""
         if self.method not in ("acco", "dpu", "wp"):

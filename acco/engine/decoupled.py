@@ -86,8 +86,8 @@ class DecoupledEngine:
     """Trains `module` in place with ddp, dpu, wp or acco; `run` yields one UpdateRecord per update."""
 
     def __init__(self, module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None):
-        if cfg.method == "torch-ddp":
-            raise ValueError("torch-ddp runs on TorchDDPEngine; use acco.engine.build_engine")
+        if cfg.method in ("torch-ddp", "torch-hsdp"):
+            raise ValueError(f"{cfg.method} runs on an engine of its own; use acco.engine.build_engine")
         self.cfg = cfg
         self.module = module
         self.group = group
