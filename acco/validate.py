@@ -60,7 +60,7 @@ from acco.config import (
 )
 from acco.data.errors import DataError, looks_like_local_path
 from acco.data.text import corpus_sources, load_corpus, quiet_datasets, text_bytes
-from acco.engine.config import LOCAL_SGD_METHODS, ConfigError
+from acco.engine.config import ConfigError
 from acco.engine.layout import check_layout, layout_from_env
 from acco.job import Job, Loaded, job_of
 from acco.launch.env import dist_env
@@ -510,7 +510,7 @@ def check_node_layout(job: Job) -> None:
     args = job.args
     if dist_env() is None:  # the local launcher's emulated nodes
         where, per_node, hint = "launch.workers_per_node", job.launch.workers_per_node, ""
-    elif args.rounds == "nodes" and args.method_name not in ("torch-ddp", *LOCAL_SGD_METHODS):
+    elif args.rounds == "nodes" and args.method_name != "torch-ddp":
         where, per_node = layout_from_env() or ("", None)
         hint = ", or set train.rounds=flat (one ring)"
     else:
