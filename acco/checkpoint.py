@@ -315,7 +315,7 @@ def save_run(
         "world_size": world_size,
         # the shard order of the rank files (flat.py's state_header): 0 flat, else the two-level
         # rounds' workers per node; a resume on another layout reshards
-        "workers_per_node": state.get("workers_per_node", 0),
+        "workers_per_node": shard_order(engine),
         "numel": state["numel"],
         "wall_time": record.wall_time,
         "train": args,
@@ -338,8 +338,10 @@ def save_run(
 def shard_order(engine) -> int:
     """The shard order of `engine`'s state as its checkpoints record it (meta.json's
     workers_per_node): the two-level rounds' workers per node, 0 for the flat ring and for the
-    engines whose state is not in shards of the rounds (torch-ddp)."""
-    return getattr(getattr(engine, "rounds", None), "workers_per_node", 0)
+    engines whose state is not in shards of the rounds (torch-ddp); torch-hsdp's, its mesh's (it
+    resumes on that layout only, and says so)."""
+    rounds = getattr(engine, "rounds", None)
+    return rounds.workers_per_node if rounds is not None else getattr(engine, "workers_per_node", 0)
 
 
 def resume_run(

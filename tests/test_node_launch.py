@@ -90,16 +90,19 @@ def _torchrun(monkeypatch, **env) -> None:
 
 def test_a_launchers_layout_is_checked_where_the_rounds_run_on_it(monkeypatch, tmp_path):
     """Under torchrun (or srun) the environment says the layout: nodes of unequal sizes cannot run
-    the two-level rounds, said on rank 0's validation before training; flat rounds, torch-ddp and
-    diloco never read it."""
+    the two-level rounds (and diloco's replica per node, torch-hsdp's mesh), said on rank 0's
+    validation before training; flat rounds and torch-ddp never read it."""
     out = f"train.output_dir={tmp_path / 'out'}"
     _torchrun(monkeypatch, LOCAL_WORLD_SIZE="3")
     with pytest.raises(InputError) as refused:
         check_node_layout(job_of(compose([out]), 4))
     assert str(refused.value) == ("LOCAL_WORLD_SIZE=3 does not divide the 4 workers into whole nodes: use a "
                                   "divisor of 4, or set train.rounds=flat (one ring)")  # fmt: skip
-    for fine in (["train.rounds=flat"], ["train=torch-ddp"], ["train=diloco"]):
+    for fine in (["train.rounds=flat"], ["train=torch-ddp"]):
         check_node_layout(job_of(compose([out, *fine]), 4))
+    for read in (["train=diloco"], ["train=torch-hsdp"]):
+        with pytest.raises(InputError, match="LOCAL_WORLD_SIZE=3 does not divide"):
+            check_node_layout(job_of(compose([out, *read]), 4))
     _torchrun(monkeypatch, SLURM_NTASKS_PER_NODE="3(x1),1")  # srun's, its first node's
     with pytest.raises(InputError, match="SLURM_NTASKS_PER_NODE=3 does not divide"):
         check_node_layout(job_of(compose([out]), 4))
