@@ -165,7 +165,10 @@ class EngineSettings:
     inside each node, then between nodes on the node's shards; the all-gather in reverse), which sends
     (R - 1) / R of the payload through each node's link to the others instead of the flat ring's
     (W - 1) / W; "flat", one ring over every worker. The same where the job is one node, or one worker
-    per node. The node layout is the launcher's (acco/engine/nodes.py)."""
+    per node. The node layout is the launcher's (acco/engine/nodes.py). "nodes" by measurement: 0.65-0.67 of
+    the flat ring's bytes across the node link for every method, and 0.82-0.86x its time to ddp's loss
+    where the round is not hidden (ddp, acco; BENCHMARKS.md, "Nodes: 2 nodes x 2 workers, the
+    two-level rounds")."""
     bucket_cap_mb: float = 25.0
     """torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep)."""
     sync_every: int = 50
