@@ -83,6 +83,47 @@ def bf16_hook(group, bucket):
     return fut.then(decompress)
 
 
+
+def gathered_statistics(engine) -> tuple[list[list[float]], float, list[int]]:
+    """The torch engines' one host read per update: every worker's statistics (comm.py's layout),
+    all-gathered; the rows, the summed loss weight and each worker's micro-batches."""
+    table = torch.empty(engine.world_size * N_STATS, dtype=engine.stats.dtype, device=engine.device)
+    collectives.all_gather_small(table, engine.stats, group=engine.group)
+    rows = table.view(engine.world_size, N_STATS).tolist()
+    return rows, sum(row[WEIGHT] for row in rows), [int(row[MICRO_BATCHES]) for row in rows]
+
+
+def step_and_record(engine, rows, micro_batches: list[int], grad_norm: float, compute_s: float,
+                    start: float, t0: float) -> UpdateRecord:
+    """The torch engines' update once their gradients are the clipped mean: torch's optimizer step
+    at the schedule's learning rate, the counters, and the update's record (`rows`: the gathered
+    statistics; `start`: when the update's communication began, `t0`: the run's start)."""
+    total = sum(micro_batches)  # this update's, over all workers
+    lr = learning_rate(engine.cfg, engine.committed_micro_batches, total)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    engine.optimizer.step()
+    engine.committed_micro_batches += total
+    engine.step += 1
+    step_s = time.perf_counter() - start
+    weight = sum(row[WEIGHT] for row in rows)
+    record = UpdateRecord(
+        step=engine.step,
+        committed_micro_batches=engine.committed_micro_batches,
+        loss=sum(row[LOSS] for row in rows) / weight,
+        lr=lr,
+        micro_batches=micro_batches,
+        compute_s=compute_s,
+        wait_s=step_s,
+        comm_s=step_s,
+        wall_time=time.perf_counter() - t0,
+        weight=weight,
+        grad_norm=grad_norm,
+        stop=any(row[STOP] > 0 for row in rows),
+    )
+    engine.last_wall_time = record.wall_time
+    return record
+
 class TorchDDPEngine:
     def __init__(self, module: nn.Module, cfg: EngineConfig, group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
@@ -188,12 +229,7 @@ class TorchDDPEngine:
             self.stats[EXHAUSTED] = float(len(upcoming) < per_update)
             if self._stop_requested:  # (stats are zeroed per update: set again each time)
                 self.stats[STOP] = 1
-            table = torch.empty(self.world_size * N_STATS, dtype=self.stats.dtype, device=self.device)
-            collectives.all_gather_small(table, self.stats, group=self.group)
-            table = table.view(self.world_size, N_STATS).tolist()
-            weight = sum(row[WEIGHT] for row in table)
-            micro_batches = [int(row[MICRO_BATCHES]) for row in table]
-            total_micro_batches = sum(micro_batches)  # this update's, over all workers
+            table, weight, micro_batches = gathered_statistics(self)
             # DDP averaged the summed gradients over workers; make it a mean over the weight. (The
             # list is rebuilt each time: DDP re-buckets, and re-points .grad, after its first step.)
             with_grad = [p for p in self.module.parameters() if p.grad is not None]
@@ -203,29 +239,9 @@ class TorchDDPEngine:
             grad_norm = math.nan
             if cfg.max_grad_norm:
                 grad_norm = float(clip_grad_norm_(with_grad, cfg.max_grad_norm, foreach=True))
-            lr = learning_rate(cfg, self.committed_micro_batches, total_micro_batches)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()  # each rank steps its shard, then broadcasts it
-            self.committed_micro_batches += total_micro_batches
-            self.step += 1
-            step_s = time.perf_counter() - start
+            # ZeroRedundancyOptimizer: each rank steps its shard, then broadcasts it
+            record = step_and_record(self, table, micro_batches, grad_norm, compute_s, start, t0)
             exhausted = any(row[EXHAUSTED] > 0 for row in table)
-            record = UpdateRecord(
-                step=self.step,
-                committed_micro_batches=self.committed_micro_batches,
-                loss=sum(row[LOSS] for row in table) / weight,
-                lr=lr,
-                micro_batches=micro_batches,
-                compute_s=compute_s,
-                wait_s=step_s,
-                comm_s=step_s,
-                wall_time=time.perf_counter() - t0,
-                weight=weight,
-                grad_norm=grad_norm,
-                stop=any(row[STOP] > 0 for row in table),
-            )
-            self.last_wall_time = record.wall_time
             yield record
             if self.committed_micro_batches >= cfg.nb_steps_tot:
                 break

@@ -54,14 +54,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from acco.engine import collectives, progress
-from acco.engine.comm import EXHAUSTED, LOSS, MICRO_BATCHES, N_STATS, STOP, WEIGHT, new_stats
+from acco.engine import progress
+from acco.engine.comm import EXHAUSTED, STOP, new_stats
 from acco.engine.compiling import blocks
 from acco.engine.config import CheckpointError, ConfigError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.flat import broadcast_module, world_of
 from acco.engine.nodes import check_layout, workers_per_node_from_env
-from acco.engine.optim import learning_rate
+from acco.engine.torch_ddp import gathered_statistics, step_and_record
 
 METHOD = "torch-hsdp"
 _END = object()
@@ -212,12 +212,7 @@ class TorchHSDPEngine:
         self.stats[EXHAUSTED] = float(out_of_data)
         if self._stop_requested:  # (stats are zeroed per update: set again each time)
             self.stats[STOP] = 1
-        table = torch.empty(self.world_size * N_STATS, dtype=self.stats.dtype, device=self.device)
-        collectives.all_gather_small(table, self.stats)
-        table = table.view(self.world_size, N_STATS).tolist()
-        weight = sum(row[WEIGHT] for row in table)
-        micro_batches = [int(row[MICRO_BATCHES]) for row in table]
-        total_micro_batches = sum(micro_batches)  # this update's, over all workers
+        table, weight, micro_batches = gathered_statistics(self)
         with torch.no_grad():
             # FSDP averaged the summed gradients over the W workers; make it a mean over the weight.
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -229,28 +224,7 @@ class TorchHSDPEngine:
                 norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
                 clip_grads_with_norm_(self.params, cfg.max_grad_norm, norm, foreach=True)
                 grad_norm = float(norm)
-        lr = learning_rate(cfg, self.committed_micro_batches, total_micro_batches)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.committed_micro_batches += total_micro_batches
-        self.step += 1
-        step_s = time.perf_counter() - start
-        record = UpdateRecord(
-            step=self.step,
-            committed_micro_batches=self.committed_micro_batches,
-            loss=sum(row[LOSS] for row in table) / weight,
-            lr=lr,
-            micro_batches=micro_batches,
-            compute_s=compute_s,
-            wait_s=step_s,
-            comm_s=step_s,
-            wall_time=time.perf_counter() - t0,
-            weight=weight,
-            grad_norm=grad_norm,
-            stop=any(row[STOP] > 0 for row in table),
-        )
-        self.last_wall_time = record.wall_time
+        record = step_and_record(self, table, micro_batches, grad_norm, compute_s, start, t0)
         return record, any(row[EXHAUSTED] > 0 for row in table)
 
     def state_dict(self) -> dict:
