@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from distributed import clean_env, write_script
+from validation_helpers import NO_WORKER_LAUNCHER
 
 from acco import cli
 from acco.config import EXIT_SAVED_ON_SIGNAL, compose
@@ -196,17 +197,6 @@ def test_the_launcher_validates_and_hands_its_workers_the_job(tmp_path):
     assert "nb_steps_tot: 16" in saved and "${" not in saved  # the job as composed, resolved
 
 
-FOLDERS_FIRST = """
-    import atexit, sys
-    import acco.cli
-
-    def no_worker(*args, **kwargs):
-        raise AssertionError("a worker was started")
-
-    acco.cli.launch_local = no_worker
-    atexit.register(lambda: print("torch imported:", "torch" in sys.modules, flush=True))
-    acco.cli.main()
-"""
 
 
 @pytest.mark.parametrize("folder", ["finished run", "output_dir a file"])
@@ -219,7 +209,7 @@ def test_the_launcher_refuses_a_folder_before_it_starts_a_worker_or_imports_torc
         (out / "summary.json").write_text("{}")
     else:
         out.write_text("mine")
-    script = write_script(tmp_path, "launcher.py", FOLDERS_FIRST)
+    script = write_script(tmp_path, "launcher.py", NO_WORKER_LAUNCHER)
     cmd = [sys.executable, script, "launch.nproc=2", *job_overrides(tmp_path)]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("acco: error:")]

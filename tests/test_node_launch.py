@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from distributed import REPO, clean_env, write_script
+from validation_helpers import NO_WORKER_LAUNCHER
 
 from acco.config import InputError, compose
 from acco.job import job_of
@@ -44,21 +45,10 @@ def test_each_local_worker_is_told_its_node_and_keeps_its_machine_index(
                         "ACCO_WORKERS_PER_NODE": str(expected), "per_node": expected}  # fmt: skip
 
 
-REFUSED_AT_ONCE = """
-    import atexit, sys
-    import acco.cli
-
-    def no_worker(*args, **kwargs):
-        raise AssertionError("a worker was started")
-
-    acco.cli.launch_local = no_worker
-    atexit.register(lambda: print("torch imported:", "torch" in sys.modules, flush=True))
-    acco.cli.main()
-"""
 
 
 def test_a_layout_that_does_not_divide_the_local_workers_is_refused_before_any_starts(tmp_path):
-    script = write_script(tmp_path, "launcher.py", REFUSED_AT_ONCE)
+    script = write_script(tmp_path, "launcher.py", NO_WORKER_LAUNCHER)
     cmd = [sys.executable, script, "launch.nproc=4", "launch.workers_per_node=3",
            f"train.output_dir={tmp_path / 'out'}", f"train.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)

@@ -25,3 +25,18 @@ def validation_error(tmp_path: Path, *overrides: str) -> str:
     assert "\n" not in message and message.strip() == message
     assert not (tmp_path / "out" / "workers").exists() and not (tmp_path / "out" / "config.yaml").exists()
     return message
+
+
+# A plain `python main.py` whose local launcher must refuse the job before it starts any worker:
+# starting one fails the run, and it says at exit whether torch was imported (the checks must not).
+NO_WORKER_LAUNCHER = """
+    import atexit, sys
+    import acco.cli
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    acco.cli.launch_local = no_worker
+    atexit.register(lambda: print("torch imported:", "torch" in sys.modules, flush=True))
+    acco.cli.main()
+"""

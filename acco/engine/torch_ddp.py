@@ -84,6 +84,29 @@ def bf16_hook(group, bucket):
 
 
 
+def take_ahead(engine, batches: Iterator, n: int) -> list:
+    """The torch engines' next update's micro-batches, up to `n`, taken before the update they follow
+    is committed (counted in engine.fetched_ahead): whether every worker has them travels with
+    that update's statistics, so that no worker starts a forward the others will not join."""
+    taken = []
+    for _ in range(n):
+        batch = next(batches, _END)
+        if batch is _END:
+            break
+        taken.append(batch)
+    engine.fetched_ahead = len(taken)
+    return taken
+
+
+def first_batches(engine, batches: Iterator, n: int) -> tuple[list, bool]:
+    """The first update's micro-batches, and whether some worker has fewer than `n` (one all-reduce)."""
+    upcoming = take_ahead(engine, batches, n)
+    ready = torch.tensor([float(len(upcoming) < n)], device=engine.device)
+    progress.mark("the start of training")
+    dist.all_reduce(ready, group=engine.group)
+    return upcoming, ready.item() > 0
+
+
 def gathered_statistics(engine) -> tuple[list[list[float]], float, list[int]]:
     """The torch engines' one host read per update: every worker's statistics (comm.py's layout),
     all-gathered; the rows, the summed loss weight and each worker's micro-batches."""
@@ -186,15 +209,6 @@ class TorchDDPEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def _take(self, batches: Iterator, n: int) -> list:
-        taken = []
-        for _ in range(n):
-            batch = next(batches, _END)
-            if batch is _END:
-                break
-            taken.append(batch)
-        self.fetched_ahead = len(taken)
-        return taken
 
     def run(self, batches: Iterable, loss_fn: LossFn) -> Iterator[UpdateRecord]:
         cfg = self.cfg
@@ -204,11 +218,7 @@ class TorchDDPEngine:
         # Every rank must know before a backward that every other rank will run it too (DDP's
         # collectives would hang otherwise): the next update's micro-batches are fetched first,
         # and whether everyone has them travels with the statistics all-reduce.
-        upcoming = self._take(batches, per_update)
-        ready = torch.tensor([float(len(upcoming) < per_update)], device=self.device)
-        progress.mark("the start of training")
-        dist.all_reduce(ready, group=self.group)
-        exhausted = ready.item() > 0
+        upcoming, exhausted = first_batches(self, batches, per_update)
         while not exhausted:
             start = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=False)
@@ -225,7 +235,7 @@ class TorchDDPEngine:
                 backward_and_count(out, self.stats)
             compute_s = time.perf_counter() - start
             start = time.perf_counter()
-            upcoming = self._take(batches, per_update)
+            upcoming = take_ahead(self, batches, per_update)
             self.stats[EXHAUSTED] = float(len(upcoming) < per_update)
             if self._stop_requested:  # (stats are zeroed per update: set again each time)
                 self.stats[STOP] = 1

@@ -61,10 +61,9 @@ from acco.engine.config import CheckpointError, ConfigError, EngineConfig, Updat
 from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.flat import broadcast_module, world_of
 from acco.engine.nodes import check_layout, workers_per_node_from_env
-from acco.engine.torch_ddp import gathered_statistics, step_and_record
+from acco.engine.torch_ddp import first_batches, gathered_statistics, step_and_record, take_ahead
 
 METHOD = "torch-hsdp"
-_END = object()
 _meshes: dict = {}  # one mesh per device type and shape: its process groups are made once per process
 
 
@@ -149,16 +148,6 @@ class TorchHSDPEngine:
         """Signal-safe: this worker's next statistics tell every worker to stop after that update."""
         self._stop_requested = True
 
-    def _take(self, batches: Iterator, n: int) -> list:
-        taken = []
-        for _ in range(n):
-            batch = next(batches, _END)
-            if batch is _END:
-                break
-            taken.append(batch)
-        self.fetched_ahead = len(taken)
-        return taken
-
     def _sync(self, last: bool) -> None:
         """The last micro-batch of an update reduces the summed gradients and reshards; the others
         accumulate locally, the unsharded parameters kept for the next forward."""
@@ -175,11 +164,7 @@ class TorchHSDPEngine:
         # Every rank must know before a forward that every other rank will run it too (FSDP's
         # collectives would hang otherwise): the next update's micro-batches are fetched first,
         # and whether everyone has them travels with the statistics all-gather (as torch-ddp).
-        upcoming = self._take(batches, per_update)
-        ready = torch.tensor([float(len(upcoming) < per_update)], device=self.device)
-        progress.mark("the start of training")
-        dist.all_reduce(ready)
-        exhausted = ready.item() > 0
+        upcoming, exhausted = first_batches(self, batches, per_update)
         while not exhausted:
             start = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
@@ -195,7 +180,7 @@ class TorchHSDPEngine:
                 backward_and_count(loss_fn(self.sharded, batch), self.stats)
             compute_s = time.perf_counter() - start
             start = time.perf_counter()
-            upcoming = self._take(batches, per_update)
+            upcoming = take_ahead(self, batches, per_update)
             record, exhausted = self._commit(len(upcoming) < per_update, compute_s, start, t0)
             yield record
             if self.committed_micro_batches >= cfg.nb_steps_tot:
