@@ -159,10 +159,10 @@ def test_one_replica_per_node_resumes_exactly_and_not_on_another_layout():
         assert refusals == [
             "streaming-diloco resumes only on the replica layout it was saved with: the checkpoint has "
             "2 replicas of 2 workers (one per node), this run 4 replicas of one worker (train.rounds, "
-            "train.workers_per_node)",
+            "launch.workers_per_node or the launcher's)",
             "streaming-diloco resumes only on the replica layout it was saved with: the checkpoint has "
             "4 replicas of one worker, this run 2 replicas of 2 workers (one per node) (train.rounds, "
-            "train.workers_per_node)",
+            "launch.workers_per_node or the launcher's)",
         ]
 
 

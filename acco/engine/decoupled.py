@@ -393,8 +393,10 @@ class DecoupledEngine:
         exact = same_layout(state, self)
         if not exact and old_state is None:
             raise CheckpointError(
-                f"checkpoint was written by {state['world_size']} workers, this run has {self.world_size}: "
-                "resharding needs every worker's file"
+                f"checkpoint was written by {state['world_size']} workers in shard order "
+                f"{state.get('workers_per_node', 0)} (workers per node; 0 flat), this run has "
+                f"{self.world_size} in order {self.rounds.workers_per_node}: resharding needs every "
+                "worker's file"
             )
         if exact:
             for name in ("master", "exp_avg", "exp_avg_sq"):

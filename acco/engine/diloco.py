@@ -517,7 +517,7 @@ class DiLoCoEngine:
                 f"{self.cfg.method} resumes only on the replica layout it was saved with: the checkpoint "
                 f"has {_replicas_text(state.get('workers_per_node', 0), self.world_size)}, this run "
                 f"{_replicas_text(self.rounds.workers_per_node, self.world_size)} (train.rounds, "
-                f"train.workers_per_node)"
+                f"launch.workers_per_node or the launcher's)"
             )
         if (state["fragments"], state["sync_every"]) != (self.cfg.num_fragments, self.cfg.sync_every):
             raise CheckpointError(

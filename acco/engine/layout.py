@@ -15,7 +15,7 @@ from acco.engine.config import ConfigError
 
 __all__ = [
     "WORKERS_PER_NODE_ENV", "NodeLayout", "check_layout", "layout_from_env", "layout_words",
-    "shard_file_rank", "workers_per_node_from_env",
+    "rounds_workers_per_node", "shard_file_rank", "workers_per_node_from_env",
 ]
 
 # The local launcher's emulated nodes (launch.workers_per_node), read before the real launchers'.
@@ -38,6 +38,16 @@ def workers_per_node_from_env(world_size: int) -> int:
     """Workers per node as the launcher says it, else the whole job on one node."""
     found = layout_from_env()
     return found[1] if found else world_size
+
+
+def rounds_workers_per_node(rounds: str, world_size: int, workers_per_node: int | None = None) -> int:
+    """The workers per node a job's rounds run on (checked): the whole job on one ring for
+    rounds=flat, else the given value or the launcher's."""
+    if rounds == "flat":
+        return world_size
+    S = workers_per_node or workers_per_node_from_env(world_size)
+    check_layout(world_size, S)
+    return S
 
 
 def check_layout(world_size: int, workers_per_node: int, where: str = "workers_per_node") -> None:

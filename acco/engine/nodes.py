@@ -33,6 +33,7 @@ from acco.engine.layout import (
     NodeLayout,
     check_layout,
     layout_words,
+    rounds_workers_per_node,
     shard_file_rank,
     workers_per_node_from_env,
 )
@@ -129,7 +130,7 @@ def make_rounds(rounds: str, group, world_size: int, rank: int, workers_per_node
     if group is not None and group is not dist.GroupMember.WORLD:
         raise ConfigError("rounds=nodes needs the default process group (the whole job); "
                           "pass group=None or rounds=flat")
-    check_layout(world_size, S)
+    S = rounds_workers_per_node(rounds, world_size, workers_per_node)  # checked
     if S in (1, world_size):
         return FlatRounds(group, world_size, rank, _flat_note(world_size, S, rounds))
     key = (dist.group.WORLD, S)  # a new default group (after destroy_process_group) makes new ones

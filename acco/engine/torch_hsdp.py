@@ -60,7 +60,7 @@ from acco.engine.compiling import blocks
 from acco.engine.config import CheckpointError, ConfigError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.flat import broadcast_module, world_of
-from acco.engine.nodes import check_layout, workers_per_node_from_env
+from acco.engine.layout import rounds_workers_per_node
 from acco.engine.torch_ddp import first_batches, gathered_statistics, step_and_record, take_ahead
 
 METHOD = "torch-hsdp"
@@ -108,12 +108,7 @@ class TorchHSDPEngine:
         self.cfg, self.module, self.group = cfg, module, None
         self.world_size, self.rank = world_of(None)
         self.device = next(module.parameters()).device
-        S = (
-            self.world_size
-            if cfg.rounds == "flat"
-            else cfg.workers_per_node or workers_per_node_from_env(self.world_size)
-        )
-        check_layout(self.world_size, S)
+        S = rounds_workers_per_node(cfg.rounds, self.world_size, cfg.workers_per_node)
         self.workers_per_node = S
         self.mesh = device_mesh(self.device.type, self.world_size, S)
         broadcast_module(module)  # rank 0's weights everywhere: each rank shards its own copy
