@@ -169,6 +169,14 @@ class EngineSettings:
     the flat ring's bytes across the node link for every method, and 0.82-0.86x its time to ddp's loss
     where the round is not hidden (ddp, acco; BENCHMARKS.md, "Nodes: 2 nodes x 2 workers, the
     two-level rounds")."""
+    shard_inside_node: bool = False
+    """ddp, dpu, wp and acco on the node layout (rounds=nodes): shard each block's parameters and
+    gradients over the S workers of a node with FSDP2's fully_shard (the node's group; gradients
+    reduce-scattered inside the node at every micro-batch), and run the comm rounds between nodes
+    on the node's shards (acco/engine/node_shards.py). Each worker then holds 6/S bytes per
+    parameter of replicated state instead of 6 (bf16), plus the blocks FSDP2 unshards at a time;
+    the optimizer state stays 1/W. Every worker of a node runs the same micro-batches per round:
+    a fixed batch (accumulate_while_waiting off, or a cap that rounds to the minimum)."""
     bucket_cap_mb: float = 25.0
     """torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep)."""
     sync_every: int = 50
@@ -294,6 +302,8 @@ class EngineConfig(EngineSettings):
         if not 0 < self.bucket_cap_mb < math.inf:
             raise ConfigError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
         self._validate_local_sgd()
+        if self.shard_inside_node:
+            self._validate_shard_inside_node()
         if not (self.compile in (True, False) or (isinstance(self.compile, str) and self.compile)):
             raise ConfigError(
                 f"compile must be auto, true, false or a torch.compile backend, got {self.compile!r}"
@@ -308,6 +318,18 @@ class EngineConfig(EngineSettings):
                 )
 
         self._validate_compile_mode()
+
+    def _validate_shard_inside_node(self) -> None:
+        if self.method not in ("ddp", "dpu", "wp", "acco"):
+            raise ConfigError(f"shard_inside_node applies to ddp, dpu, wp and acco; method {self.method} "
+                              "does not take it (torch-hsdp shards inside the node itself)")
+        if self.rounds != "nodes":
+            raise ConfigError("shard_inside_node runs the rounds between nodes on the node's shards: "
+                              "it needs rounds=nodes")
+        if not self.fixed_batch:
+            raise ConfigError("shard_inside_node needs every worker of a node to compute the same "
+                              "micro-batches per round (FSDP2's collectives pair them): set "
+                              "accumulate_while_waiting=false, or an accumulate_cap that rounds to the minimum")
 
     def _validate_compile_mode(self) -> None:
         if self.compile_scope not in COMPILE_SCOPES:
