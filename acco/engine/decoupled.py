@@ -408,10 +408,11 @@ class DecoupledEngine:
             raise CheckpointError(
                 f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}"
             )
-        if state["numel"] != self.flat.layout.numel:
+        if state["numel"] != self.flat.model_numel:
             raise CheckpointError(
-                f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.layout.numel:,}"
+                f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.model_numel:,}"
             )
+        self._check_sharding(state)
         if state.get("order") != FLAT_ORDER:
             raise CheckpointError(
                 "checkpoint was written by an earlier acco that ordered the parameters otherwise; "
@@ -454,6 +455,23 @@ class DecoupledEngine:
             self.stats.zero_()[: saved.numel()].copy_(saved)
             self._resume_overlap = True
         return True
+
+    def _check_sharding(self, state: dict) -> None:
+        """A checkpoint sharded inside the node holds shards of each node's local vector: it resumes
+        on its own layout, sharded, only (resharding it is not written yet)."""
+        saved = bool(state.get("shard_inside_node", False))
+        if saved == self.sharded and (not saved or same_layout(state, self)):
+            return
+
+        def words(sharded, world, per_node):
+            return f"{world} workers ({per_node} per node){', sharded inside the node' if sharded else ''}"
+        old = words(saved, state["world_size"], state.get("workers_per_node", 0))
+        raise CheckpointError(
+            f"checkpoint was written by {old}, "
+            f"this run has {words(self.sharded, self.world_size, self.rounds.workers_per_node)}: a "
+            "checkpoint sharded inside the node resumes on its own layout with train.shard_inside_node="
+            f"{str(saved).lower()} only"
+        )
 
     def _reshard(self, old_state: Callable[[int], dict], old_world: int) -> None:
         """This worker's new shard of the fp32 master and moments, copied slice by slice from the

@@ -112,6 +112,7 @@ class NodeShards:
         self.decay_numel = sum(padded * params[n][0].numel()
                                for n, (_, _, padded) in zip(self.names, self.offsets) if params[n].dim() >= 2)
         self.layout = ShardLayout(offset, layout.nodes, layout.node)
+        self.model_numel = sum(params[n].numel() for n in self.names)
         self.dtype = dtype
         device = params[self.names[0]].device
         self.master_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
