@@ -110,7 +110,11 @@ class TorchHSDPEngine:
         self.device = next(module.parameters()).device
         S = rounds_workers_per_node(cfg.rounds, self.world_size, cfg.workers_per_node)
         self.workers_per_node = S
-        self.mesh = device_mesh(self.device.type, self.world_size, S)
+        # A module on the meta device (built only to count what it would hold) has no device to mesh
+        # over, and FSDP2 takes no "meta" mesh: the host's stands in, and FSDP2 shards the meta
+        # parameters as they are.
+        mesh_type = "cpu" if self.device.type == "meta" else self.device.type
+        self.mesh = device_mesh(mesh_type, self.world_size, S)
         broadcast_module(module)  # rank 0's weights everywhere: each rank shards its own copy
         # The training copy, fp32 (its shards are the masters); the caller's module is the
         # committed view, in the dtype training computes in.
