@@ -290,7 +290,7 @@ def markdown(mem: dict) -> list[str]:
     if any(r.get("fsdp") == "counted" for r in mem["rows"]):
         notes.append("- (x): FSDP2's unsharded blocks, already within torch-hsdp's own count (with "
                      "reshard_after_forward off every block stays unsharded from forward to backward, and "
-                     "its state_bytes counts the whole unsharded bf16 copy and fp32 gradient): not added "
+                     "its state_bytes counts the whole unsharded compute copy and fp32 gradient): not added "
                      "again.")
     return lines + [""] + notes + ([""] if notes else [])
 
