@@ -36,16 +36,35 @@ class TinyBlock(nn.Module):
         return self.head(self.block(x))
 
 
+class Stack(nn.Module):
+    """The mlp's data, through repeated blocks (a ModuleList: FSDP2 units under sharding inside the
+    node) between layers whose rows (5) do not divide by 2 workers: shards of unequal rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 5)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Tanh(), nn.Linear(5, 5)) for _ in range(2))
+        self.head = nn.Linear(5, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(torch.tanh(x))
+
+
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    if kind == "stack":
+        return Stack()
     return TinyBlock()
 
 
 def micro_batch(kind: str, index: int):
     gen = torch.Generator().manual_seed(10_000 + index)
-    shape = (MICRO_BATCH, 8) if kind == "mlp" else (MICRO_BATCH, 5, 8)
+    shape = (MICRO_BATCH, 5, 8) if kind == "block" else (MICRO_BATCH, 8)
     x = torch.randn(shape, generator=gen)
     y = torch.sin(x[..., :4] * 1.5) + 0.1 * torch.randn(x[..., :4].shape, generator=gen)
     return x, y

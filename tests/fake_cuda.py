@@ -29,6 +29,7 @@ import time
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from acco.engine import collectives
@@ -123,6 +124,10 @@ class _Seen(TorchDispatchMode):
         self.fake = fake
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, FakeTensor) for t in types):
+            # DTensor's sharding propagation runs the op on fake tensors (shapes only, no memory):
+            # nothing a stream touches, and with this mode popped here their own dispatch runs it.
+            return func(*args, **(kwargs or {}))
         if any(t.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ for t in types):
             # A wrapper subclass (torch-hsdp's DTensors) has no storage of its own: its own
             # dispatch runs the op on its local tensors, which come back here.
@@ -228,7 +233,10 @@ class FakeCuda(device_module.HostOps):
         storage = t.untyped_storage()
         if storage.nbytes() == 0:
             return None
-        key = storage.data_ptr()
+        try:
+            key = storage.data_ptr()
+        except RuntimeError:  # a storage with no memory (FSDP2's custom ops' fake outputs)
+            return None
         rec = self.records.get(key)
         if rec is None or fresh:
             rec = self.records[key] = _Record(made_on)

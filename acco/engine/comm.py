@@ -101,7 +101,9 @@ class CommRound:
         self.group = group
         self.rounds = rounds
         self.layout = flat.layout
-        self.world_size = flat.layout.world_size
+        # the statistics come from every worker of the job (with sharding inside the node the
+        # layout's ring is only the outer group's R workers)
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         device = flat.params.device
         self.master = flat.master_shard  # fp32, from the weights before any cast
         # weight decay applies to the first `decayed` elements of this shard (FlatParams' order)

@@ -329,7 +329,8 @@ class EngineConfig(EngineSettings):
         if not self.fixed_batch:
             raise ConfigError("shard_inside_node needs every worker of a node to compute the same "
                               "micro-batches per round (FSDP2's collectives pair them): set "
-                              "accumulate_while_waiting=false, or an accumulate_cap that rounds to the minimum")
+                              "accumulate_while_waiting=false, or an accumulate_cap that rounds to "
+                              "the minimum")
 
     def _validate_compile_mode(self) -> None:
         if self.compile_scope not in COMPILE_SCOPES:

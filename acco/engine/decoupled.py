@@ -51,6 +51,7 @@ from acco.engine.flat import (
     state_header,
     world_of,
 )
+from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, sharded_rounds
 from acco.engine.nodes import make_rounds
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
@@ -96,9 +97,15 @@ class DecoupledEngine:
         # Rank 0's weights everywhere, in their own dtype, before the fp32 master shard is taken
         # from them (broadcasting after the cast would leave each rank a master of its own weights).
         broadcast_module(module, group)
-        # the flat ring or the two-level rounds (nodes.py): which shard this worker owns follows
-        self.rounds = make_rounds(cfg.rounds, group, self.world_size, self.rank, cfg.workers_per_node)
-        self.flat = FlatParams(module, dtype, self.world_size, self.rounds.shard_rank)
+        # the flat ring or the two-level rounds (nodes.py): which shard this worker owns follows;
+        # sharded inside the node (node_shards.py): FSDP2 in the node, rounds between nodes
+        self.sharded = cfg.shard_inside_node
+        if self.sharded:
+            self.rounds = sharded_rounds(cfg, group, self.world_size, self.rank)
+            self.flat = NodeShards(module, dtype, self.rounds)
+        else:
+            self.rounds = make_rounds(cfg.rounds, group, self.world_size, self.rank, cfg.workers_per_node)
+            self.flat = FlatParams(module, dtype, self.world_size, self.rounds.shard_rank)
         self.device = self.flat.params.device
         # acco's split of an update between its two rounds: decided here, read by the round
         self.split = EstimateSplit(cfg, self.flat.layout.shard_numel, self.flat.params.element_size())
@@ -139,6 +146,7 @@ class DecoupledEngine:
         self._resume_overlap = False  # set by load_state_dict: the accumulator holds the next payload
         self.recomputed_micro_batches = 0  # set by load_state_dict: the saved accumulator's, not kept
         self._in_overlap = False  # past the warm start: the accumulator is part of the state
+        self._agreed: AgreedBatches | None = None  # sharded: the micro-batches taken ahead
         self.wall_time_offset = self.last_wall_time = 0.0
 
     # ---- the computation side -------------------------------------------------------------
@@ -182,6 +190,7 @@ class DecoupledEngine:
 
     def _sequential_update(self, batches: Iterator, loss_fn: LossFn, micro_batches: int) -> UpdateRecord:
         compute_s = self._accumulate(batches, loss_fn, micro_batches)
+        self._agree_ahead()
         start = time.perf_counter()
         # The accumulator is the payload and the model's parameters receive the result: no overlap.
         if self.accumulator is not self.flat.grads:
@@ -201,6 +210,7 @@ class DecoupledEngine:
         and the zeroing are queued on the compute stream and the payload-ready event is recorded
         behind them (`BackgroundComm.submit`): the round reads the payload only once it is whole,
         and the next micro-batches add to the accumulator only after it was copied."""
+        self._agree_ahead()
         self.comm_buffer.copy_(self.accumulator)
         self.payload_stats.copy_(self.stats)
         if kind is RoundKind.UPDATE:
@@ -210,6 +220,18 @@ class DecoupledEngine:
         return self.background.submit(
             lambda: self.comm.run(self.comm_buffer, self.payload_stats, self.comm_buffer, kind, predict)
         )
+
+    def _agree_ahead(self) -> None:
+        """Sharded inside the node: top up the micro-batches taken ahead before a round's
+        statistics are taken; a worker short of them says so in that round (EXHAUSTED), so that
+        every worker stops before a micro-batch some peer could not join (node_shards.py)."""
+        if self._agreed is not None and self._agreed.top_up():
+            self.stats[EXHAUSTED] = 1
+
+    @property
+    def fetched_ahead(self) -> int:
+        """Micro-batches taken from the stream and not computed yet (read again on resume)."""
+        return len(self._agreed.queue) if self._agreed is not None else 0
 
     def _swap_in(self) -> None:
         self.flat.params.copy_(self.comm_buffer)
@@ -229,6 +251,11 @@ class DecoupledEngine:
         # n_grad_accumulation counts a worker's micro-batches per round; a sequential update takes
         # every round's share at once (acco k matches ddp 2k).
         micro_batches_per_update = cfg.n_grad_accumulation * len(round_kinds)
+        if self.sharded:  # two rounds' micro-batches agreed ahead (the most any two rounds take)
+            self._agreed = batches = AgreedBatches(batches, 2 * micro_batches_per_update)
+            if agree_first(self, batches):
+                self.finish()
+                return
 
         def finished() -> bool:
             return self.comm.committed_micro_batches >= cfg.nb_steps_tot or self._exhausted
@@ -253,11 +280,13 @@ class DecoupledEngine:
         self._resume_overlap = False
         self._in_overlap = True
         wait_s = comm_s = 0.0
+        ending = False  # sharded: an estimate round said some worker is short; its update computes nothing
         for kind in itertools.cycle(round_kinds):
             if kind is RoundKind.UPDATE:
                 self.split.adopt()
             handle = self._launch(kind)
-            compute_s += self._accumulate(batches, loss_fn, self.split.during(kind), handle)
+            minimum = 0 if ending else self.split.during(kind)
+            compute_s += self._accumulate(batches, loss_fn, minimum, handle)
             start = time.perf_counter()
             timed = handle.result()
             wait_s += time.perf_counter() - start
@@ -266,6 +295,7 @@ class DecoupledEngine:
             comm_s += timed.busy_s
             self._swap_in()
             if kind is RoundKind.ESTIMATE:  # its update round completes the update
+                ending = self.sharded and result.exhausted
                 continue
             record = self._record(result, compute_s, wait_s, comm_s)
             compute_s = wait_s = comm_s = 0.0
@@ -362,6 +392,7 @@ class DecoupledEngine:
             "accumulator": self.accumulator if keep_accumulator else None,
             "accumulator_stats": self.stats if keep_accumulator else None,
             "dropped_micro_batches": dropped,
+            "fetched_ahead": self.fetched_ahead,  # sharded: taken from the stream, not computed yet
             # acco_estimate=lean: this shard's last estimate error (None for the other estimates)
             "estimate_error": self.lookahead.estimate_error,
             "split": self.split.state_dict(),  # acco: the accumulator's payload was computed with 2k - e
@@ -377,10 +408,11 @@ class DecoupledEngine:
             raise CheckpointError(
                 f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}"
             )
-        if state["numel"] != self.flat.layout.numel:
+        if state["numel"] != self.flat.model_numel:
             raise CheckpointError(
-                f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.layout.numel:,}"
+                f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.model_numel:,}"
             )
+        self._check_sharding(state)
         if state.get("order") != FLAT_ORDER:
             raise CheckpointError(
                 "checkpoint was written by an earlier acco that ordered the parameters otherwise; "
@@ -423,6 +455,23 @@ class DecoupledEngine:
             self.stats.zero_()[: saved.numel()].copy_(saved)
             self._resume_overlap = True
         return True
+
+    def _check_sharding(self, state: dict) -> None:
+        """A checkpoint sharded inside the node holds shards of each node's local vector: it resumes
+        on its own layout, sharded, only (resharding it is not written yet)."""
+        saved = bool(state.get("shard_inside_node", False))
+        if saved == self.sharded and (not saved or same_layout(state, self)):
+            return
+
+        def words(sharded, world, per_node):
+            return f"{world} workers ({per_node} per node){', sharded inside the node' if sharded else ''}"
+        old = words(saved, state["world_size"], state.get("workers_per_node", 0))
+        raise CheckpointError(
+            f"checkpoint was written by {old}, "
+            f"this run has {words(self.sharded, self.world_size, self.rounds.workers_per_node)}: a "
+            "checkpoint sharded inside the node resumes on its own layout with train.shard_inside_node="
+            f"{str(saved).lower()} only"
+        )
 
     def _reshard(self, old_state: Callable[[int], dict], old_world: int) -> None:
         """This worker's new shard of the fp32 master and moments, copied slice by slice from the

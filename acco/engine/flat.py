@@ -34,11 +34,13 @@ def state_header(engine) -> dict:
     return {
         "method": engine.cfg.method,
         "order": FLAT_ORDER,
-        "numel": engine.flat.layout.numel,
+        "numel": engine.flat.model_numel,
         "world_size": engine.world_size,
         "rank": engine.rank,
         # the two-level rounds' S (0: the flat ring): which shard each rank's file holds
         "workers_per_node": engine.rounds.workers_per_node,
+        # sharded inside the node (node_shards.py): the shards are of each node's local vector
+        "shard_inside_node": engine.cfg.shard_inside_node,
         "samples": engine.committed_micro_batches,
         "step": engine.step,
         "wall_time": engine.last_wall_time,
@@ -133,6 +135,10 @@ class FlatParams:
     @property
     def shard(self) -> slice:
         return self.layout.shard_slice
+
+    @property
+    def model_numel(self) -> int:
+        return self.layout.numel
 
 
 def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -1,0 +1,178 @@
+"""Sharding inside the node (acco/engine/node_shards.py) on 2 nodes x 2 workers: each block sharded
+over the node's 2 workers by FSDP2, the comm rounds between the 2 nodes on the node's shards. Every
+method's update equals the same plain reference as the flat ring's, and each worker holds a local
+vector of half the model."""
+
+from __future__ import annotations
+
+import itertools
+
+import fake_cuda
+import pytest
+import torch
+from distributed import run_distributed
+from engine_helpers import (
+    Reference,
+    assert_close,
+    config,
+    loss_fn,
+    make_model,
+    reference_acco,
+    reference_delayed,
+    stream,
+)
+
+from acco.engine import ConfigError, build_engine
+from acco.engine import decoupled as decoupled_module
+from acco.engine.node_shards import local_rows
+
+SHARDED = dict(rounds="nodes", workers_per_node=2, shard_inside_node=True, accumulate_while_waiting=False)
+
+
+def full_params(model) -> torch.Tensor:
+    """The whole model's parameters, in the plain module's order (all-gathered inside the node)."""
+    return torch.cat([p.full_tensor().detach().float().flatten() for p in model.parameters()])
+
+
+def _train(rank, world, kind, cfgs, break_swap=False, device="host", limits=None):
+    """Every rank: each config's full final parameters, its records, and its local vector's size;
+    `device` "fake-cuda" runs the engine's GPU paths on the CPU (tests/fake_cuda.py); `limits[rank]`:
+    that many micro-batches in this worker's stream."""
+    with fake_cuda.maybe_installed(device):
+        return _train_here(rank, world, kind, cfgs, break_swap, limits)
+
+
+def _train_here(rank, world, kind, cfgs, break_swap, limits):
+    if break_swap:  # the new parameters written after the next forward (its all-gathers) ran
+        swap = decoupled_module.DecoupledEngine._swap_in
+        late = {}
+
+        def swap_late(self):
+            late["pending"] = lambda: swap(self)
+
+        def micro_step(self, batch, fn, lead=2, original=decoupled_module.DecoupledEngine._micro_step):
+            original(self, batch, fn, lead)
+            if "pending" in late:
+                late.pop("pending")()
+
+        decoupled_module.DecoupledEngine._swap_in = swap_late
+        decoupled_module.DecoupledEngine._micro_step = micro_step
+    out = []
+    for cfg in cfgs:
+        model = make_model(kind)
+        engine = build_engine(model, cfg)
+        batches = stream(kind, rank, world)
+        if limits is not None:
+            batches = itertools.islice(batches, limits[rank])
+        records = list(engine.run(batches, loss_fn))
+        local = engine.flat.params.numel()
+        engine.close()
+        out.append((full_params(model), records, local))
+    return out
+
+
+def test_local_rows_are_torch_chunk_s():
+    for rows, S in ((5, 2), (4, 2), (1, 2), (7, 3), (2, 4)):
+        chunks = torch.arange(rows).chunk(S)
+        for s in range(S):
+            first, padded = local_rows(rows, S, s)
+            got = list(range(first, min(first + padded, rows)))
+            assert got == (chunks[s].tolist() if s < len(chunks) else [])
+
+
+@pytest.mark.parametrize("kind,device", [("stack", "host"), ("mlp", "host"), ("stack", "fake-cuda")])
+def test_methods_sharded_inside_the_node_equal_their_references(kind, device):
+    n, world, updates, clip = 2, 4, 4, 0.45
+    common = dict(nb_steps_tot=n * world * updates, max_grad_norm=clip, **SHARDED)
+    cfgs = [
+        config(method="ddp", n_grad_accumulation=n, **common),
+        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="paper", **common),
+        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="lean", **common),
+        config(method="dpu", n_grad_accumulation=n, **common),
+        config(method="wp", n_grad_accumulation=n, **common),
+    ]
+    results = run_distributed(_train, world, kind, cfgs, False, device)
+    (ddp, ddp_rec, local), (acco, _, _), (lean, _, _), (dpu, _, _), (wp, _, _) = results[0]
+    numel = sum(p.numel() for p in make_model(kind).parameters())
+    assert local < 0.75 * numel  # half the model's rows (and padding) per worker
+    for rank_result in results[1:]:
+        for (theta, *_), (theta0, *_) in zip(rank_result, results[0]):
+            assert torch.equal(theta, theta0)
+
+    ref = Reference(kind, cfgs[0], world, [n] * world)
+    assert_close(ddp, ref.ddp(updates), "ddp sharded in the node vs AdamW on the global batches")
+    assert_close(torch.tensor([r.loss for r in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
+    assert_close(torch.tensor([r.grad_norm for r in ddp_rec]), torch.tensor(ref.grad_norms), "ddp norms")
+    ref = Reference(kind, cfgs[1], world, [n // 2] * world)
+    assert_close(acco, reference_acco(ref, updates), "acco sharded vs the estimate/update reference")
+    ref = Reference(kind, cfgs[2], world, [n // 2] * world)
+    assert_close(lean, reference_acco(ref, updates, lean=True), "acco lean sharded vs its reference")
+    for name, got, predict in (("dpu", dpu, False), ("wp", wp, True)):
+        ref = Reference(kind, cfgs[0], world, [n] * world)
+        assert_close(got, reference_delayed(ref, updates, predict), f"{name} sharded vs its recurrence")
+
+
+def test_a_swap_after_the_next_all_gather_is_wrong():
+    """The swap must land before the next forward's all-gathers: written one micro-batch late, acco
+    computes on stale parameters and leaves its reference."""
+    world, updates = 4, 4
+    cfg = config(method="acco", n_grad_accumulation=2, nb_steps_tot=4 * world * updates, **SHARDED)
+    results = run_distributed(_train, world, "stack", [cfg], True)
+    ref = Reference("stack", cfg, world, [2] * world)
+    with pytest.raises(AssertionError):
+        assert_close(results[0][0][0], reference_acco(ref, updates), "late swap")
+
+
+def test_sharding_inside_the_node_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="needs rounds=nodes"):
+        config(method="acco", shard_inside_node=True, rounds="flat")
+    with pytest.raises(ConfigError, match="applies to ddp, dpu, wp and acco"):
+        config(method="diloco", shard_inside_node=True)
+    with pytest.raises(ConfigError, match="same micro-batches per round"):
+        config(method="acco", n_grad_accumulation=2, shard_inside_node=True, accumulate_while_waiting=True)
+
+
+@pytest.mark.parametrize("method", ["ddp", "acco"])
+def test_a_short_worker_stops_every_worker_together(method):
+    """Worker 1's stream ends early: every worker learns it from a round's statistics before any
+    starts a micro-batch that worker could not join (no hang), and the committed updates equal the
+    reference's. ddp takes 2 micro-batches per update, two updates ahead: 7 micro-batches commit 2."""
+    world, k = 4, (2 if method == "ddp" else 1)
+    cfg = config(method=method, n_grad_accumulation=k, nb_steps_tot=100 * world, **SHARDED)
+    results = run_distributed(_train, world, "stack", [cfg], False, "host", [40, 7, 40, 40])
+    params, records, _ = results[0][0]
+    assert len(records) == 2 and all(r[0][1][-1].step == 2 for r in results)
+    for r in results[1:]:
+        assert torch.equal(r[0][0], params)
+    ref = Reference("stack", cfg, world, [k] * world)
+    want = ref.ddp(2) if method == "ddp" else reference_acco(ref, 2)
+    assert_close(params, want, f"{method}: the 2 committed updates")
+
+
+def test_sharded_in_mixed_precision_tracks_the_unsharded_node_rounds():
+    """bf16 parameters and gradients (FSDP2 reduce-scatters them in bf16 at each micro-batch, the
+    unsharded rounds once per round): the two layouts agree to bf16's precision."""
+    world, updates = 4, 4
+    common = dict(method="acco", n_grad_accumulation=2, nb_steps_tot=4 * world * updates,
+                  use_mixed_precision=True, accumulate_while_waiting=False)
+    sharded = config(**{**SHARDED, **common})
+    plain = config(rounds="nodes", workers_per_node=2, **common)
+    results = run_distributed(_train_bf16, world, "stack", [sharded, plain])
+    (a, _), (b, _) = results[0]
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    initial = torch.cat([p.detach().flatten() for p in make_model("stack").parameters()])
+    assert (a - initial).abs().max() > 1e-2  # it trained
+
+
+def _train_bf16(rank, world, kind, cfgs):
+    out = []
+    for cfg in cfgs:
+        model = make_model(kind)
+        engine = build_engine(model, cfg)
+        fn = lambda m, b: loss_fn(m, (b[0].bfloat16(), b[1].bfloat16()))  # noqa: E731
+        records = list(engine.run(stream(kind, rank, world), fn))
+        engine.close()
+        params = full_params(model) if cfg.shard_inside_node else torch.cat(
+            [p.detach().float().flatten() for p in model.parameters()])
+        out.append((params, records))
+    return out
