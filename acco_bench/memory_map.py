@@ -68,6 +68,9 @@ def map_rows(fragments: int = 4, sync_every: int = 20) -> list[MapRow]:
         MapRow("torch-ddp", "torch-ddp"),
         # reshard_after_forward off: every block unsharded from forward to backward, in its state_bytes
         MapRow("torch-hsdp", "torch-hsdp", fsdp="counted"),
+        # FSDP2 over the node (node_shards.py), its blocks resharded after forward: not in state_bytes
+        *[MapRow(f"{m}, sharded inside the node", m, {"shard_inside_node": True}, ("nodes",), "added")
+          for m in ("ddp", "acco")],
     ]  # fmt: skip
 
 
@@ -191,8 +194,8 @@ def _count(settings: dict, workers: int, workers_per_node: int, rows: list[MapRo
                          "overrides": row.overrides, "fsdp": row.fsdp}  # fmt: skip
                 try:
                     entry["bytes"] = build_state_bytes(settings, row, layout, workers_per_node, bf16=bf16)
-                except ConfigError:  # a layout or setting the engine refuses: the caller's input
-                    raise
+                except ConfigError as e:  # a row this layout cannot run (sharding on one node)
+                    entry["refused"] = str(e)
                 except Exception as e:  # what meta tensors or the fake group cannot do: said, not guessed
                     entry["error"] = _failure(e)
                 out.append(entry)
@@ -218,8 +221,6 @@ def count(requested: str | float | dict, workers: int, workers_per_node: int,
     """Every row's state_bytes for the preset `requested` (the one nearest a parameter count, or a model
     config given as a dict), rank 0 of `workers` workers, `workers_per_node` per node, in bf16 mixed
     precision (else fp32), counted in a child process."""
-    from acco.engine import ConfigError
-
     rows = map_rows() if rows is None else rows
     if workers < 1 or workers_per_node < 1 or workers % workers_per_node:
         raise BenchError(f"--workers-per-node {workers_per_node} must divide --workers {workers} into whole "
@@ -228,10 +229,7 @@ def count(requested: str | float | dict, workers: int, workers_per_node: int,
     # preloaded modules, where the caller set them, save the child importing torch again
     fresh = multiprocessing.get_context("forkserver")
     with ProcessPoolExecutor(max_workers=1, mp_context=fresh) as pool:
-        try:
-            result = pool.submit(_child, requested, workers, workers_per_node, rows, bf16).result()
-        except ConfigError as e:  # a row's settings the engine refuses on this layout
-            raise BenchError(f"the memory table: {e}") from None
+        result = pool.submit(_child, requested, workers, workers_per_node, rows, bf16).result()
     return {"requested": requested, "workers": workers, "workers_per_node": workers_per_node,
             "dtype": "bf16" if bf16 else "fp32", **result,
             "row_specs": [asdict(r) for r in rows]}  # fmt: skip
@@ -243,8 +241,8 @@ def table(counted: dict, gpu_gib: float) -> dict:
     rows = []
     for entry in counted["rows"]:
         row = {k: entry[k] for k in ("label", "method", "layout", "fsdp")}
-        if "error" in entry:
-            rows.append({**row, "error": entry["error"]})
+        if "error" in entry or "refused" in entry:
+            rows.append({**row, **{k: entry[k] for k in ("error", "refused") if k in entry}})
             continue
         columns = dict.fromkeys(COLUMNS, 0)
         for name, n in entry["bytes"].items():
@@ -281,6 +279,10 @@ def markdown(mem: dict) -> list[str]:
             body.append([r["label"], r["layout"], *["-"] * (len(COLUMNS) + 2), "not built on meta (below)"])
             notes.append(f"- {r['label']}, {r['layout']}: its engine could not be built on the meta device: "
                          f"{r['error']}.")
+            continue
+        if "refused" in r:
+            body.append([r["label"], r["layout"], *["-"] * (len(COLUMNS) + 2), "not on this layout (below)"])
+            notes.append(f"- {r['label']}, {r['layout']}: the engine refuses this layout: {r['refused']}.")
             continue
         fsdp = _gib(r["fsdp_gib"]) if r["fsdp"] != "counted" else f"({_gib(r['fsdp_gib'])})"
         body.append([r["label"], r["layout"], *[_gib(r["gib"][c]) for c in COLUMNS], fsdp,

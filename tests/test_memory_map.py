@@ -42,11 +42,12 @@ def tiny_counted():
 def test_meta_built_engines_count_what_a_real_gloo_job_holds(tiny_counted):
     """Every method's engine on meta (fake process group) reports, component by component, the bytes the
     same engine reports on real tensors on rank 0 of a real 4-rank gloo job of 2 nodes x 2 workers, both
-    layouts; torch-ddp, which cannot be built on meta, has no figure and says why."""
+    layouts, ddp and acco sharded inside the node too; torch-ddp, which cannot be built on meta, has no
+    figure and says why."""
     rows = map_rows(fragments=2, sync_every=4)
     real = run_distributed(real_state_bytes, W, TINY_LLAMA, rows)[0]
     meta = {(r["label"], r["layout"]): r for r in tiny_counted["rows"]}
-    assert set(meta) == set(real) and len(meta) == 2 * len(rows)
+    assert set(meta) == set(real) and len(meta) == sum(len(row.layouts) for row in rows)
     for key, r in meta.items():
         if r["method"] == "torch-ddp":
             assert "error" in r and "meta" in r["error"] and real[key]["params"] > 0, r
@@ -57,6 +58,11 @@ def test_meta_built_engines_count_what_a_real_gloo_job_holds(tiny_counted):
     for label in ("torch-hsdp", "acco-int8"):
         assert meta[label, "flat"]["bytes"] != meta[label, "nodes"]["bytes"], label
     assert meta["acco", "flat"]["bytes"] == meta["acco", "nodes"]["bytes"]
+    # sharded inside the node: the model-sized vectors are the node's local vector, FSDP2's rows of
+    # every parameter for this local index (about 1/S of the model), the optimizer shard 1/W as before
+    sharded, plain = meta["acco, sharded inside the node", "nodes"]["bytes"], meta["acco", "nodes"]["bytes"]
+    assert plain["params"] / S <= sharded["params"] < plain["params"] / S * 1.01
+    assert sharded["comm_buffer"] == sharded["params"] and sharded["master"] == plain["master"]
 
 
 def test_bytes_per_parameter_formula_agrees_with_the_engines(tiny_counted):
@@ -107,7 +113,7 @@ def test_map_prints_the_memory_table_for_llama_13b(tmp_path, capsys):
     mem = json.loads((out / "map.json").read_text())["memory"]
     assert mem["preset"] == "llama-13b" and mem["params"] == 13_015_864_320
     rows = {(r["label"], r["layout"]): r for r in mem["rows"]}
-    assert {layout for _, layout in rows} == {"flat", "nodes"} and len(rows) == 18
+    assert {layout for _, layout in rows} == {"flat", "nodes"} and len(rows) == 20
     padded = -(-mem["params"] // 16) * 16
     assert rows["ddp", "flat"]["total_gib"] * 2**30 == 4 * padded + 16 * padded // 16
     assert rows["ddp", "flat"]["fits"] and not rows["diloco", "nodes"]["fits"]
@@ -116,6 +122,14 @@ def test_map_prints_the_memory_table_for_llama_13b(tmp_path, capsys):
     assert header in printed
     assert "| ddp | flat | 24.24 | 24.24 | 0.00 | 12.12 | 0.00 | - | 60.61 | yes |" in printed
     assert "| torch-ddp | nodes | - |" in printed and "FSDP2 unsharded: the root unit's" in printed
+    # Llama-2 13B's root: untied embedding and head, final norm; a block: attention 4 d^2, MLP 3 d i, 2 norms
+    d, i = 5120, 13824
+    fsdp = 2 * (2 * 32000 * d + d + 4 * (4 * d * d + 3 * d * i + 2 * d))
+    assert mem["fsdp_unsharded"]["bytes"] == fsdp
+    for label in ("ddp, sharded inside the node", "acco, sharded inside the node"):
+        r = rows[label, "nodes"]
+        assert r["total_gib"] * 2**30 == sum(r["bytes"].values()) + fsdp and r["fits"], label
+    assert ("acco, sharded inside the node", "flat") not in rows
     assert main(["map", "--params", "llama-13", "--workers", "16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("acco-bench: --params takes a model (llama-13b,") and err.count("\n") == 1
