@@ -22,17 +22,13 @@ from engine_helpers import (
     stream,
 )
 from int8_helpers import BLOCK, reference_int8
+from node_shards_helpers import full_params
 
 from acco.engine import ConfigError, build_engine
 from acco.engine import decoupled as decoupled_module
 from acco.engine.node_shards import local_rows
 
 SHARDED = dict(rounds="nodes", workers_per_node=2, shard_inside_node=True, accumulate_while_waiting=False)
-
-
-def full_params(model) -> torch.Tensor:
-    """The whole model's parameters, in the plain module's order (all-gathered inside the node)."""
-    return torch.cat([p.full_tensor().detach().float().flatten() for p in model.parameters()])
 
 
 def _train(rank, world, kind, cfgs, break_swap=False, device="host", limits=None):
@@ -127,8 +123,8 @@ def test_a_swap_after_the_next_all_gather_is_wrong():
 def test_sharding_inside_the_node_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="needs rounds=nodes"):
         config(method="acco", shard_inside_node=True, rounds="flat")
-    with pytest.raises(ConfigError, match="applies to ddp, dpu, wp and acco"):
-        config(method="diloco", shard_inside_node=True)
+    with pytest.raises(ConfigError, match="applies to ddp, dpu, wp, acco, diloco and streaming-diloco"):
+        config(method="torch-ddp", shard_inside_node=True)
     with pytest.raises(ConfigError, match="same micro-batches per round"):
         config(method="acco", n_grad_accumulation=2, shard_inside_node=True, accumulate_while_waiting=True)
 
