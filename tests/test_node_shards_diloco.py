@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import fake_cuda
 import pytest
 import torch
 from distributed import run_distributed
@@ -36,10 +37,17 @@ def _params(model, cfg) -> torch.Tensor:
     return parameters_to_vector(model.parameters()).detach().float()
 
 
-def _train(rank, world, kind, cfgs, limits=None, evaluate=False):
+def _train(rank, world, kind, cfgs, limits=None, evaluate=False, device="host"):
     """Every rank: each config's whole final parameters, its records, and (local vector's numel,
     the engine's state bytes); `limits[rank]`: that many micro-batches in this worker's stream;
-    `evaluate`: a forward at the global parameters after every record, as the trainer's evaluations."""
+    `evaluate`: a forward at the global parameters after every record, as the trainer's evaluations
+    (and, as the trainer, `finish` once training ends); `device` "fake-cuda" runs the engine's GPU
+    paths on the CPU (tests/fake_cuda.py)."""
+    with fake_cuda.maybe_installed(device):
+        return _train_here(rank, world, kind, cfgs, limits, evaluate)
+
+
+def _train_here(rank, world, kind, cfgs, limits, evaluate):
     out = []
     for cfg in cfgs:
         model = make_model(kind)
@@ -54,6 +62,7 @@ def _train(rank, world, kind, cfgs, limits=None, evaluate=False):
             if evaluate:
                 with engine.committed_params(), torch.no_grad():
                     fn(model, micro_batch(kind, 10_000 + rank))
+        engine.finish()
         sizes = (engine.flat.params.numel(), sum(engine.state_bytes().values()))
         engine.close()
         out.append((_params(model, cfg), records, sizes))
@@ -64,8 +73,8 @@ def _counts(records):
     return [r.step for r in records]
 
 
-@pytest.mark.parametrize("kind", ["stack", "mlp"])
-def test_diloco_sharded_inside_the_node_equals_the_replica_per_node_reference(kind):
+@pytest.mark.parametrize("kind,device", [("stack", "host"), ("mlp", "host"), ("stack", "fake-cuda")])
+def test_diloco_sharded_inside_the_node_equals_the_replica_per_node_reference(kind, device):
     """fp32: diloco and streaming-diloco sharded in the node end on the reference's global
     parameters (2 replicas of 2 workers), with its losses, and with the unsharded node replica's
     clipping norms (the node's: the workers' squared local norms summed); each worker holds about
@@ -75,7 +84,7 @@ def test_diloco_sharded_inside_the_node_equals_the_replica_per_node_reference(ki
                   max_grad_norm=clip)  # fmt: skip
     streaming = dict(STREAMING, n_grad_accumulation=n, nb_steps_tot=n * world * 9, max_grad_norm=clip)
     cfgs = [config(**diloco, **SHARDED), config(**streaming, **SHARDED), config(**diloco, **NODES)]
-    results = run_distributed(_train, world, kind, cfgs)
+    results = run_distributed(_train, world, kind, cfgs, None, False, device)
     for rank_result in results[1:]:  # the final model is the global one, the same everywhere
         for (theta, *_), (theta0, *_) in zip(rank_result, results[0]):
             assert torch.equal(theta, theta0)
@@ -110,9 +119,9 @@ def test_diloco_sharded_in_mixed_precision_tracks_the_unsharded_replica_per_node
     (sharded, records, _), (plain, _, _) = results[0]
     assert all(math.isfinite(r.loss) for r in records)
     assert all(torch.equal(r[0][0], sharded) for r in results[1:])
-    torch.testing.assert_close(sharded, plain, rtol=0, atol=5e-3)
+    torch.testing.assert_close(sharded, plain, rtol=0, atol=5e-3)  # 0.001 measured
     expected, _ = reference_diloco(kind, config(**{**common, "use_mixed_precision": False}), world, 2)
-    torch.testing.assert_close(sharded, expected, rtol=0, atol=1e-2)
+    torch.testing.assert_close(sharded, expected, rtol=0, atol=5e-3)  # 0.0012 measured
     initial = torch.cat([p.detach().flatten() for p in make_model(kind).parameters()])
     assert (sharded - initial).abs().max() > 5e-2  # it trained
 
@@ -133,11 +142,11 @@ def test_a_short_worker_stops_every_worker_without_a_hang():
 
 
 def test_an_evaluation_between_steps_leaves_training_as_it_was():
-    """A forward at the global parameters after each record (FSDP2 keeps the root's unsharded
+    """A forward at the global parameters after every record (FSDP2 keeps the root's unsharded
     parameters after a forward without backward): the next training forward still computes at the
     local ones, so the run ends where it ends without evaluations."""
     world = 4
-    cfg = config(**STREAMING, n_grad_accumulation=1, nb_steps_tot=world * 9, **SHARDED)
+    cfg = config(**STREAMING, n_grad_accumulation=1, nb_steps_tot=world * 10, **SHARDED)
     plain = run_distributed(_train, world, "stack", [cfg])
     evaluated = run_distributed(_train, world, "stack", [cfg], None, True)
     for a, b in zip(plain, evaluated):
