@@ -22,17 +22,13 @@ from engine_helpers import (
     stream,
 )
 from int8_helpers import BLOCK, reference_int8
+from node_shards_helpers import full_params
 
 from acco.engine import ConfigError, build_engine
 from acco.engine import decoupled as decoupled_module
 from acco.engine.node_shards import local_rows
 
 SHARDED = dict(rounds="nodes", workers_per_node=2, shard_inside_node=True, accumulate_while_waiting=False)
-
-
-def full_params(model) -> torch.Tensor:
-    """The whole model's parameters, in the plain module's order (all-gathered inside the node)."""
-    return torch.cat([p.full_tensor().detach().float().flatten() for p in model.parameters()])
 
 
 def _train(rank, world, kind, cfgs, break_swap=False, device="host", limits=None):
@@ -127,8 +123,8 @@ def test_a_swap_after_the_next_all_gather_is_wrong():
 def test_sharding_inside_the_node_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="needs rounds=nodes"):
         config(method="acco", shard_inside_node=True, rounds="flat")
-    with pytest.raises(ConfigError, match="applies to ddp, dpu, wp and acco"):
-        config(method="diloco", shard_inside_node=True)
+    with pytest.raises(ConfigError, match="applies to ddp, dpu, wp, acco, diloco and streaming-diloco"):
+        config(method="torch-ddp", shard_inside_node=True)
     with pytest.raises(ConfigError, match="same micro-batches per round"):
         config(method="acco", n_grad_accumulation=2, shard_inside_node=True, accumulate_while_waiting=True)
 
@@ -280,3 +276,29 @@ def _train_int8(rank, world, kind, cfg):
 
     qz.BLOCK = BLOCK
     return _train_here(rank, world, kind, [cfg], False, None)[0][0]
+
+
+def _with_evaluations(rank, world, kind, cfg, evaluate):
+    """Every rank: the full final parameters, with (or without) a forward at the committed
+    parameters after every update, as the trainer's evaluation runs it (no backward)."""
+    model = make_model(kind)
+    engine = build_engine(model, cfg)
+    probe = stream(kind, 1000 + rank, world)
+    for _ in engine.run(stream(kind, rank, world), loss_fn):
+        if evaluate:
+            with engine.committed_params(), torch.no_grad():
+                loss_fn(model, next(probe))
+    engine.close()
+    return full_params(model)
+
+
+@pytest.mark.parametrize("method", ["acco", "wp"])
+def test_an_evaluation_between_updates_leaves_training_as_it_was(method):
+    """FSDP2 keeps the root unsharded after a forward with no backward: left so, the next training
+    forward would compute with the parameters the evaluation saw (wp: the committed ones, not its
+    prediction; acco: those before the swap)."""
+    world, k = 4, (1 if method == "acco" else 2)
+    cfg = config(method=method, n_grad_accumulation=k, nb_steps_tot=2 * world * 4, **SHARDED)
+    plain = run_distributed(_with_evaluations, world, "stack", cfg, False)[0]
+    evaluated = run_distributed(_with_evaluations, world, "stack", cfg, True)[0]
+    assert torch.equal(plain, evaluated)

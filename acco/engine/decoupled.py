@@ -51,7 +51,7 @@ from acco.engine.flat import (
     state_header,
     world_of,
 )
-from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, sharded_rounds
+from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, check_sharding, sharded_rounds
 from acco.engine.nodes import make_rounds
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
@@ -457,21 +457,8 @@ class DecoupledEngine:
         return True
 
     def _check_sharding(self, state: dict) -> None:
-        """A checkpoint sharded inside the node holds shards of each node's local vector: it resumes
-        on its own layout, sharded, only (resharding it is not written yet)."""
-        saved = bool(state.get("shard_inside_node", False))
-        if saved == self.sharded and (not saved or same_layout(state, self)):
-            return
-
-        def words(sharded, world, per_node):
-            return f"{world} workers ({per_node} per node){', sharded inside the node' if sharded else ''}"
-        old = words(saved, state["world_size"], state.get("workers_per_node", 0))
-        raise CheckpointError(
-            f"checkpoint was written by {old}, "
-            f"this run has {words(self.sharded, self.world_size, self.rounds.workers_per_node)}: a "
-            "checkpoint sharded inside the node resumes on its own layout with train.shard_inside_node="
-            f"{str(saved).lower()} only"
-        )
+        """A checkpoint sharded inside the node resumes on its own layout, sharded, only."""
+        check_sharding(state, self)
 
     def _reshard(self, old_state: Callable[[int], dict], old_world: int) -> None:
         """This worker's new shard of the fp32 master and moments, copied slice by slice from the
@@ -539,18 +526,25 @@ class DecoupledEngine:
         """The model holds the last committed parameters inside this block. wp computes at its
         prediction elsewhere: then every worker enters the block together, as the committed
         parameters are all-gathered from the fp32 master shards; the prediction waits in the comm
-        buffer, idle between rounds (no model-sized copy is kept for it). Re-entrant."""
-        if not self._predicting or self._prediction_stashed:
-            yield self.module
-            return
-        self.comm_buffer.copy_(self.flat.params)
-        self._gather(self.comm.optimizer.master, self.flat.params)
-        self._prediction_stashed = True
+        buffer, idle between rounds (no model-sized copy is kept for it). Re-entrant. Sharded inside
+        the node, a forward in the block (an evaluation: no backward) leaves FSDP2's root unsharded
+        at the parameters it saw: dropped on the way out, so that training's next forward gathers
+        the local vector as it is then."""
         try:
-            yield self.module
+            if not self._predicting or self._prediction_stashed:
+                yield self.module
+                return
+            self.comm_buffer.copy_(self.flat.params)
+            self._gather(self.comm.optimizer.master, self.flat.params)
+            self._prediction_stashed = True
+            try:
+                yield self.module
+            finally:
+                self.flat.params.copy_(self.comm_buffer)
+                self._prediction_stashed = False
         finally:
-            self.flat.params.copy_(self.comm_buffer)
-            self._prediction_stashed = False
+            if self.sharded:
+                self.flat.reshard()
 
     def close(self) -> None:
         if self.overlapped:
