@@ -19,8 +19,8 @@ batch (BENCHMARKS.md, "Scale").
 `save_run` and `resume_run` are the trainer's two calls; whether and from which checkpoint a run
 resumes, and what verifies a checkpoint, is acco/resume.py's. Resharding maps the old files
 (torch.load(mmap=True)) and each new worker copies only the slices of the old shards that overlap
-its new one (engine/decoupled.py, `_reshard`): a 4 -> 2 resume of GPT-Neo 125M peaks at the memory of
-a fresh 2-worker run.
+its new one (engine/shard_map.py, between any layouts: flat, nodes, sharded inside the node): a
+4 -> 2 resume of GPT-Neo 125M peaks at the memory of a fresh 2-worker run.
 
 Every worker writes its own file into checkpoint-N.tmp/ and fsyncs it; once all have, rank 0
 writes the model and meta.json, fsyncs them and the folders, renames the folder into place and
@@ -316,6 +316,7 @@ def save_run(
         # the shard order of the rank files (flat.py's state_header): 0 flat, else the two-level
         # rounds' workers per node; a resume on another layout reshards
         "workers_per_node": shard_order(engine),
+        "shard_inside_node": bool(state.get("shard_inside_node", False)),
         "numel": state["numel"],
         "wall_time": record.wall_time,
         "train": args,
@@ -351,7 +352,9 @@ def resume_run(
     shard order (True), from this worker's own file; else resharded from the same samples (False),
     each old file memory-mapped so that only the slices this worker needs are read."""
     old_world = int(meta["world_size"])
-    if old_world != world_size or int(meta.get("workers_per_node", 0)) != shard_order(engine):
+    sharded = bool(getattr(getattr(engine, "cfg", None), "shard_inside_node", False))
+    if (old_world != world_size or int(meta.get("workers_per_node", 0)) != shard_order(engine)
+            or bool(meta.get("shard_inside_node", False)) != sharded):
         def old(r: int) -> dict:
             return load_worker(folder, r, old_world, mmap=True)
 

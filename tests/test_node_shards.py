@@ -226,18 +226,17 @@ def test_a_sharded_engine_resumes_exactly(method):
         assert torch.equal(straight, resumed)
 
 
-def test_a_sharded_checkpoint_is_refused_unsharded_and_on_another_layout():
+def test_a_layout_change_without_every_file_is_refused_in_one_line():
     world = 4
     cfg = config(method="acco", n_grad_accumulation=1, nb_steps_tot=4 * world, **SHARDED)
     plain = config(method="acco", n_grad_accumulation=1, nb_steps_tot=4 * world, rounds="nodes",
                    workers_per_node=2, accumulate_while_waiting=False)
     lines = run_distributed(_refusals, world, cfg, plain)[0]
-    assert lines[0] == (
-        "checkpoint was written by 4 workers (2 per node), sharded inside the node, this run has 4 "
-        "workers (2 per node): a checkpoint sharded inside the node resumes on its own layout with "
-        "train.shard_inside_node=true only")
-    assert lines[1].startswith("checkpoint was written by 4 workers (2 per node), this run has 4 "
-                               "workers (2 per node), sharded inside the node")
+    assert lines == [
+        "checkpoint was written by 4 workers (2 per node, sharded inside the node), this run has 4 "
+        "workers (2 per node): resharding needs every worker's file",
+        "checkpoint was written by 4 workers (2 per node), this run has 4 workers (2 per node, sharded "
+        "inside the node): resharding needs every worker's file"]
 
 
 def _refusals(rank, world, sharded_cfg, plain_cfg):
@@ -255,6 +254,60 @@ def _refusals(rank, world, sharded_cfg, plain_cfg):
             out.append(str(e))
         engine.close()
     return out
+
+
+def _across(rank, world, kind, first, then, folder, stop_after):
+    """Every rank: ddp trained `stop_after` updates on `first`'s layout, its files saved, then
+    resumed on `then`'s from every file (resharded), and trained to the end; the final parameters."""
+    import os
+
+    taken = 0
+
+    def counted():
+        nonlocal taken
+        for batch in stream(kind, rank, world):
+            taken += 1
+            yield batch
+
+    model = make_model(kind)
+    engine = build_engine(model, first)
+    for record in engine.run(counted(), loss_fn):
+        if record.step == stop_after:
+            torch.save(engine.state_dict(), os.path.join(folder, f"{rank}.pt"))
+            break
+    back = engine.fetched_ahead
+    engine.finish()
+    engine.close()
+    torch.distributed.barrier()
+    model = make_model(kind)
+    engine = build_engine(model, then)
+
+    def old_state(r):
+        return torch.load(os.path.join(folder, f"{r}.pt"), mmap=True, weights_only=False)
+
+    exact = engine.load_state_dict(old_state(rank), old_state)
+    list(engine.run(itertools.islice(stream(kind, rank, world), taken - back, None), loss_fn))
+    engine.close()
+    params = full_params(model) if then.shard_inside_node else torch.cat(
+        [p.detach().float().flatten() for p in model.parameters()])
+    return params, exact
+
+
+@pytest.mark.parametrize("first,then", [("sharded", "nodes"), ("nodes", "sharded"), ("sharded", "flat")])
+def test_ddp_resumes_across_sharding_and_layouts(first, then, tmp_path):
+    """The fp32 master and both moments resharded between the local vectors' shards and the flat
+    vector's (either shard order): ddp's next updates then follow the reference as if nothing changed."""
+    world, n, updates = 4, 2, 4
+    common = dict(method="ddp", n_grad_accumulation=n, nb_steps_tot=n * world * updates, max_grad_norm=0.45)
+    layouts = {"sharded": dict(SHARDED), "nodes": dict(rounds="nodes", workers_per_node=2),
+               "flat": dict(rounds="flat")}
+    cfgs = [config(**common, **layouts[name]) for name in (first, then)]
+    results = run_distributed(_across, world, "stack", *cfgs, str(tmp_path), 2)
+    ref = Reference("stack", cfgs[0], world, [n] * world)
+    want = ref.ddp(updates)
+    for params, exact in results:
+        assert not exact
+        assert_close(params, want, f"ddp {first} -> {then} vs AdamW on the global batches")
 
 
 def test_int8_estimate_quantizes_each_local_index_s_node_sums():

@@ -44,15 +44,14 @@ from acco.engine.estimate import EstimateSplit, Lookahead
 from acco.engine.flat import (
     FLAT_ORDER,
     FlatParams,
-    ShardLayout,
     broadcast_module,
     same_layout,
-    shard_files,
     state_header,
     world_of,
 )
-from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, check_sharding, sharded_rounds
+from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, sharded_rounds
 from acco.engine.nodes import make_rounds
+from acco.engine.shard_map import Layout, copy_from
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
 # the update divides by the summed weight over all workers (default 1 per micro-batch, so a mean
@@ -412,7 +411,6 @@ class DecoupledEngine:
             raise CheckpointError(
                 f"checkpoint holds {state['numel']:,} parameters, the model has {self.flat.model_numel:,}"
             )
-        self._check_sharding(state)
         if state.get("order") != FLAT_ORDER:
             raise CheckpointError(
                 "checkpoint was written by an earlier acco that ordered the parameters otherwise; "
@@ -424,17 +422,18 @@ class DecoupledEngine:
         self.wall_time_offset = float(state["wall_time"])
         exact = same_layout(state, self)
         if not exact and old_state is None:
+            old, new = Layout.of_state(state, self.flat.shapes), self._layout()
             raise CheckpointError(
-                f"checkpoint was written by {state['world_size']} workers in shard order "
-                f"{state.get('workers_per_node', 0)} (workers per node; 0 flat), this run has "
-                f"{self.world_size} in order {self.rounds.workers_per_node}: resharding needs every "
-                "worker's file"
+                f"checkpoint was written by {old.words()}, this run has {new.words()}: resharding "
+                "needs every worker's file"
             )
+        names = ("master", "exp_avg", "exp_avg_sq")
         if exact:
-            for name in ("master", "exp_avg", "exp_avg_sq"):
+            for name in names:
                 getattr(opt, name).copy_(state[name])
-        else:
-            self._reshard(shard_files(old_state, state), int(state["world_size"]))
+        else:  # slice by slice from the old files that hold this worker's new shard
+            old = Layout.of_state(state, self.flat.shapes)
+            copy_from(self._layout(), self.rank, old, old_state, names, {n: getattr(opt, n) for n in names})
         # wp computes at its prediction, saved by shard; every other model at the committed parameters
         predicted = state.get("predicted") if exact and self.wp else None
         self._gather(predicted if predicted is not None else opt.master, self.flat.params)
@@ -456,24 +455,9 @@ class DecoupledEngine:
             self._resume_overlap = True
         return True
 
-    def _check_sharding(self, state: dict) -> None:
-        """A checkpoint sharded inside the node resumes on its own layout, sharded, only."""
-        check_sharding(state, self)
-
-    def _reshard(self, old_state: Callable[[int], dict], old_world: int) -> None:
-        """This worker's new shard of the fp32 master and moments, copied slice by slice from the
-        old shards that overlap it (at most a few old files are touched, each only in that range)."""
-        opt, numel = self.comm.optimizer, self.flat.layout.numel
-        old_size = ShardLayout(numel, old_world, 0).shard_numel
-        lo, hi = self.flat.shard.start, min(self.flat.shard.stop, numel)
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(opt, name).zero_()  # the padding stays zero
-        for r in range(lo // old_size, -(-hi // old_size)) if hi > lo else ():
-            old = old_state(r)
-            a, b = max(lo, r * old_size), min(hi, (r + 1) * old_size)
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(opt, name)[a - lo : b - lo].copy_(old[name][a - r * old_size : b - r * old_size])
-            del old  # a memory-mapped file is released before the next one is touched
+    def _layout(self) -> Layout:
+        """This run's shard layout, as a checkpoint's header records it (shard_map.py)."""
+        return Layout(self.world_size, self.rounds.workers_per_node, self.sharded, tuple(self.flat.shapes))
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this worker holds for training, by component, each storage counted once

@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from acco.engine.nodes import shard_file_rank
-
 # The order of the flat vector (decayed parameters first), recorded in checkpoints: a checkpoint
 # of another order cannot be resumed, its shards would land on other parameters.
 FLAT_ORDER = "decayed-first"
@@ -48,19 +46,11 @@ def state_header(engine) -> dict:
 
 
 def same_layout(state: dict, engine) -> bool:
-    """Whether a saved state is this worker's own: the same world, rank and shard order (an exact
-    resume), rather than one to reshard."""
+    """Whether a saved state is this worker's own: the same world, rank, shard order and sharding
+    inside the node (an exact resume), rather than one to reshard."""
     return (state["world_size"] == engine.world_size and state["rank"] == engine.rank
-            and state.get("workers_per_node", 0) == engine.rounds.workers_per_node)
-
-
-def shard_files(old_state, state: dict):
-    """`old_state(rank)` (a saved worker's file) as a function of the flat shard it holds: on the
-    two-level layout worker (node r, local s) held shard s * R + r (acco/engine/nodes.py)."""
-    S = state.get("workers_per_node", 0)
-    if not S:
-        return old_state
-    return lambda shard: old_state(shard_file_rank(shard, int(state["world_size"]), S))
+            and state.get("workers_per_node", 0) == engine.rounds.workers_per_node
+            and bool(state.get("shard_inside_node", False)) == bool(engine.cfg.shard_inside_node))
 
 
 @dataclass(frozen=True)
@@ -94,6 +84,7 @@ class FlatParams:
         self.trainable = [p for p in trainable if p.dim() >= 2] + [p for p in trainable if p.dim() < 2]
         # weight decay: [0, decay_numel)
         self.decay_numel = sum(p.numel() for p in self.trainable if p.dim() >= 2)
+        self.shapes = [tuple(p.shape) for p in self.trainable]  # in the flat order (shard_map.py)
         device = self.trainable[0].device
         numel = sum(p.numel() for p in self.trainable)
         self.layout = ShardLayout(numel, world_size, rank)

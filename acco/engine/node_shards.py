@@ -106,6 +106,7 @@ class NodeShards:
             raise ConfigError("shard_inside_node shards parameters by rows: a 0-dim parameter cannot be")
         # decayed parameters (dim >= 2) first, as FlatParams orders the flat vector
         self.names = [n for n in names if params[n].dim() >= 2] + [n for n in names if params[n].dim() < 2]
+        self.shapes = [tuple(params[n].shape) for n in self.names]  # unsharded, in that order (shard_map.py)
         # this worker's padded rows of each parameter, in that order: where each lives in the local vector
         self.offsets, offset = [], 0
         for n in self.names:
