@@ -27,8 +27,8 @@ def files(world: int, per_node: int, sharded: bool) -> list[torch.Tensor]:
         flat = torch.cat([t.flatten() for t in ids])
         n = -(-flat.numel() // world)
         flat = torch.cat([flat, torch.zeros(n * world - flat.numel(), dtype=flat.dtype)])
-        own = (lambda rank: NodeLayout(world // per_node, per_node, rank).shard_rank) if per_node else (lambda r: r)
-        return [flat[own(rank) * n : (own(rank) + 1) * n] for rank in range(world)]
+        owned = [NodeLayout(world // per_node, per_node, r).shard_rank if per_node else r for r in range(world)]
+        return [flat[k * n : (k + 1) * n] for k in owned]
     S, R = per_node, world // per_node
     local = []
     for s in range(S):
