@@ -27,7 +27,8 @@ def files(world: int, per_node: int, sharded: bool) -> list[torch.Tensor]:
         flat = torch.cat([t.flatten() for t in ids])
         n = -(-flat.numel() // world)
         flat = torch.cat([flat, torch.zeros(n * world - flat.numel(), dtype=flat.dtype)])
-        owned = [NodeLayout(world // per_node, per_node, r).shard_rank if per_node else r for r in range(world)]
+        R = world // per_node if per_node else world
+        owned = [NodeLayout(R, per_node, r).shard_rank if per_node else r for r in range(world)]
         return [flat[k * n : (k + 1) * n] for k in owned]
     S, R = per_node, world // per_node
     local = []
