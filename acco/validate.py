@@ -61,7 +61,7 @@ from acco.config import (
 from acco.data.errors import DataError, looks_like_local_path
 from acco.data.text import corpus_sources, load_corpus, quiet_datasets, text_bytes
 from acco.engine.config import ConfigError
-from acco.engine.layout import check_layout, layout_from_env
+from acco.engine.layout import check_layout, layout_from_env, layout_words
 from acco.job import Job, Loaded, job_of
 from acco.launch.env import dist_env
 from acco.run_folder import RUN_MARKERS, list_checkpoints
@@ -506,7 +506,8 @@ def check_folders(job: Job) -> None:
 def check_node_layout(job: Job) -> None:
     """The nodes the job's workers are grouped into divide them (acco.engine.layout.check_layout):
     a plain ``python main.py``'s launch.workers_per_node; under torchrun or srun the layout their
-    environment says, where the method's rounds run on it (train.rounds=nodes)."""
+    environment says, where the method's rounds run on it (train.rounds=nodes). With
+    train.shard_inside_node, that layout has several nodes of several workers."""
     args = job.args
     if dist_env() is None:  # the local launcher's emulated nodes
         where, per_node, hint = "launch.workers_per_node", job.launch.workers_per_node, ""
@@ -514,12 +515,33 @@ def check_node_layout(job: Job) -> None:
         where, per_node = layout_from_env() or ("", None)
         hint = ", or set train.rounds=flat (one ring)"
     else:
-        return  # the engine never reads the launcher's layout
+        return  # the engine never reads the launcher's layout (shard_inside_node needs rounds=nodes)
     if per_node is not None:
         try:
             check_layout(job.world_size, per_node, where)
         except ConfigError as e:
             _fail(f"{e}{hint}", e)
+    if args.shard_inside_node:
+        said = (f"{where}={per_node}" if per_node is not None else f"{where} unset" if where
+                else "no launcher variable says the workers per node")  # fmt: skip
+        check_sharded_layout(job.world_size, per_node or job.world_size, said, local=dist_env() is None)
+
+
+def check_sharded_layout(world_size: int, per_node: int, said: str, local: bool) -> None:
+    """train.shard_inside_node shards inside each node and runs the rounds between nodes: a job of
+    one node has no rounds to run, one of one worker per node nothing to shard. `said`: where the
+    layout comes from; `local`: the local launcher's (launch.workers_per_node)."""
+    if 1 < per_node < world_size:
+        return
+    ways = [str(d) for d in range(2, world_size) if world_size % d == 0]
+    if not local:
+        fix = "run it on several nodes of several workers each"
+    elif ways:
+        fix = f"set launch.workers_per_node={' or '.join(ways)}"
+    else:
+        fix = "run 4 workers or more (launch.nproc=4 launch.workers_per_node=2)"
+    _fail(f"train.shard_inside_node=true needs more than one node of more than one worker; this job is "
+          f"{layout_words(world_size, per_node)} ({said}): {fix}, or set train.shard_inside_node=false")
 
 
 def check_at_once(job: Job) -> None:

@@ -51,6 +51,7 @@ from acco.engine.flat import (
     state_header,
     world_of,
 )
+from acco.engine.full_state import reshard
 from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, sharded_rounds
 from acco.engine.nodes import make_rounds
 
@@ -541,14 +542,23 @@ class DecoupledEngine:
         if not self._predicting or self._prediction_stashed:
             yield self.module
             return
+        self._reshard()  # no block unsharded at the prediction
         self.comm_buffer.copy_(self.flat.params)
         self._gather(self.comm.optimizer.master, self.flat.params)
         self._prediction_stashed = True
         try:
             yield self.module
         finally:
+            self._reshard()  # none left unsharded at the committed parameters (an evaluation's)
             self.flat.params.copy_(self.comm_buffer)
             self._prediction_stashed = False
+
+    def _reshard(self) -> None:
+        """Sharded inside the node: a forward with no backward (an evaluation) leaves FSDP2's root
+        unsharded; the next forward would read it rather than the local vector, which the swap
+        of the committed parameters and the prediction changes (full_state.py)."""
+        if self.sharded:
+            reshard(self.module)
 
     def close(self) -> None:
         if self.overlapped:
