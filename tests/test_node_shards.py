@@ -17,6 +17,7 @@ from engine_helpers import (
     config,
     loss_fn,
     make_model,
+    micro_batch,
     reference_acco,
     reference_delayed,
     stream,
@@ -24,6 +25,7 @@ from engine_helpers import (
 
 from acco.engine import ConfigError, build_engine
 from acco.engine import decoupled as decoupled_module
+from acco.engine.full_state import reshard
 from acco.engine.node_shards import local_rows
 
 SHARDED = dict(rounds="nodes", workers_per_node=2, shard_inside_node=True, accumulate_while_waiting=False)
@@ -176,3 +178,28 @@ def _train_bf16(rank, world, kind, cfgs):
             [p.detach().float().flatten() for p in model.parameters()])
         out.append((params, records))
     return out
+
+
+def _wp_evaluated(rank, world, kind, cfg, evaluate):
+    """wp's final parameters, with (`evaluate`) a no-grad forward at the committed parameters after
+    every update, as the trainer's evaluation runs it."""
+    model = make_model(kind)
+    engine = build_engine(model, cfg)
+    for _ in engine.run(stream(kind, rank, world), loss_fn):
+        if evaluate:
+            with engine.committed_params(), torch.no_grad():
+                model(micro_batch(kind, 0)[0])
+    engine.close()
+    reshard(model)  # whatever the engine left unsharded: the parameters are the shards
+    return full_params(model)
+
+
+def test_wp_evaluated_between_updates_follows_its_recurrence():
+    """A forward with no backward leaves FSDP2's root unsharded; wp then swaps its prediction back
+    into the local vector: the next forward must read that, not the committed parameters the
+    evaluation left unsharded (the engine reshards around committed_params)."""
+    world, updates, n = 4, 4, 2
+    cfg = config(method="wp", n_grad_accumulation=n, nb_steps_tot=n * world * updates, **SHARDED)
+    got = run_distributed(_wp_evaluated, world, "stack", cfg, True)[0]
+    ref = Reference("stack", cfg, world, [n] * world)
+    assert_close(got, reference_delayed(ref, updates, True), "wp sharded, evaluated between updates")
