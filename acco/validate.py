@@ -337,10 +337,25 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
     if point.folder is None:
         return
     resume.say_skipped(point)
+    check_sharded_resume(job, point.folder, point.meta)
     if point.completed:
         raise AlreadyCompleted(point.completed)
     job.resume = point
     _check_architecture(job, pretrained_config, point.folder, label)
+
+
+def check_sharded_resume(job: Job, folder: Path, meta: dict) -> None:
+    """A checkpoint sharded inside the node resumes on its own layout only: decide_resume compares
+    the sharding and the world size; here, the workers per node, which only the job knows."""
+    if not job.args.shard_inside_node:
+        return
+    world, saved = job.world_size, int(meta.get("workers_per_node", 0))
+    mine = job_layout(job)[1] or world
+    if saved != mine:
+        _fail(f"train.resume_from_checkpoint={job.args.resume_from_checkpoint}: {folder} was written by "
+              f"{layout_words(world, saved) if saved else f'{world} workers'}, sharded inside the node, this "
+              f"run is {layout_words(world, mine)}: a checkpoint sharded inside the node resumes with "
+              "train.shard_inside_node=true on its own layout only")
 
 
 def saved_vocab_size(folder: Path) -> int | None:
@@ -510,12 +525,12 @@ def check_node_layout(job: Job) -> None:
     train.shard_inside_node, that layout has several nodes of several workers."""
     args = job.args
     if dist_env() is None:  # the local launcher's emulated nodes
-        where, per_node, hint = "launch.workers_per_node", job.launch.workers_per_node, ""
+        hint = ""
     elif args.rounds == "nodes" and args.method_name != "torch-ddp":
-        where, per_node = layout_from_env() or ("", None)
         hint = ", or set train.rounds=flat (one ring)"
     else:
         return  # the engine never reads the launcher's layout (shard_inside_node needs rounds=nodes)
+    where, per_node = job_layout(job)
     if per_node is not None:
         try:
             check_layout(job.world_size, per_node, where)
@@ -525,6 +540,14 @@ def check_node_layout(job: Job) -> None:
         said = (f"{where}={per_node}" if per_node is not None else f"{where} unset" if where
                 else "no launcher variable says the workers per node")  # fmt: skip
         check_sharded_layout(job.world_size, per_node or job.world_size, said, local=dist_env() is None)
+
+
+def job_layout(job: Job) -> tuple[str, int | None]:
+    """Where the job's workers per node come from, and how many (None: unsaid, one node): a plain
+    ``python main.py``'s launch.workers_per_node, else the launcher's variable."""
+    if dist_env() is None:
+        return "launch.workers_per_node", job.launch.workers_per_node
+    return layout_from_env() or ("", None)
 
 
 def check_sharded_layout(world_size: int, per_node: int, said: str, local: bool) -> None:

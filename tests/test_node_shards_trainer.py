@@ -23,7 +23,7 @@ from validation_helpers import NO_WORKER_LAUNCHER
 from acco.config import InputError, compose
 from acco.data.loader import eval_batch_count
 from acco.job import job_of
-from acco.validate import check_node_layout
+from acco.validate import check_node_layout, check_sharded_resume
 
 BUDGET = 48  # micro-batches: acco on 4 workers, 1 per round, takes 8 an update: 6 updates
 EVAL_ROWS, EVAL_BATCH = 9, 1  # rank 0 evaluates 3 batches, ranks 1-3 two: node 0 splits unevenly
@@ -239,3 +239,19 @@ def test_sharding_needs_several_nodes_of_several_workers(tmp_path, overrides, sa
                                          "one worker; " + said), str(refused.value)  # fmt: skip
     check_node_layout(job_of(compose([f"train.output_dir={tmp_path}", "train.shard_inside_node=true",
                                       "launch.workers_per_node=2"]), 4))  # fmt: skip
+
+
+def test_a_sharded_checkpoint_resumes_on_its_own_layout_only(tmp_path):
+    """8 workers: 2 nodes x 4 and 4 nodes x 2 are both layouts of a sharded run; the validation
+    pass refuses a checkpoint of one for the other (meta.json's workers_per_node), in one line."""
+    folder = tmp_path / "checkpoint-2"
+    cfg = compose([f"train.output_dir={tmp_path}", "train.shard_inside_node=true",
+                   "launch.workers_per_node=2", f"train.resume_from_checkpoint={folder}"])  # fmt: skip
+    job = job_of(cfg, 8)
+    with pytest.raises(InputError) as refused:
+        check_sharded_resume(job, folder, {"world_size": 8, "workers_per_node": 4})
+    assert str(refused.value) == (
+        f"train.resume_from_checkpoint={folder}: {folder} was written by 2 nodes x 4 workers, sharded inside "
+        "the node, this run is 4 nodes x 2 workers: a checkpoint sharded inside the node resumes with "
+        "train.shard_inside_node=true on its own layout only")
+    check_sharded_resume(job, folder, {"world_size": 8, "workers_per_node": 2})
