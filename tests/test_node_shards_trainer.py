@@ -255,3 +255,22 @@ def test_a_sharded_checkpoint_resumes_on_its_own_layout_only(tmp_path):
         "the node, this run is 4 nodes x 2 workers: a checkpoint sharded inside the node resumes with "
         "train.shard_inside_node=true on its own layout only")
     check_sharded_resume(job, folder, {"world_size": 8, "workers_per_node": 2})
+
+
+@pytest.mark.slow  # a whole command-line job on 4 local workers
+def test_the_command_line_trains_sharded_inside_emulated_nodes(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "acco.cli", "train=acco", "train.shard_inside_node=true", "launch.nproc=4",
+           "launch.workers_per_node=2", "train.nb_steps_tot=48", "train.eval_step=2", "train.save_step=2",
+           f"train.output_dir={out}", f"train.cache_dir={tmp_path / 'cache'}", f"train.timeout_s={TIMEOUT_S}"]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layout: 2 nodes x 2 workers: sharded inside the node, rounds between nodes" in proc.stdout
+    assert "done: acco 48 micro-batches, final eval loss" in proc.stdout, proc.stdout
+    train, evals = _metrics(out)
+    assert sorted(train) == list(range(1, 7)) and sorted(evals) == [2, 4, 6]
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    in_checkpoint = AutoModelForCausalLM.from_pretrained(out / "checkpoint-6" / "model").state_dict()
+    assert all(torch.equal(saved[name], in_checkpoint[name]) for name in saved)

@@ -542,18 +542,18 @@ class DecoupledEngine:
         if not self._predicting or self._prediction_stashed:
             yield self.module
             return
-        self._reshard()  # no block unsharded at the prediction
+        self._free_unsharded()  # no block unsharded at the prediction
         self.comm_buffer.copy_(self.flat.params)
         self._gather(self.comm.optimizer.master, self.flat.params)
         self._prediction_stashed = True
         try:
             yield self.module
         finally:
-            self._reshard()  # none left unsharded at the committed parameters (an evaluation's)
+            self._free_unsharded()  # none left unsharded at the committed parameters (an evaluation's)
             self.flat.params.copy_(self.comm_buffer)
             self._prediction_stashed = False
 
-    def _reshard(self) -> None:
+    def _free_unsharded(self) -> None:
         """Sharded inside the node: a forward with no backward (an evaluation) leaves FSDP2's root
         unsharded; the next forward would read it rather than the local vector, which the swap
         of the committed parameters and the prediction changes (full_state.py)."""
