@@ -11,7 +11,8 @@
     acco-bench lr-sweep    [--learning-rates 5e-4,1e-3,1.5e-3,2e-3,3e-3 --extra-seeds 1,2 --data PATH ...]
     acco-bench gpu         [--out DIR]        (needs CUDA; exits cleanly without it)
     acco-bench map         [--compute-s C --comm-s M --workers W --workers-per-node S ...]
-                           (where each method wins; runs nothing)
+                           [--params llama-13b: the memory per GPU counted by every engine on meta]
+                           (where each method wins; trains nothing)
     acco-bench faults      [--workers 2 --faults 10 --save-step 2 --seed 0]  (a fault drill under torchrun)
     acco-bench report DIR                      (re-render a finished run's tables and plots)
 
@@ -338,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "map",
         help="where each method wins: bounds from ddp's compute C and comm M per update, "
-        "checked against BENCHMARKS.md, and the paper's settings (runs nothing)",
+        "checked against BENCHMARKS.md, and the paper's settings; with --params, every method's memory "
+        "per GPU counted by its engine on a meta-device model (trains nothing)",
     )
     from acco_bench import map as map_
 

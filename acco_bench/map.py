@@ -17,7 +17,9 @@ only with ``--tables`` (or when no figures of the user's are given), and are alw
 
 The formulas are map_bounds.py's ``bounds`` (acco's, every variant's, ``acco_bound.acco_update_time``,
 which ``acco-bench cluster`` uses too); the assumptions are written into the output (``assumptions``).
-Memory per worker is docs/algorithm.md's table ("Memory per worker"), bytes per parameter.
+Memory per worker is docs/algorithm.md's table ("Memory per worker"), bytes per parameter, in the
+bounds' winners; ``--params`` adds the memory per GPU counted by every engine itself on a model of
+that size built on the meta device (memory_map.py), both layouts.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from acco.run_folder import list_checkpoints
-from acco_bench import BenchError
+from acco_bench import BenchError, memory_map
 from acco_bench.acco_bound import INT8_BLOCK, acco_update_time, bench_settings, method_acco_spec
 from acco_bench.map_bounds import (
     BACKWARD_SHARE,
@@ -389,7 +391,10 @@ def build(a) -> dict:
     extra = []
     for p in a.bench or []:
         extra += from_bench_json(Path(p))
-    result = {"assumptions": assumptions(a), "check": check_rows(extra), "paper": [], "user": None}
+    result = {"assumptions": assumptions(a), "check": check_rows(extra), "paper": [], "user": None,
+              "memory": getattr(a, "memory", None)}
+    if result["memory"]:
+        result["assumptions"] += memory_map.assumptions()
     for setting in PAPER:
         for gbit in a.gbits:
             k, info = paper_case(setting, gbit, a)
@@ -414,6 +419,8 @@ def markdown(r: dict, tables: bool = True) -> str:
     lines = ["# acco-bench map: where each method wins", ""]
     if r["user"]:
         lines += _user_section(r["user"])
+    if r.get("memory"):
+        lines += memory_map.markdown(r["memory"])
     if tables or not r["user"]:
         lines += _measured_section(r)
     else:
@@ -518,7 +525,11 @@ def add_arguments(p) -> None:
                    help="S workers per node, W / S nodes (2 or more): the flat ring's bounds beside the "
                         "two-level rounds' (train.rounds=nodes), bytes on the slow link (W-1)/W against "
                         "(R-1)/R of the payload; needs your figures")
-    p.add_argument("--params", type=float, default=None, help="parameters (default: --from's): GiB per GPU")
+    p.add_argument("--params", default=None,
+                   help="the model, " + ", ".join(memory_map.PRESETS) + ", or a parameter count (13e9: the "
+                   "nearest of them for the memory table, the count itself for the bounds' GiB): every "
+                   "method's memory per GPU counted by its engine on that model, on both layouts "
+                   "(default: --from's count, for the bounds alone)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="training precision (default: --from's, else bf16)")  # fmt: skip
     p.add_argument("--grad-accum", type=int, default=None,
@@ -560,9 +571,10 @@ def check_nodes(a) -> None:
         return
     if s < 1 or a.workers % s or a.workers // s < 2:
         raise BenchError(f"--workers-per-node {s} must divide --workers {a.workers} into 2 nodes or more")
-    if a.compute_s is None:
+    if a.compute_s is None and a.model is None:
         raise BenchError("--workers-per-node compares the layouts on your figures: give --compute-s and "
-                         "--comm-s (the flat ring's, ddp's), or --from a ddp run")
+                         "--comm-s (the flat ring's, ddp's), or --from a ddp run; or --params for the memory "
+                         "table")
 
 
 def run(a) -> int:
@@ -570,6 +582,9 @@ def run(a) -> int:
         a.gbits = [float(x) for x in str(a.gbits).split(",") if x.strip()]
     except ValueError:
         raise BenchError(f"--gbits takes comma-separated numbers, got {a.gbits!r}") from None
+    # given here (a preset, or a count: the nearest preset), the memory table is counted for it;
+    # --from's count alone draws none
+    a.model = a.params = None if a.params is None else memory_map.parse_params(str(a.params))
     take_run_figures(a)
     if a.run is not None and a.run["compute_s"] <= 0:
         raise BenchError(f"--from {a.run_dir}: its median compute_s is {a.run['compute_s']}: no compute "
@@ -579,9 +594,18 @@ def run(a) -> int:
     check_nodes(a)
     for name in ("compute_s", "comm_s", "params", "gpu_gib"):  # nan and inf would reach the table
         value = getattr(a, name, None)
+        if isinstance(value, str):  # a preset's name (parse_params checked it)
+            continue
         if value is not None and not (0 <= value < math.inf and (value > 0 or name == "comm_s")):
             least = "0 or more" if name == "comm_s" else "above 0"
             raise BenchError(f"--{name.replace('_', '-')} must be a finite number {least}, got {value}")
+    a.memory = None
+    if a.model is not None:
+        rows = memory_map.map_rows(a.fragments, a.s_sync_every)
+        counted = memory_map.count(a.model, a.workers, a.workers_per_node, rows, bf16=a.dtype == "bf16")
+        a.memory = memory_map.table(counted, a.gpu_gib)
+        if isinstance(a.model, str):  # a preset: its count for the bounds' GiB
+            a.params = counted["params"]
     r = build(a)
     md = markdown(r, tables=a.tables)
     print(md)

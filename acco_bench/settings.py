@@ -34,6 +34,10 @@ VARIANTS = {
                                          "train.accumulate_cap=null")),
     **{f"acco-int8-auto-cap{c}": ("acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto",
                                            f"train.accumulate_cap={c}")) for c in ("1.25", "1.5", "2")},
+    # Sharded inside the node (train.shard_inside_node; needs -nodes: the rounds run between nodes)
+    **{f"{m}-sharded": (base, ("train.shard_inside_node=true", *extra)) for m, base, extra in (
+        ("ddp", "ddp", ()), ("acco", "acco", ()),
+        ("acco-int8-auto", "acco", ("train.estimate_comm=int8", "train.estimate_micro_batches=auto")))},
     # DiLoCo's sync period H (inner steps), for the sweep; streaming: 4 fragments, tau 1.
     **{f"diloco-h{h}": ("diloco", (f"train.sync_every={h}",)) for h in (5, 10, 20, 50)},
     **{f"streaming-diloco-h{h}": ("streaming-diloco", (f"train.sync_every={h}", "train.num_fragments=4",
@@ -66,6 +70,10 @@ def check_methods(methods) -> None:
         raise BenchError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}, "
                          f"each of {', '.join(TWO_LEVEL)} and their variants also as NAME{NODES_SUFFIX} "
                          "(the two-level rounds)")
+    unsharded = [m for m in methods if split_nodes(m)[0].endswith("-sharded") and not split_nodes(m)[1]]
+    if unsharded:
+        raise BenchError(f"{', '.join(unsharded)}: sharding inside the node runs its rounds between nodes; "
+                         f"name it {unsharded[0]}{NODES_SUFFIX} (with --nodes and --workers-per-node)")
     flat_only = [m for m in methods if split_nodes(m)[1] and base_method(m) not in TWO_LEVEL]
     if flat_only:
         raise BenchError(f"{', '.join(flat_only)}: no two-level rounds (train.rounds) in "

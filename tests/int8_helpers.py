@@ -32,8 +32,28 @@ def engine_order(model) -> torch.Tensor:
     return torch.cat([idx for big, idx in spans if big] + [idx for big, idx in spans if not big])
 
 
+def local_orders(model, S: int) -> list[torch.Tensor]:
+    """Sharded inside the node (acco/engine/node_shards.py): for each local index s, the index in
+    parameters_to_vector's order of each element of its local vector (-1: padding): the matrices
+    first, then the vectors, each parameter's rows [s c, s c + c) with c = ceil(rows / S)."""
+    spans, start = [], 0
+    for p in model.parameters():
+        spans.append((p, torch.arange(start, start + p.numel()).view(p.shape)))
+        start += p.numel()
+    spans = [x for x in spans if x[0].dim() >= 2] + [x for x in spans if x[0].dim() < 2]
+    orders = []
+    for s in range(S):
+        parts = []
+        for p, idx in spans:
+            c = -(-p.shape[0] // S)
+            rows = idx[s * c : (s + 1) * c].reshape(-1)
+            parts += [rows, torch.full((c * p[0].numel() - rows.numel(),), -1)]
+        orders.append(torch.cat(parts))
+    return orders
+
+
 def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None, dtype=torch.float32,
-                   workers_per_node=1):
+                   workers_per_node=1, sharded=False):
     """acco with the estimate round quantized as the engine does it, written out: the estimate's
     gradient is each worker's own sum, quantized shard by shard (blocks per shard) and summed in
     fp32; theta~ = theta_t + dequantized (theta~_exact - theta_t); the update round commits
@@ -41,7 +61,8 @@ def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None
     the largest error / bound ratio of the gradient and of the gathered estimate; ``estimates``:
     a list that receives (theta~ as gathered, theta~ before the all-gather's quantization, each
     element's quantum). ``workers_per_node`` S > 1 (the two-level rounds, fp32): what is quantized is
-    each node's exact sum of its S workers' gradients, shard by shard.
+    each node's exact sum of its S workers' gradients, shard by shard; ``sharded`` (sharding inside
+    the node): the shards are those of each local index's local vector (`local_orders`), R each.
 
     ``dtype`` bf16 (mixed precision) rounds where the engine does: gradients at bf16(theta), each
     worker's added up micro-batch by micro-batch in bf16 (grad_accum_dtype bf16; the update's payload
@@ -64,6 +85,25 @@ def reference_int8(kind, cfg, world, updates, block, bounds=None, estimates=None
         v = torch.empty(numel, dtype=u.dtype)
         v[order] = u.reshape(-1)[:numel]
         return v
+
+    if sharded:  # rows (s, r): shard r of local index s's local vector, padded to R shards
+        orders, R = local_orders(ref.model, workers_per_node), world // workers_per_node
+        shard = -(-orders[0].numel() // R)
+
+        def shards(v):  # noqa: F811
+            rows = []
+            for idx in orders:
+                u, held = torch.zeros(R * shard, dtype=v.dtype), idx >= 0
+                u[: idx.numel()][held] = v[idx[held]]
+                rows.append(u.view(R, shard))
+            return torch.cat(rows)
+
+        def back(u):  # noqa: F811
+            v = torch.empty(numel, dtype=u.dtype)
+            for s, idx in enumerate(orders):
+                held = idx >= 0
+                v[idx[held]] = u[s * R : (s + 1) * R].reshape(-1)[: idx.numel()][held]
+            return v
 
     def per_worker_grads(theta, running=None):
         """Each worker's sum of its next micro-batches' gradients at theta (bf16: added one by one to

@@ -89,9 +89,15 @@ def test_nodes_names_run_their_method_with_the_two_level_rounds():
         check_methods(("ddp", "torch-ddp-nodes"))
     with pytest.raises(BenchError, match="unknown method"):
         check_methods(("adam-nodes",))
+    # sharded inside the node: its rounds run between nodes, so only as NAME-nodes
+    assert method_overrides("acco-sharded-nodes") == ("train.shard_inside_node=true", "train.rounds=nodes")
+    check_methods(("ddp-sharded-nodes", "acco-int8-auto-sharded-nodes"))
+    with pytest.raises(BenchError, match="name it acco-sharded-nodes"):
+        check_methods(("acco-sharded",))
 
 
-@pytest.mark.parametrize("method", ["ddp-nodes", "acco-int8-auto-nodes", "acco-int8-auto", "dpu-nodes"])
+@pytest.mark.parametrize("method", ["ddp-nodes", "acco-int8-auto-nodes", "acco-int8-auto", "dpu-nodes",
+                                    "acco-sharded-nodes"])
 def test_a_nodes_method_makes_a_valid_job_with_its_rounds(method, tmp_path):
     s = BenchSettings(hosts=2, workers_per_node=2, methods=(method,))
     s.validate()  # composes every method's workers' config
@@ -100,6 +106,7 @@ def test_a_nodes_method_makes_a_valid_job_with_its_rounds(method, tmp_path):
     assert job.args.method_name == base_method(method)
     if "int8-auto" in method:
         assert job.args.estimate_comm == "int8" and job.args.estimate_micro_batches == "auto"
+    assert job.args.shard_inside_node == ("sharded" in method)
 
 
 def test_a_nodes_method_needs_two_nodes_of_two_workers(tmp_path, capsys):

@@ -22,6 +22,7 @@ from engine_helpers import (
     reference_delayed,
     stream,
 )
+from int8_helpers import BLOCK, reference_int8
 
 from acco.engine import ConfigError, build_engine
 from acco.engine import decoupled as decoupled_module
@@ -178,6 +179,109 @@ def _train_bf16(rank, world, kind, cfgs):
             [p.detach().float().flatten() for p in model.parameters()])
         out.append((params, records))
     return out
+
+
+def _resume(rank, world, kind, cfg, stop_after):
+    """Every rank: the final parameters of an uninterrupted run, and of one whose state was taken
+    after `stop_after` updates and loaded into a fresh engine and model, the stream going back by
+    the micro-batches the saved engine had taken ahead (as checkpoint.save_run rewinds it)."""
+    model = make_model(kind)
+    engine = build_engine(model, cfg)
+    list(engine.run(stream(kind, rank, world), loss_fn))
+    engine.close()
+    straight = full_params(model)
+
+    taken = 0
+
+    def counted():
+        nonlocal taken
+        for batch in stream(kind, rank, world):
+            taken += 1
+            yield batch
+
+    model = make_model(kind)
+    engine = build_engine(model, cfg)
+    for record in engine.run(counted(), loss_fn):
+        if record.step == stop_after:
+            saved = engine.state_dict().items()
+            state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved}
+            break
+    engine.finish()
+    engine.close()
+    back = state["fetched_ahead"] + state["dropped_micro_batches"]
+    model = make_model(kind)
+    torch.manual_seed(99)  # other initial weights: the state alone must bring the run back
+    for p in model.parameters():
+        p.data.normal_()
+    engine = build_engine(model, cfg)
+    exact = engine.load_state_dict(state)
+    rest = itertools.islice(stream(kind, rank, world), taken - back, None)
+    list(engine.run(rest, loss_fn))
+    engine.close()
+    return straight, full_params(model), exact, state["fetched_ahead"]
+
+
+@pytest.mark.parametrize("method", ["acco", "wp"])
+def test_a_sharded_engine_resumes_exactly(method):
+    world, updates = 4, 5
+    k = 1 if method == "acco" else 2
+    cfg = config(method=method, n_grad_accumulation=k, nb_steps_tot=2 * world * updates, **SHARDED)
+    results = run_distributed(_resume, world, "stack", cfg, 2)
+    for straight, resumed, exact, ahead in results:
+        assert exact and ahead > 0
+        assert torch.equal(straight, resumed)
+
+
+def test_a_sharded_checkpoint_is_refused_unsharded_and_on_another_layout():
+    world = 4
+    cfg = config(method="acco", n_grad_accumulation=1, nb_steps_tot=4 * world, **SHARDED)
+    plain = config(method="acco", n_grad_accumulation=1, nb_steps_tot=4 * world, rounds="nodes",
+                   workers_per_node=2, accumulate_while_waiting=False)
+    lines = run_distributed(_refusals, world, cfg, plain)[0]
+    assert lines[0] == (
+        "checkpoint was written by 4 workers (2 per node), sharded inside the node, this run has 4 "
+        "workers (2 per node): a checkpoint sharded inside the node resumes on its own layout with "
+        "train.shard_inside_node=true only")
+    assert lines[1].startswith("checkpoint was written by 4 workers (2 per node), this run has 4 "
+                               "workers (2 per node), sharded inside the node")
+
+
+def _refusals(rank, world, sharded_cfg, plain_cfg):
+    from acco.engine import CheckpointError
+
+    out = []
+    for saved, resumed in ((sharded_cfg, plain_cfg), (plain_cfg, sharded_cfg)):
+        engine = build_engine(make_model("stack"), saved)
+        state = engine.state_dict()
+        engine.close()
+        engine = build_engine(make_model("stack"), resumed)
+        try:
+            engine.load_state_dict(state)
+        except CheckpointError as e:
+            out.append(str(e))
+        engine.close()
+    return out
+
+
+def test_int8_estimate_quantizes_each_local_index_s_node_sums():
+    """acco's int8 estimate round sharded inside the node: FSDP2 sums the node's gradients exactly,
+    and the outer ring quantizes shard r of each local vector, as the reference written out does;
+    not the unsharded node rounds' shards."""
+    world, updates = 4, 4
+    cfg = config(method="acco", n_grad_accumulation=2, nb_steps_tot=2 * 2 * world * updates,
+                 estimate_comm="int8", **SHARDED)
+    params = run_distributed(_train_int8, world, "stack", cfg)[0]
+    want = reference_int8("stack", cfg, world, updates, BLOCK, workers_per_node=2, sharded=True)
+    assert_close(params, want, "int8 estimate sharded in the node vs its reference")
+    unsharded = reference_int8("stack", cfg, world, updates, BLOCK, workers_per_node=2)
+    assert (params - unsharded).abs().max() > 1e-6
+
+
+def _train_int8(rank, world, kind, cfg):
+    from acco.engine import quantize as qz
+
+    qz.BLOCK = BLOCK
+    return _train_here(rank, world, kind, [cfg], False, None)[0][0]
 
 
 def _wp_evaluated(rank, world, kind, cfg, evaluate):

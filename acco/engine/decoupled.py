@@ -518,8 +518,10 @@ class DecoupledEngine:
         }
         out, seen = {}, set()
         for name, t in parts.items():
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            # each storage once, known by the storage itself rather than by its address: on the meta
+            # device, where a model is built only to count what it would hold, every address is 0
+            if t is not None and (storage := t.untyped_storage()._cdata) not in seen:
+                seen.add(storage)
                 out[name] = t.numel() * t.element_size()
         return out
 

@@ -157,6 +157,13 @@ class CudaOps(HostOps):
         return torch.cuda.get_device_name(self.device)
 
 
+def mesh_device_type(device: torch.device) -> str:
+    """The device type of a DeviceMesh over `device`'s workers: its own, but for a module on the meta
+    device (built only to count what it would hold) the host's: FSDP2 takes no "meta" mesh, and
+    shards meta parameters as they are."""
+    return "cpu" if device.type == "meta" else device.type
+
+
 _factory: Callable[[torch.device], HostOps] | None = None
 
 

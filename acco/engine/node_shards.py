@@ -44,6 +44,7 @@ from torch.distributed.fsdp import fully_shard
 
 from acco.engine.compiling import blocks
 from acco.engine.config import ConfigError
+from acco.engine.device import mesh_device_type
 from acco.engine.flat import ShardLayout
 from acco.engine.layout import NodeLayout, layout_words, rounds_workers_per_node
 from acco.engine.nodes import FlatRounds, NodeRounds, make_rounds
@@ -123,7 +124,7 @@ class NodeShards:
                     p.data = p.data.to(dtype)
         self.params = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         self.grads = torch.zeros_like(self.params)
-        mesh = DeviceMesh.from_group(rounds.inner_group, device.type)
+        mesh = DeviceMesh.from_group(rounds.inner_group, mesh_device_type(device))
         for unit in [*[b for b in blocks(module) if b is not module], module]:
             fully_shard(unit, mesh=mesh)
             # a plain sum inside the node, as the rounds' reduce-scatter (no divide, no PREMUL_SUM)

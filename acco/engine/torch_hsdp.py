@@ -59,6 +59,7 @@ from acco.engine.comm import EXHAUSTED, STOP, new_stats
 from acco.engine.compiling import blocks
 from acco.engine.config import CheckpointError, ConfigError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, backward_and_count
+from acco.engine.device import mesh_device_type
 from acco.engine.flat import broadcast_module, world_of
 from acco.engine.layout import rounds_workers_per_node
 from acco.engine.torch_ddp import first_batches, gathered_statistics, step_and_record, take_ahead
@@ -110,7 +111,7 @@ class TorchHSDPEngine:
         self.device = next(module.parameters()).device
         S = rounds_workers_per_node(cfg.rounds, self.world_size, cfg.workers_per_node)
         self.workers_per_node = S
-        self.mesh = device_mesh(self.device.type, self.world_size, S)
+        self.mesh = device_mesh(mesh_device_type(self.device), self.world_size, S)
         broadcast_module(module)  # rank 0's weights everywhere: each rank shards its own copy
         # The training copy, fp32 (its shards are the masters); the caller's module is the
         # committed view, in the dtype training computes in.
