@@ -266,8 +266,8 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and not out.exists(), err
     assert main(["faults", "--override", "train.lr=1", "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith("acco-bench: the job cannot run: unknown config key 'train.lr'")
-    for bad, said in (("--params=-5", "--params takes a model (llama-13b, llama-7b, gpt-neo-2.7b, gpt-neo-125m) "
-                                      "or a parameter count above 0 such as 13e9, got '-5'"),
+    for bad, said in (("--params=-5", "--params takes a model (llama-13b, llama-7b, gpt-neo-2.7b, "
+                                      "gpt-neo-125m) or a parameter count above 0 such as 13e9, got '-5'"),
                       ("--compute-s=nan", "--compute-s must be a finite number above 0, got nan"),
                       ("--comm-s=inf", "--comm-s must be a finite number 0 or more, got inf")):  # fmt: skip
         assert main(["map", "--compute-s", "1", "--comm-s", "0.5", bad]) == 2

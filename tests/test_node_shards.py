@@ -17,24 +17,18 @@ from engine_helpers import (
     config,
     loss_fn,
     make_model,
-    micro_batch,
     reference_acco,
     reference_delayed,
     stream,
 )
 from int8_helpers import BLOCK, reference_int8
+from node_shards_helpers import full_params
 
 from acco.engine import ConfigError, build_engine
 from acco.engine import decoupled as decoupled_module
-from acco.engine.full_state import reshard
 from acco.engine.node_shards import local_rows
 
 SHARDED = dict(rounds="nodes", workers_per_node=2, shard_inside_node=True, accumulate_while_waiting=False)
-
-
-def full_params(model) -> torch.Tensor:
-    """The whole model's parameters, in the plain module's order (all-gathered inside the node)."""
-    return torch.cat([p.full_tensor().detach().float().flatten() for p in model.parameters()])
 
 
 def _train(rank, world, kind, cfgs, break_swap=False, device="host", limits=None):
@@ -129,8 +123,8 @@ def test_a_swap_after_the_next_all_gather_is_wrong():
 def test_sharding_inside_the_node_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="needs rounds=nodes"):
         config(method="acco", shard_inside_node=True, rounds="flat")
-    with pytest.raises(ConfigError, match="applies to ddp, dpu, wp and acco"):
-        config(method="diloco", shard_inside_node=True)
+    with pytest.raises(ConfigError, match="applies to ddp, dpu, wp, acco, diloco and streaming-diloco"):
+        config(method="torch-ddp", shard_inside_node=True)
     with pytest.raises(ConfigError, match="same micro-batches per round"):
         config(method="acco", n_grad_accumulation=2, shard_inside_node=True, accumulate_while_waiting=True)
 
@@ -284,26 +278,27 @@ def _train_int8(rank, world, kind, cfg):
     return _train_here(rank, world, kind, [cfg], False, None)[0][0]
 
 
-def _wp_evaluated(rank, world, kind, cfg, evaluate):
-    """wp's final parameters, with (`evaluate`) a no-grad forward at the committed parameters after
-    every update, as the trainer's evaluation runs it."""
+def _with_evaluations(rank, world, kind, cfg, evaluate):
+    """Every rank: the full final parameters, with (or without) a forward at the committed
+    parameters after every update, as the trainer's evaluation runs it (no backward)."""
     model = make_model(kind)
     engine = build_engine(model, cfg)
+    probe = stream(kind, 1000 + rank, world)
     for _ in engine.run(stream(kind, rank, world), loss_fn):
         if evaluate:
             with engine.committed_params(), torch.no_grad():
-                model(micro_batch(kind, 0)[0])
+                loss_fn(model, next(probe))
     engine.close()
-    reshard(model)  # whatever the engine left unsharded: the parameters are the shards
     return full_params(model)
 
 
-def test_wp_evaluated_between_updates_follows_its_recurrence():
-    """A forward with no backward leaves FSDP2's root unsharded; wp then swaps its prediction back
-    into the local vector: the next forward must read that, not the committed parameters the
-    evaluation left unsharded (the engine reshards around committed_params)."""
-    world, updates, n = 4, 4, 2
-    cfg = config(method="wp", n_grad_accumulation=n, nb_steps_tot=n * world * updates, **SHARDED)
-    got = run_distributed(_wp_evaluated, world, "stack", cfg, True)[0]
-    ref = Reference("stack", cfg, world, [n] * world)
-    assert_close(got, reference_delayed(ref, updates, True), "wp sharded, evaluated between updates")
+@pytest.mark.parametrize("method", ["acco", "wp"])
+def test_an_evaluation_between_updates_leaves_training_as_it_was(method):
+    """FSDP2 keeps the root unsharded after a forward with no backward: left so, the next training
+    forward would compute with the parameters the evaluation saw (wp: the committed ones, not its
+    prediction; acco: those before the swap)."""
+    world, k = 4, (1 if method == "acco" else 2)
+    cfg = config(method=method, n_grad_accumulation=k, nb_steps_tot=2 * world * 4, **SHARDED)
+    plain = run_distributed(_with_evaluations, world, "stack", cfg, False)[0]
+    evaluated = run_distributed(_with_evaluations, world, "stack", cfg, True)[0]
+    assert torch.equal(plain, evaluated)

@@ -61,10 +61,7 @@ def _train(root: Path, name: str, sharded: bool, resume=None, **more) -> dict:
         trainer = _trainer(root, name, sharded, **more)
         summary = trainer.train(resume_from_checkpoint=resume)
     rows = {}
-    if sharded:
-        from acco.engine.full_state import reshard
-
-        reshard(trainer.model)  # the final evaluation left the root unsharded: its shards again
+    if sharded:  # the shards (the evaluations' unsharded root is dropped after each)
         rows = {n: p.to_local().detach().clone() for n, p in trainer.model.named_parameters()}
     return {"summary": summary, "printed": printed.getvalue(), "rows": rows}
 

@@ -170,13 +170,15 @@ class EngineSettings:
     where the round is not hidden (ddp, acco; BENCHMARKS.md, "Nodes: 2 nodes x 2 workers, the
     two-level rounds")."""
     shard_inside_node: bool = False
-    """ddp, dpu, wp and acco on the node layout (rounds=nodes): shard each block's parameters and
-    gradients over the S workers of a node with FSDP2's fully_shard (the node's group; gradients
-    reduce-scattered inside the node at every micro-batch), and run the comm rounds between nodes
-    on the node's shards (acco/engine/node_shards.py). Each worker then holds 6/S bytes per
-    parameter of replicated state instead of 6 (bf16), plus the blocks FSDP2 unshards at a time;
-    the optimizer state stays 1/W. Every worker of a node runs the same micro-batches per round:
-    a fixed batch (accumulate_while_waiting off, or a cap that rounds to the minimum)."""
+    """ddp, dpu, wp, acco, diloco and streaming-diloco on the node layout (rounds=nodes): shard each
+    block's parameters and gradients over the S workers of a node with FSDP2's fully_shard (the
+    node's group; gradients reduce-scattered inside the node at every micro-batch), and run the comm
+    rounds between nodes on the node's shards (acco/engine/node_shards.py; diloco: one replica per
+    node, its inner AdamW, pseudo-gradients and outer step on each worker's 1/S). Each worker then
+    holds 6/S bytes per parameter of replicated state instead of 6 (bf16), plus the blocks FSDP2
+    unshards at a time; the optimizer state stays 1/W (diloco's: 1/S). Every worker of a node runs
+    the same micro-batches per round: a fixed batch (accumulate_while_waiting off, or a cap that
+    rounds to the minimum)."""
     bucket_cap_mb: float = 25.0
     """torch-ddp: DistributedDataParallel's bucket size in MiB (torch's default 25; BENCHMARKS.md's sweep)."""
     sync_every: int = 50
@@ -320,9 +322,10 @@ class EngineConfig(EngineSettings):
         self._validate_compile_mode()
 
     def _validate_shard_inside_node(self) -> None:
-        if self.method not in ("ddp", "dpu", "wp", "acco"):
-            raise ConfigError(f"shard_inside_node applies to ddp, dpu, wp and acco; method {self.method} "
-                              "does not take it (torch-hsdp shards inside the node itself)")
+        if self.method not in ("ddp", "dpu", "wp", "acco", *LOCAL_SGD_METHODS):
+            raise ConfigError("shard_inside_node applies to ddp, dpu, wp, acco, diloco and "
+                              f"streaming-diloco; method {self.method} does not take it (torch-hsdp "
+                              "shards inside the node itself)")
         if self.rounds != "nodes":
             raise ConfigError("shard_inside_node runs the rounds between nodes on the node's shards: "
                               "it needs rounds=nodes")

@@ -51,8 +51,7 @@ from acco.engine.flat import (
     state_header,
     world_of,
 )
-from acco.engine.full_state import reshard
-from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, sharded_rounds
+from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, check_sharding, sharded_rounds
 from acco.engine.nodes import make_rounds
 
 # loss_fn(model, micro_batch) -> loss, or (loss, weight): the gradient of `loss` is accumulated and
@@ -458,21 +457,8 @@ class DecoupledEngine:
         return True
 
     def _check_sharding(self, state: dict) -> None:
-        """A checkpoint sharded inside the node holds shards of each node's local vector: it resumes
-        on its own layout, sharded, only (resharding it is not written yet)."""
-        saved = bool(state.get("shard_inside_node", False))
-        if saved == self.sharded and (not saved or same_layout(state, self)):
-            return
-
-        def words(sharded, world, per_node):
-            return f"{world} workers ({per_node} per node){', sharded inside the node' if sharded else ''}"
-        old = words(saved, state["world_size"], state.get("workers_per_node", 0))
-        raise CheckpointError(
-            f"checkpoint was written by {old}, "
-            f"this run has {words(self.sharded, self.world_size, self.rounds.workers_per_node)}: a "
-            "checkpoint sharded inside the node resumes on its own layout with train.shard_inside_node="
-            f"{str(saved).lower()} only"
-        )
+        """A checkpoint sharded inside the node resumes on its own layout, sharded, only."""
+        check_sharding(state, self)
 
     def _reshard(self, old_state: Callable[[int], dict], old_world: int) -> None:
         """This worker's new shard of the fp32 master and moments, copied slice by slice from the
@@ -540,27 +526,25 @@ class DecoupledEngine:
         """The model holds the last committed parameters inside this block. wp computes at its
         prediction elsewhere: then every worker enters the block together, as the committed
         parameters are all-gathered from the fp32 master shards; the prediction waits in the comm
-        buffer, idle between rounds (no model-sized copy is kept for it). Re-entrant."""
-        if not self._predicting or self._prediction_stashed:
-            yield self.module
-            return
-        self._free_unsharded()  # no block unsharded at the prediction
-        self.comm_buffer.copy_(self.flat.params)
-        self._gather(self.comm.optimizer.master, self.flat.params)
-        self._prediction_stashed = True
+        buffer, idle between rounds (no model-sized copy is kept for it). Re-entrant. Sharded inside
+        the node, a forward in the block (an evaluation: no backward) leaves FSDP2's root unsharded
+        at the parameters it saw: dropped on the way out, so that training's next forward gathers
+        the local vector as it is then."""
         try:
-            yield self.module
+            if not self._predicting or self._prediction_stashed:
+                yield self.module
+                return
+            self.comm_buffer.copy_(self.flat.params)
+            self._gather(self.comm.optimizer.master, self.flat.params)
+            self._prediction_stashed = True
+            try:
+                yield self.module
+            finally:
+                self.flat.params.copy_(self.comm_buffer)
+                self._prediction_stashed = False
         finally:
-            self._free_unsharded()  # none left unsharded at the committed parameters (an evaluation's)
-            self.flat.params.copy_(self.comm_buffer)
-            self._prediction_stashed = False
-
-    def _free_unsharded(self) -> None:
-        """Sharded inside the node: a forward with no backward (an evaluation) leaves FSDP2's root
-        unsharded; the next forward would read it rather than the local vector, which the swap
-        of the committed parameters and the prediction changes (full_state.py)."""
-        if self.sharded:
-            reshard(self.module)
+            if self.sharded:
+                self.flat.reshard()
 
     def close(self) -> None:
         if self.overlapped:

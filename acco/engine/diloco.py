@@ -8,6 +8,10 @@ torchft's ``local_sgd.py``, the reference implementation:
   a replica is a node: each inner step its workers average their gradients over the node and take
   the same step (replicas.py); else every worker is a replica, with no collective per step. The
   state is not sharded: every worker keeps the fp32 local parameters and both moments in full.
+  With shard_inside_node the node's replica is sharded over its workers instead (node_shards.py):
+  FSDP2 reduce-scatters each micro-batch's gradient inside the node, every worker keeps its local
+  vector (1/S of the model) and runs the inner AdamW, the pseudo-gradient and the outer step on it,
+  and the clipping norm is the node's (its squared local norms summed with the step's statistics).
 - The model is cut into F fragments, contiguous runs of its parameters in registration order (the
   order of its layers); diloco has one. Fragment i is prepared at inner steps s with
   (s - offset_i) % H == 0, offset_i = floor(H / F * (i + 1)): its pseudo-gradient, the global
@@ -40,11 +44,12 @@ from torch import nn
 
 from acco.engine import progress
 from acco.engine.background import BackgroundComm
-from acco.engine.comm import LOSS, WEIGHT, new_stats
+from acco.engine.comm import EXHAUSTED, LOSS, WEIGHT, new_stats
 from acco.engine.config import LOCAL_SGD_METHODS, CheckpointError, EngineConfig, UpdateRecord
 from acco.engine.decoupled import LossFn, backward_and_count
 from acco.engine.device import device_ops
 from acco.engine.flat import FLAT_ORDER, FlatParams, broadcast_module, state_header, world_of
+from acco.engine.node_shards import AgreedBatches, NodeShards, agree_first, check_sharding, sharded_rounds
 from acco.engine.nodes import make_rounds
 from acco.engine.optim import ShardedAdamW, learning_rate
 from acco.engine.replicas import make_replicas
@@ -52,19 +57,19 @@ from acco.engine.replicas import make_replicas
 _END = object()
 
 
-def fragment_slices(flat: FlatParams, module: nn.Module, num_fragments: int) -> list[list[slice]]:
+def fragment_slices(flat: FlatParams | NodeShards, module: nn.Module,
+                    num_fragments: int) -> list[list[slice]]:
     """The flat-vector ranges of each fragment: the trainable parameters in registration order cut
-    into `num_fragments` runs of about equal size (a run of layers), adjacent ranges merged."""
-    offsets, offset = {}, 0
-    for p in flat.trainable:
-        offsets[id(p)] = offset
-        offset += p.numel()
+    into `num_fragments` runs of about equal size (a run of layers), adjacent ranges merged. Sharded
+    inside the node the cut is the same (by the whole parameters' sizes) and the ranges are each
+    parameter's rows in the local vector: the same on every worker of an outer group."""
+    where = {id(p): r for p, r in zip(flat.trainable, flat.param_ranges)}
     ordered = [p for p in module.parameters() if p.requires_grad]
     if num_fragments > len(ordered):
         raise ValueError(
             f"num_fragments={num_fragments} but the model has only {len(ordered)} parameter tensors"
         )
-    total, before, last = flat.layout.numel, 0, -1
+    total, before, last = flat.model_numel, 0, -1
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(num_fragments)]
     for k, p in enumerate(ordered):
         # The fragment where the parameter's middle falls; but no fragment is skipped (at most one
@@ -72,7 +77,7 @@ def fragment_slices(flat: FlatParams, module: nn.Module, num_fragments: int) -> 
         i = min((2 * before + p.numel()) * num_fragments // (2 * total), num_fragments - 1)
         i = min(max(i, num_fragments - (len(ordered) - k)), last + 1)
         last = i
-        ranges[i].append((offsets[id(p)], offsets[id(p)] + p.numel()))
+        ranges[i].append(where[id(p)])
         before += p.numel()
     fragments = []
     for runs in ranges:
@@ -101,12 +106,20 @@ class DiLoCoEngine:
         self.cfg, self.module, self.group = cfg, module, group
         self.world_size, self.rank = world_of(group)
         # rounds=nodes on R > 1 nodes of S > 1 workers: one replica per node (replicas.py), else
-        # every worker its own
-        self.rounds = make_rounds(cfg.rounds, group, self.world_size, self.rank, cfg.workers_per_node)
+        # every worker its own; sharded inside the node: the node's replica over its workers
+        self.sharded = cfg.shard_inside_node
+        if self.sharded:
+            self.rounds = sharded_rounds(cfg, group, self.world_size, self.rank)
+        else:
+            self.rounds = make_rounds(cfg.rounds, group, self.world_size, self.rank, cfg.workers_per_node)
         dtype = torch.bfloat16 if cfg.use_mixed_precision else torch.float32
         broadcast_module(module, group)  # rank 0's weights, before the fp32 copy is taken from them
-        # One "shard" holding everything: the inner optimizer is not sharded.
-        self.flat = FlatParams(module, dtype, 1, 0)
+        # One "shard" holding everything (the local vector, sharded inside the node): the inner
+        # optimizer is not sharded between replicas.
+        if self.sharded:
+            self.flat = NodeShards(module, dtype, self.rounds, whole_master=True)
+        else:
+            self.flat = FlatParams(module, dtype, 1, 0)
         self.device = self.flat.params.device
         self.replicas = make_replicas(self.rounds, group, self.world_size, self.device)
         self.local = self.flat.master_shard  # fp32 local parameters, the inner AdamW's master
@@ -119,21 +132,22 @@ class DiLoCoEngine:
         self.offsets = [math.floor(H / F * (i + 1)) for i in range(F)]
         # The wire: one fragment's pseudo-gradient (model dtype), the data-exhausted and the stop
         # flags, padded to a multiple of the world size for the reduce-scatter + all-gather (on the
-        # node layout: S chunks of R shards).
+        # node layout: S chunks of R shards; sharded inside the node: R shards of the local vector's).
         padded = self._wire_numel(max(sizes))
         self.wire = torch.zeros(padded, dtype=dtype, device=self.device)
-        self.wire_shard = torch.empty(padded // self.world_size, dtype=dtype, device=self.device)
+        self.wire_shard = torch.empty(padded // self.replicas.world_size, dtype=dtype, device=self.device)
         self.averaged = torch.empty(max(sizes), dtype=torch.float32, device=self.device)  # fp32 average
         self.grad = self.flat.grads if dtype == torch.float32 else torch.zeros_like(self.local)
         # mixed precision, grad_accum_dtype fp32: each micro-batch's bf16 gradients add to the fp32 `grad`
         self.sum_fp32 = self.grad is not self.flat.grads and cfg.grad_accum_dtype == "fp32"
         self.stats = new_stats(self.device)
         self.norm = torch.zeros((), dtype=torch.float32, device=self.device)  # the inner step's gradient norm
-        # An inner step's loss sum, weight and norm, copied to the host behind the step's work and
-        # read once the next step's micro-batches are queued: the GPU never drains for a record.
-        self.step_stats = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # An inner step's loss sum, weight and norm (and, sharded, whether a worker of the node is
+        # short of the micro-batches after the next step's), copied to the host behind the step's
+        # work and read once the next step's micro-batches are queued: the GPU never drains for a record.
+        self.step_stats = torch.zeros(4, dtype=torch.float64, device=self.device)
         self.ops = device_ops(self.device)
-        self.host_stats = self.ops.host_buffer(3, dtype=torch.float64)
+        self.host_stats = self.ops.host_buffer(4, dtype=torch.float64)
         # blocking: the host sleeps in `_read_stats`' wait instead of spinning a core
         self.stats_ready = self.ops.event(blocking=True)
         self.computed_ahead = 0  # the next step's micro-batches, computed before this step's record
@@ -144,7 +158,9 @@ class DiLoCoEngine:
         self.step = 0  # inner steps
         self.committed_micro_batches = 0  # micro-batches over all workers in inner steps so far
         self._stop = False  # some worker ran out of data (learnt from an all-reduce)
-        self._exhausted = False  # this worker ran out of data
+        # this worker ran out of data; sharded: its node agreed to compute no more micro-batches
+        self._exhausted = False
+        self._agreed: AgreedBatches | None = None  # sharded: the micro-batches taken ahead
         self._stop_requested = self._stop_agreed = False  # request_stop: sent with the next all-reduce
         self._last_loss = float("nan")
         self.wall_time_offset = 0.0
@@ -170,6 +186,8 @@ class DiLoCoEngine:
     def _average(self, n: int) -> bool:
         """The replica's gradient sum and statistics: this worker's own, or on the node layout the
         node's (summed in the model dtype, as ddp's wire); whether the replica takes an inner step."""
+        if self.sharded:
+            return self._node_step(n)
         if not self.replicas.per_step:
             return n > 0
         if self.sum_fp32:  # the fp32 sum rounded to bf16 once, for the wire
@@ -180,6 +198,18 @@ class DiLoCoEngine:
         if self.sum_fp32:
             self.grad.copy_(self.flat.grads)
         return stepped
+
+    def _node_step(self, n: int) -> bool:
+        """Sharded inside the node: FSDP2 has summed the node's gradients into this worker's shards.
+        The micro-batches ahead are topped up first, so that the node's statistics say whether every
+        worker of it has those after the next step's (node_shards.AgreedBatches); the node's
+        gradient norm, before the division by its weight, goes to `norm`. Every worker of the node
+        ran the same micro-batches: it steps where this worker had some."""
+        short = self._exhausted or self._agreed.top_up()
+        grads = self.grad if self.sum_fp32 else self.flat.grads
+        squared = self.replicas.node_step(grads, self.stats, short, self._stop_requested)
+        torch.div(squared.sqrt(), self.stats[WEIGHT].clamp(min=1e-30), out=self.norm)
+        return n > 0
 
     def _apply(self, n: int) -> tuple[float, bool]:
         """One AdamW step on the replica's accumulated micro-batches, `n` of them this worker's
@@ -193,7 +223,8 @@ class DiLoCoEngine:
             if self.grad is not self.flat.grads and not self.sum_fp32:
                 self.grad.copy_(self.flat.grads)
             self.grad.div_(self.stats[WEIGHT].to(self.grad.dtype))
-            torch.linalg.vector_norm(self.grad, out=norm)
+            if not self.sharded:  # sharded: the node's, from `_node_step`
+                torch.linalg.vector_norm(self.grad, out=norm)
             if self.cfg.max_grad_norm:  # torch's clip_grad_norm_ formula, on the device
                 self.grad.mul_((self.cfg.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0))
             self.inner.commit(self.grad, lr)
@@ -203,6 +234,7 @@ class DiLoCoEngine:
         self.step_stats[0].copy_(self.stats[LOSS])
         self.step_stats[1].copy_(self.stats[WEIGHT])
         self.step_stats[2].copy_(norm)
+        self.step_stats[3].copy_(self.stats[EXHAUSTED])
         self.host_stats.copy_(self.step_stats, non_blocking=True)
         self.stats_ready.record(self.ops.current_stream())
         self.flat.grads.zero_()
@@ -218,9 +250,11 @@ class DiLoCoEngine:
         """The last step's (gradient norm before clipping, loss weight) on the host; waits for that
         step alone (the next one's micro-batches may already be queued behind it)."""
         self.stats_ready.synchronize()
-        loss_sum, weight, norm = self.host_stats.tolist()
+        loss_sum, weight, norm, short = self.host_stats.tolist()
         if stepped:
             self._last_loss = loss_sum / weight
+        if self.sharded and short:  # a worker of the node lacks some micro-batch after the next step's:
+            self._exhausted = True  # the node computes none (that flag also reaches the other nodes)
         return (norm if self.cfg.max_grad_norm else float("nan")), weight
 
     # ---- fragments: prepare (launch the all-reduce) and sync (outer step, merge) ---------------
@@ -335,6 +369,11 @@ class DiLoCoEngine:
         records the model holds this worker's local parameters; `committed_params` gives the
         global ones."""
         batches = iter(batches)
+        if self.sharded:  # two inner steps' micro-batches agreed ahead, as node_shards.py's rounds
+            self._agreed = batches = AgreedBatches(batches, 2 * self.cfg.n_grad_accumulation)
+            if agree_first(self, batches):
+                self.finish()
+                return
         t0 = time.perf_counter() - self.wall_time_offset
         self.flat.check_grad_views()
         start = time.perf_counter()
@@ -379,15 +418,27 @@ class DiLoCoEngine:
         (at most sync_every / num_fragments inner steps later)."""
         self._stop_requested = True
 
+    @property
+    def fetched_ahead(self) -> int:
+        """Sharded: micro-batches taken from the stream and not computed yet (read again on resume)."""
+        return len(self._agreed.queue) if self._agreed is not None else 0
+
+    def _write_params(self, source: torch.Tensor) -> None:
+        """The model's parameters = `source`, outside an inner step; sharded, what an evaluation's
+        forward left unsharded is dropped, so that the next forward gathers these."""
+        self.flat.params.copy_(source)
+        if self.sharded:
+            self.flat.reshard()
+
     @contextlib.contextmanager
     def committed_params(self):
         """The model holds the global parameters inside this block (it computes at its local ones)."""
         self.quiesce()
-        self.flat.params.copy_(self.global_params)
+        self._write_params(self.global_params)
         try:
             yield self.module
         finally:
-            self.flat.params.copy_(self.local)
+            self._write_params(self.local)
 
     def sync_note(self) -> str:
         """What an evaluation sees, for its log line (it is not what the training loss is taken at,
@@ -436,7 +487,7 @@ class DiLoCoEngine:
             self.grad.zero_()
         self.stats.zero_()
         self.computed_ahead = 0
-        self.flat.params.copy_(self.global_params)
+        self._write_params(self.global_params)
 
     def compute_context(self):
         """The parameters already are in the training dtype."""
@@ -465,12 +516,21 @@ class DiLoCoEngine:
             out["grad_fp32"] = size(self.grad)
         return out
 
+    def _shared(self) -> tuple[bool, dist.ProcessGroup | None]:
+        """Who saves what every worker holds identically (the global parameters, the outer momentum,
+        a landed average), and the group it is broadcast over on load: rank 0 and the job; sharded
+        inside the node, node 0's worker of each local index and its outer group (the local vector's
+        rows)."""
+        if self.sharded:
+            return self.rounds.layout.node == 0, self.rounds.outer_group
+        return self.rank == 0, self.group
+
     def state_dict(self) -> dict:
-        """This worker's local parameters and inner AdamW state (its own: not sharded); rank 0 alone
-        saves what every worker holds identically: the global parameters, the outer momentum and a
-        landed all-reduce result not yet applied."""
+        """This worker's local parameters and inner AdamW state (its own: not sharded between
+        replicas); rank 0 alone (sharded: node 0's workers) saves what every worker holds identically:
+        the global parameters, the outer momentum and a landed all-reduce result not yet applied."""
         self.quiesce()
-        shared = self.rank == 0
+        shared = self._shared()[0]
         averaged = self.averaged_fragment
         n = sum(s.stop - s.start for s in self.fragments[averaged]) if averaged is not None else 0
         landed = self.averaged[:n] if shared and n else None
@@ -492,6 +552,7 @@ class DiLoCoEngine:
             "stop": self._stop,
             # the next step's micro-batches, computed ahead of this record: a resume reads them again
             "dropped_micro_batches": self.computed_ahead,
+            "fetched_ahead": self.fetched_ahead,  # sharded: taken from the stream, not computed yet
         }
 
     def load_state_dict(self, state: dict, old_state=None) -> bool:
@@ -502,11 +563,12 @@ class DiLoCoEngine:
             raise CheckpointError(
                 f"checkpoint was written by method {state['method']!r}, this run is {self.cfg.method!r}"
             )
-        if state["numel"] != self.flat.layout.numel or state.get("order") != FLAT_ORDER:
+        if state["numel"] != self.flat.model_numel or state.get("order") != FLAT_ORDER:
             raise CheckpointError(
                 f"checkpoint holds {state['numel']:,} parameters in another order or number; "
-                f"the model has {self.flat.layout.numel:,}"
+                f"the model has {self.flat.model_numel:,}"
             )
+        check_sharding(state, self)
         if state["world_size"] != self.world_size or state["rank"] != self.rank:
             raise CheckpointError(
                 f"{self.cfg.method} resumes only on the world size it was saved with "
@@ -532,7 +594,8 @@ class DiLoCoEngine:
         self.inner.exp_avg.copy_(state["exp_avg"])
         self.inner.exp_avg_sq.copy_(state["exp_avg_sq"])
         self.inner.restore_step(int(state["inner_steps"]))
-        if self.rank == 0:
+        shared, group = self._shared()
+        if shared:
             self.global_params.copy_(state["global_params"])
             self.outer_momentum.copy_(state["outer_momentum"])
         self.averaged_fragment = state["averaged_fragment"]
@@ -541,17 +604,17 @@ class DiLoCoEngine:
             if self.averaged_fragment is not None
             else 0
         )
-        if self.rank == 0 and n:
+        if shared and n:
             self.averaged[:n].copy_(state["averaged"])
         if self.world_size > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            src = dist.get_global_rank(group, 0) if group is not None else 0
             for t in (
                 (self.global_params, self.outer_momentum, self.averaged[:n])
                 if n
                 else (self.global_params, self.outer_momentum)
             ):
-                dist.broadcast(t, src=src, group=self.group)
-        self.flat.params.copy_(self.local)
+                dist.broadcast(t, src=src, group=group)
+        self._write_params(self.local)
         return True
 
     def close(self) -> None:

@@ -104,8 +104,10 @@ class FlatParams:
         self.master_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
         lo, hi = self.shard.start, self.shard.stop
         offset = 0
+        self.param_ranges = []  # each trainable parameter's range in the flat vector, in its order
         for p in self.trainable:
             n = p.numel()
+            self.param_ranges.append((offset, offset + n))
             a, b = max(lo, offset), min(hi, offset + n)
             if a < b:
                 self.master_shard[a - lo : b - lo].copy_(p.detach().flatten()[a - offset : b - offset])

@@ -47,11 +47,3 @@ def full_state_dict(module: nn.Module, copy: Copy | None) -> dict[str, torch.Ten
             out[name] = kept[key]
     return out
 
-
-def reshard(module: nn.Module) -> None:
-    """Free the blocks FSDP2 left unsharded: a forward without a backward (an evaluation) leaves the
-    root's parameters unsharded, and the next forward would read them instead of the shards
-    (stale, once the shards have changed). No collective."""
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()

@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from acco.engine.compiling import blocks
-from acco.engine.config import ConfigError
+from acco.engine.config import CheckpointError, ConfigError
 from acco.engine.device import mesh_device_type
-from acco.engine.flat import ShardLayout
+from acco.engine.flat import ShardLayout, same_layout
 from acco.engine.layout import NodeLayout, layout_words, rounds_workers_per_node
 from acco.engine.nodes import FlatRounds, NodeRounds, make_rounds
 
@@ -89,9 +89,12 @@ class NodeShards:
     """FlatParams' role (acco/engine/flat.py) on the node's shards: `params` and `grads` are this
     worker's local vectors, which FSDP2's sharded parameters and their gradients view; `layout` is
     the local vector's ZeRO-1 layout over the R workers of this local index; `master_shard` its fp32
-    shard, taken from the weights as given (before the cast to the training dtype)."""
+    shard, taken from the weights as given (before the cast to the training dtype). `whole_master`
+    (diloco, whose inner optimizer is the node's, not sharded between nodes): the layout is one
+    shard, the master the whole local vector."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, rounds: ShardedRounds):
+    def __init__(self, module: nn.Module, dtype: torch.dtype, rounds: ShardedRounds,
+                 whole_master: bool = False):
         self.module = module
         layout: NodeLayout = rounds.layout
         S, s = layout.workers_per_node, layout.local
@@ -112,7 +115,10 @@ class NodeShards:
             offset += padded * p[0].numel()
         self.decay_numel = sum(padded * params[n][0].numel()
                                for n, (_, _, padded) in zip(self.names, self.offsets) if params[n].dim() >= 2)
-        self.layout = ShardLayout(offset, layout.nodes, layout.node)
+        self.layout = ShardLayout(offset, *((1, 0) if whole_master else (layout.nodes, layout.node)))
+        # each parameter's range in the local vector, in `names`' order (diloco's fragments)
+        self.param_ranges = [(o, o + padded * params[n][0].numel())
+                             for n, (o, _, padded) in zip(self.names, self.offsets)]
         self.model_numel = sum(params[n].numel() for n in self.names)
         self.dtype = dtype
         device = params[self.names[0]].device
@@ -131,6 +137,7 @@ class NodeShards:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
         self.trainable = self._view(module)
+        self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
 
     def _fill(self, out: torch.Tensor, params: dict, start: int) -> None:
         """out = the local vector's [start, start + len(out)), from the unsharded parameters."""
@@ -183,9 +190,34 @@ class NodeShards:
                     "call zero_grad(set_to_none=True) or assign .grad on an engine-managed module"
                 )
 
+    def reshard(self) -> None:
+        """Drop the unsharded parameters a forward without backward left (FSDP2 keeps the root's after
+        its forward, for the backward it expects): the next forward all-gathers the local vector as
+        it is now, not as it was at an evaluation's forward."""
+        for unit in self.units:
+            unit.reshard()
+
     @property
     def shard(self) -> slice:
         return self.layout.shard_slice
+
+
+def check_sharding(state: dict, engine) -> None:
+    """A checkpoint sharded inside the node holds shards of each node's local vector: it resumes
+    on its own layout, sharded, only (resharding it is not written yet); one line otherwise."""
+    saved = bool(state.get("shard_inside_node", False))
+    if saved == engine.sharded and (not saved or same_layout(state, engine)):
+        return
+
+    def words(sharded, world, per_node):
+        return f"{world} workers ({per_node} per node){', sharded inside the node' if sharded else ''}"
+    old = words(saved, state["world_size"], state.get("workers_per_node", 0))
+    raise CheckpointError(
+        f"checkpoint was written by {old}, "
+        f"this run has {words(engine.sharded, engine.world_size, engine.rounds.workers_per_node)}: a "
+        "checkpoint sharded inside the node resumes on its own layout with train.shard_inside_node="
+        f"{str(saved).lower()} only"
+    )
 
 
 _END = object()

@@ -13,6 +13,12 @@ fragment's pseudo-gradient is summed over the replicas (docs/algorithm.md, diloc
   same bits. A fragment's round moves node shards only: local worker s sums its chunk s of the
   wire over the R workers of local index s (the outer group, in the background), and the node
   gathers the chunks over the inner group on the main thread when the fragment lands.
+- `ShardedReplicas` (the same layout, shard_inside_node): one replica per node, sharded inside it
+  (node_shards.py). FSDP2 has already summed each micro-batch's gradient over the node into this
+  worker's local vector, so an inner step all-reduces only the statistics and the local shards'
+  squared gradient norm over the inner group, and every worker steps its own 1/S of the replica. A
+  fragment is a run of the local vector, the same rows on every worker of an outer group: its
+  round sums it whole over the outer group (flags inside), and nothing is gathered in the node.
 
 Why the node's all-gather waits for the main thread: NCCL matches a group's collectives by the
 order each rank issues them, and the main thread issues the inner group's gradient all-reduce at
@@ -28,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from acco.engine import collectives
-from acco.engine.comm import EXHAUSTED, MICRO_BATCHES, STOP
+from acco.engine.comm import EXHAUSTED, MICRO_BATCHES, N_STATS, STOP
+from acco.engine.node_shards import ShardedRounds
 from acco.engine.nodes import NodeRounds
 
-__all__ = ["FlatReplicas", "NodeReplicas", "make_replicas"]
+__all__ = ["FlatReplicas", "NodeReplicas", "ShardedReplicas", "make_replicas"]
 
 
 class FlatReplicas:
@@ -107,8 +114,43 @@ class NodeReplicas:
         self.rounds.all_gather_inner(wire, self.rounds.node_chunk(wire))
 
 
+class ShardedReplicas(FlatReplicas):
+    """One replica per node of `rounds` (ShardedRounds), sharded inside it: the inner step's
+    statistics and norm over the inner group (the main thread's, as FSDP2's), a fragment of the
+    local vector summed over the outer group (the comm thread's) as the flat replicas sum theirs."""
+
+    per_step = True
+
+    def __init__(self, rounds: ShardedRounds, device: torch.device):
+        super().__init__(rounds.outer_group, rounds.layout.nodes)
+        self.inner_group = rounds.inner_group
+        self.node_flags = torch.zeros(2, dtype=torch.float32, device=device)  # as NodeReplicas'
+        # the statistics, then the squared norm of the gradient sum's local shards: one all-reduce
+        self.node_stats = torch.zeros(N_STATS + 1, dtype=torch.float64, device=device)
+
+    def node_step(self, grads: torch.Tensor, stats: torch.Tensor, exhausted: bool,
+                  stop: bool) -> torch.Tensor:
+        """The node's statistics into `stats` on every worker of the node, and the squared L2 norm
+        of the node's gradient sum (its S local shards'), returned on the device (no host read)."""
+        stats[EXHAUSTED] = float(exhausted)
+        stats[STOP] = float(stop)
+        self.node_stats[:N_STATS].copy_(stats)
+        self.node_stats[N_STATS].copy_(torch.linalg.vector_norm(grads, dtype=torch.float32).square())
+        dist.all_reduce(self.node_stats, group=self.inner_group)
+        stats.copy_(self.node_stats[:N_STATS])
+        self.node_flags.copy_(stats[EXHAUSTED : STOP + 1])
+        return self.node_stats[N_STATS]
+
+    def write_flags(self, wire_flags: torch.Tensor, exhausted: bool, stop: bool) -> None:
+        """The node's flags, not this worker's: every worker of the job must learn the same."""
+        wire_flags.copy_(self.node_flags)
+
+
 def make_replicas(rounds, group, world_size: int, device: torch.device):
-    """One replica per node where `rounds` are the two-level ones, else every worker its own."""
+    """One replica per node where `rounds` are the two-level ones (sharded inside the node or not),
+    else every worker its own."""
+    if isinstance(rounds, ShardedRounds):
+        return ShardedReplicas(rounds, device)
     if isinstance(rounds, NodeRounds):
         return NodeReplicas(rounds, device)
     return FlatReplicas(group, world_size)
