@@ -149,6 +149,7 @@ def test_an_eval_set_split_unevenly_inside_a_node_evaluates_every_sample_once(ru
     root, per_rank = runs
     final = {run["sharded"]["summary"]["final_eval_loss"] for run in per_rank}
     assert len(final) == 1  # every worker's all-reduced totals
+    assert final.pop() == pytest.approx(per_rank[0]["flat"]["summary"]["final_eval_loss"], rel=1e-4)
 
 
 def test_a_sharded_checkpoint_resumes_exactly(runs):
