@@ -286,8 +286,9 @@ def save_run(
     """Checkpoint a run after `record`'s update: every worker's engine state, data position and
     RNG, and (rank 0) the model and meta.json. Refused, on every rank, when any worker's state holds
     NaN or inf: the last good checkpoint stays the newest. The state is copied now and written by
-    `writer` (acco/checkpoint_writer.py: in the background, or at once); `snapshot_model(writer)`
-    (rank 0) copies the committed model and returns the call that writes it."""
+    `writer` (acco/checkpoint_writer.py: in the background, or at once); `snapshot_model(writer)`,
+    called on every rank (a model sharded inside the node is gathered by all), copies the committed
+    model to rank 0 and returns there the call that writes it (None elsewhere)."""
     writer.wait()  # one save in flight at most: its host buffers are free again
     state = engine.state_dict()
     # Every floating tensor (master, moments, parameters, acco's accumulator and its stats,
@@ -321,7 +322,7 @@ def save_run(
         "wall_time": record.wall_time,
         "train": args,
     }
-    write_model = snapshot_model(writer) if rank == 0 else None
+    write_model = snapshot_model(writer)
     writer.submit(
         lambda: save(
             args["output_dir"],

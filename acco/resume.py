@@ -207,6 +207,7 @@ def _check_fits(folder: Path, meta: dict, args: Any, world_size: int, numel, mod
             f"{folder} was written by {meta['world_size']} workers, this run has {world_size}; "
             f"{args.method_name} resumes only on the world size it was saved with"
         )
+    _check_sharding(folder, meta, args, world_size)
     mine = numel(folder) if numel is not None else None
     if mine is not None and mine != meta["numel"]:
         raise CheckpointError(
@@ -218,6 +219,24 @@ def _check_fits(folder: Path, meta: dict, args: Any, world_size: int, numel, mod
             f"{', '.join(changed)}: the run would resume on other samples than those it stopped at; "
             "keep the checkpoint's values (a changed batch_size resumes only on another world size)"
         )
+
+
+def _check_sharding(folder: Path, meta: dict, args: Any, world_size: int) -> None:
+    """A checkpoint sharded inside the node (train.shard_inside_node) holds shards of each node's
+    local vector: it resumes sharded on its own world size only, and an unsharded one does not
+    resume sharded (the engine refuses another layout of the same world size, which meta.json's
+    workers_per_node records)."""
+    saved = bool((meta.get("train") or {}).get("shard_inside_node", False))
+    mine = bool(getattr(args, "shard_inside_node", False))
+    if saved == mine and (not saved or meta["world_size"] == world_size):
+        return
+    sharded = ", sharded inside the node" if saved else ""
+    here = ", sharded inside the node" if mine else ""
+    raise CheckpointError(
+        f"{folder} was written by {meta['world_size']} workers{sharded}, this run has {world_size}{here}: "
+        f"a checkpoint {'sharded inside the node' if saved else 'of unsharded rounds'} resumes with "
+        f"train.shard_inside_node={str(saved).lower()}{' on its own layout' if saved else ''} only"
+    )
 
 
 def decide_resume(args: Any, world_size: int, numel=None, model_label: str = "this run's model",

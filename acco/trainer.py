@@ -32,11 +32,12 @@ from acco import checkpoint
 from acco.checkpoint_writer import CheckpointWriter
 from acco.config import TrainArgs
 from acco.data.errors import DataError
-from acco.data.loader import Rows, eval_batches, split_train_eval
+from acco.data.loader import Rows, eval_batch_count, eval_batches, split_train_eval
 from acco.data.on_device import OnDevice, Rewound, check_token_ids, without_full_mask
 from acco.data.prepare import collate, forward_fields, micro_batches, prepare_dataset, select
 from acco.engine import build_engine, progress
 from acco.engine.device import device_ops
+from acco.engine.full_state import forwards_in_lockstep, full_state_dict
 from acco.engine.layout import layout_words
 from acco.launch import preemption
 from acco.launch.process_group import after_rank0, decided_by_rank0, every_rank_at, init_distributed
@@ -377,8 +378,8 @@ class DecoupledTrainer:
         start = time.perf_counter()
         self.engine.quiesce()
         progress.mark(f"the checkpoint of update {record.step}")  # names a rank that misses it
-        # Every rank enters committed_params here, not rank 0 alone in _write_model: for wp it
-        # all-gathers the committed parameters from the master shards (a collective).
+        # Every rank enters committed_params here: for wp it all-gathers the committed parameters
+        # from the master shards (a collective); sharded inside the node, every rank gathers the model.
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.ahead:  # the prefetched micro-batch is read again on resume
             position = Rewound(position, stream.ahead)
@@ -418,10 +419,9 @@ class DecoupledTrainer:
         data = self._prepare(eval_dataset) if eval_dataset is not None else self.eval_data
         if data is None:
             raise DataError("no eval_dataset to evaluate on")
-        batch_size = self.args.eval_batch_size or self.args.batch_size
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.engine is not None:
-            self.engine.quiesce()  # before the all-reduce below
+            self.engine.quiesce()  # before the all-reduces below
         committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
         # Training's precision context (torch-ddp: fp32 parameters under bf16 autocast). Before
         # train() no engine has cast the parameters to the training dtype yet (they are in their
@@ -436,49 +436,69 @@ class DecoupledTrainer:
         was_training = self.model.training
         self.model.eval()
         with committed, precision:
-            collate_fn = (
-                None
-                if isinstance(data, Rows)
-                else (lambda examples: collate(self.data_collator, examples, self._collator_fields))
-            )
-            rows = token_rows(self.model)
-            for i, batch in enumerate(eval_batches(data, batch_size, self.rank, self.world_size, collate_fn)):
-                if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
-                    break
-                check_token_ids(batch, rows)
-                batch = {k: v.to(self.device) for k, v in without_full_mask(batch).items()}
-                loss_sum, tokens = causal_lm_loss(self.model, batch)
-                totals[0] += loss_sum
-                totals[1] += tokens
+            self._evaluate_into(totals, data)
         self.model.train(was_training)
         if self.world_size > 1:
-            progress.mark(f"the evaluation after update {self.engine.step if self.engine else 0}")
+            progress.mark(f"the evaluation after update {self._updates_so_far()}")
             dist.all_reduce(totals)
         loss = (totals[0] / totals[1]).item()
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
-    def save_model(self, output_dir: str | None = None) -> None:
-        """save_pretrained form (safetensors), reloadable with AutoModelForCausalLM.from_pretrained."""
-        folder = Path(output_dir or Path(self.args.output_dir) / "model")
-        after_rank0(lambda: self._write_model(folder), key=f"model/{folder.resolve()}")
+    def _updates_so_far(self) -> int:
+        return self.engine.step if self.engine else 0
 
-    def _write_model(self, output_dir) -> None:
-        self._model_snapshot()(output_dir)
+    def _evaluate_into(self, totals: torch.Tensor, data) -> None:
+        """Add this worker's share of the eval set to `totals` (summed token losses, target tokens).
+        Sharded inside the node, a forward all-gathers each block over the node's workers: every
+        worker runs as many forwards as the most loaded one, those past its own batches on the eval
+        set's first batch (a shape compiled blocks have seen), their loss not counted."""
+        batch_size = self.args.eval_batch_size or self.args.batch_size
+        collate_fn = (
+            None
+            if isinstance(data, Rows)
+            else (lambda examples: collate(self.data_collator, examples, self._collator_fields))
+        )
+        rows = token_rows(self.model)
+        batches = eval_batches(data, batch_size, self.rank, self.world_size, collate_fn)
+        mine = eval_batch_count(len(data), batch_size, self.rank, self.world_size, self.args.max_eval_batches)
+        forwards = mine
+        if self.world_size > 1 and forwards_in_lockstep(self.model):
+            most = torch.tensor([mine], dtype=torch.int64, device=self.device)
+            progress.mark(f"the evaluation's batch count after update {self._updates_so_far()}")
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # main thread, no round in flight: quiesced
+            forwards = int(most.item())
+        for i in range(forwards):
+            counted = i < mine
+            batch = next(batches) if counted else next(eval_batches(data, batch_size, 0, 1, collate_fn))
+            check_token_ids(batch, rows)
+            batch = {k: v.to(self.device) for k, v in without_full_mask(batch).items()}
+            loss_sum, tokens = causal_lm_loss(self.model, batch)
+            if counted:
+                totals[0] += loss_sum
+                totals[1] += tokens
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """save_pretrained form (safetensors), reloadable with AutoModelForCausalLM.from_pretrained.
+        Every worker calls it: a model sharded inside the node is gathered by all of them."""
+        folder = Path(output_dir or Path(self.args.output_dir) / "model")
+        write = self._model_snapshot()
+        after_rank0(lambda: write(folder), key=f"model/{folder.resolve()}")
 
     def _model_snapshot(self, writer: CheckpointWriter | None = None):
-        """The committed model copied to host memory now (into `writer`'s buffers when it writes in
-        the background); returns the call that writes that copy in save_pretrained form."""
+        """The committed model copied to rank 0's host memory now (into `writer`'s buffers when it
+        writes in the background); returns the call that writes that copy in save_pretrained form
+        (None on the other ranks). Every rank calls it: a model sharded inside the node is gathered
+        tensor by tensor by all the node's workers (acco/engine/full_state.py)."""
         committed = self.engine.committed_params() if self.engine is not None else contextlib.nullcontext()
+        copy = None
+        if self.rank == 0:  # the parameters are views of one flat buffer (or DTensor shards): hand
+            # save_pretrained host tensors of its own, one per storage so that tied weights stay tied
+            copy = ((lambda v, k: writer.host_copy(v, f"model.{k}")) if writer
+                    else (lambda v, k: v.to("cpu", copy=True)))  # fmt: skip
         with committed:
-            # The parameters are views of one flat buffer: hand save_pretrained its own host
-            # tensors (no copy on the GPU), one per storage so that tied weights stay tied.
-            copies: dict[int, torch.Tensor] = {}
-            state = {}
-            for k, v in self.model.state_dict().items():
-                if v.data_ptr() not in copies:
-                    copy = writer.host_copy(v, f"model.{k}") if writer else v.detach().to("cpu", copy=True)
-                    copies[v.data_ptr()] = copy
-                state[k] = copies[v.data_ptr()]
+            state = full_state_dict(self.model, copy)
+        if copy is None:
+            return None
 
         def write(output_dir) -> None:
             self.model.save_pretrained(str(output_dir), state_dict=state, safe_serialization=True)

@@ -61,7 +61,7 @@ from acco.config import (
 from acco.data.errors import DataError, looks_like_local_path
 from acco.data.text import corpus_sources, load_corpus, quiet_datasets, text_bytes
 from acco.engine.config import ConfigError
-from acco.engine.layout import check_layout, layout_from_env
+from acco.engine.layout import check_layout, layout_from_env, layout_words
 from acco.job import Job, Loaded, job_of
 from acco.launch.env import dist_env
 from acco.run_folder import RUN_MARKERS, list_checkpoints
@@ -337,10 +337,25 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
     if point.folder is None:
         return
     resume.say_skipped(point)
+    check_sharded_resume(job, point.folder, point.meta)
     if point.completed:
         raise AlreadyCompleted(point.completed)
     job.resume = point
     _check_architecture(job, pretrained_config, point.folder, label)
+
+
+def check_sharded_resume(job: Job, folder: Path, meta: dict) -> None:
+    """A checkpoint sharded inside the node resumes on its own layout only: decide_resume compares
+    the sharding and the world size; here, the workers per node, which only the job knows."""
+    if not job.args.shard_inside_node:
+        return
+    world, saved = job.world_size, int(meta.get("workers_per_node", 0))
+    mine = job_layout(job)[1] or world
+    if saved != mine:
+        _fail(f"train.resume_from_checkpoint={job.args.resume_from_checkpoint}: {folder} was written by "
+              f"{layout_words(world, saved) if saved else f'{world} workers'}, sharded inside the node, this "
+              f"run is {layout_words(world, mine)}: a checkpoint sharded inside the node resumes with "
+              "train.shard_inside_node=true on its own layout only")
 
 
 def saved_vocab_size(folder: Path) -> int | None:
@@ -506,20 +521,50 @@ def check_folders(job: Job) -> None:
 def check_node_layout(job: Job) -> None:
     """The nodes the job's workers are grouped into divide them (acco.engine.layout.check_layout):
     a plain ``python main.py``'s launch.workers_per_node; under torchrun or srun the layout their
-    environment says, where the method's rounds run on it (train.rounds=nodes)."""
+    environment says, where the method's rounds run on it (train.rounds=nodes). With
+    train.shard_inside_node, that layout has several nodes of several workers."""
     args = job.args
     if dist_env() is None:  # the local launcher's emulated nodes
-        where, per_node, hint = "launch.workers_per_node", job.launch.workers_per_node, ""
+        hint = ""
     elif args.rounds == "nodes" and args.method_name != "torch-ddp":
-        where, per_node = layout_from_env() or ("", None)
         hint = ", or set train.rounds=flat (one ring)"
     else:
-        return  # the engine never reads the launcher's layout
+        return  # the engine never reads the launcher's layout (shard_inside_node needs rounds=nodes)
+    where, per_node = job_layout(job)
     if per_node is not None:
         try:
             check_layout(job.world_size, per_node, where)
         except ConfigError as e:
             _fail(f"{e}{hint}", e)
+    if args.shard_inside_node:
+        said = (f"{where}={per_node}" if per_node is not None else f"{where} unset" if where
+                else "no launcher variable says the workers per node")  # fmt: skip
+        check_sharded_layout(job.world_size, per_node or job.world_size, said, local=dist_env() is None)
+
+
+def job_layout(job: Job) -> tuple[str, int | None]:
+    """Where the job's workers per node come from, and how many (None: unsaid, one node): a plain
+    ``python main.py``'s launch.workers_per_node, else the launcher's variable."""
+    if dist_env() is None:
+        return "launch.workers_per_node", job.launch.workers_per_node
+    return layout_from_env() or ("", None)
+
+
+def check_sharded_layout(world_size: int, per_node: int, said: str, local: bool) -> None:
+    """train.shard_inside_node shards inside each node and runs the rounds between nodes: a job of
+    one node has no rounds to run, one of one worker per node nothing to shard. `said`: where the
+    layout comes from; `local`: the local launcher's (launch.workers_per_node)."""
+    if 1 < per_node < world_size:
+        return
+    ways = [str(d) for d in range(2, world_size) if world_size % d == 0]
+    if not local:
+        fix = "run it on several nodes of several workers each"
+    elif ways:
+        fix = f"set launch.workers_per_node={' or '.join(ways)}"
+    else:
+        fix = "run 4 workers or more (launch.nproc=4 launch.workers_per_node=2)"
+    _fail(f"train.shard_inside_node=true needs more than one node of more than one worker; this job is "
+          f"{layout_words(world_size, per_node)} ({said}): {fix}, or set train.shard_inside_node=false")
 
 
 def check_at_once(job: Job) -> None:

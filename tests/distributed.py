@@ -45,11 +45,12 @@ PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "acco.engine", "ac
 mp.set_forkserver_preload(PRELOAD)
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str, env: dict) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str, env: dict,
+           timeout_s: float) -> None:
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # W processes share 2 cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -67,11 +68,13 @@ def start_workers(fn, nprocs: int, args: tuple = ()) -> None:
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
-def run_distributed(fn, world_size: int, *args):
-    """fn(rank, world_size, *args) runs on every rank; returns the list of per-rank results."""
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0):
+    """fn(rank, world_size, *args) runs on every rank; returns the list of per-rank results.
+    `timeout_s`: the process group's collective timeout."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _entry, args=(world_size, free_port(), fn, args, out_dir, dict(os.environ)), nprocs=world_size,
+            _entry, args=(world_size, free_port(), fn, args, out_dir, dict(os.environ), timeout_s),
+            nprocs=world_size,
             start_method="forkserver",
         )
         return [

@@ -257,6 +257,13 @@ def eval_batches(
     return _eval_iter(data, batch_size, np.arange(rank, len(data), world_size), collate)
 
 
+def eval_batch_count(n_samples: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                     most: int | None = None) -> int:
+    """How many batches `eval_batches` gives rank `rank` of an eval set of `n_samples`, at most `most`."""
+    count = -(-len(range(rank, n_samples, world_size)) // batch_size)
+    return count if most is None else min(count, most)
+
+
 def _eval_iter(data, batch_size: int, idx: np.ndarray, collate):
     for start in range(0, len(idx), batch_size):
         chunk = idx[start : start + batch_size]
