@@ -222,10 +222,13 @@ def _check_fits(folder: Path, meta: dict, args: Any, world_size: int, numel, mod
 
 
 def _check_sharding(folder: Path, meta: dict, args: Any, world_size: int) -> None:
-    """A checkpoint sharded inside the node (train.shard_inside_node) holds shards of each node's
-    local vector: it resumes sharded on its own world size only, and an unsharded one does not
-    resume sharded (the engine refuses another layout of the same world size, which meta.json's
-    workers_per_node records)."""
+    """diloco's and streaming-diloco's checkpoints sharded inside the node (train.shard_inside_node)
+    hold each node's local vector: they resume sharded on their own world size only, and an unsharded
+    one does not resume sharded (the engine refuses another layout of the same world size, which
+    meta.json's workers_per_node records). ddp, dpu, wp and acco reshard between any layouts
+    (acco/engine/shard_map.py)."""
+    if args.method_name not in ("diloco", "streaming-diloco"):
+        return
     saved = bool((meta.get("train") or {}).get("shard_inside_node", False))
     mine = bool(getattr(args, "shard_inside_node", False))
     if saved == mine and (not saved or meta["world_size"] == world_size):

@@ -345,9 +345,10 @@ def check_resume(job: Job, pretrained_config: Any) -> None:
 
 
 def check_sharded_resume(job: Job, folder: Path, meta: dict) -> None:
-    """A checkpoint sharded inside the node resumes on its own layout only: decide_resume compares
-    the sharding and the world size; here, the workers per node, which only the job knows."""
-    if not job.args.shard_inside_node:
+    """diloco's checkpoint sharded inside the node resumes on its own layout only: decide_resume
+    compares the sharding and the world size; here, the workers per node, which only the job knows.
+    ddp, dpu, wp and acco reshard (acco/engine/shard_map.py)."""
+    if not job.args.shard_inside_node or job.args.method_name not in ("diloco", "streaming-diloco"):
         return
     world, saved = job.world_size, int(meta.get("workers_per_node", 0))
     mine = job_layout(job)[1] or world

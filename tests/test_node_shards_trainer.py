@@ -1,8 +1,8 @@
 """Sharding inside the node (train.shard_inside_node) through DecoupledTrainer on 2 nodes x 2 gloo
 workers and a tiny GPT-Neo: acco's losses and evaluations equal the unsharded two-level rounds',
 an eval set that splits unevenly over the workers evaluates without a hang, a checkpoint resumes
-exactly, the saved model reloads with the committed parameters, compiled blocks train alike, and a
-resume across sharding is refused in one line."""
+exactly, the saved model reloads with the committed parameters, compiled blocks train alike, the
+unsharded rounds resume its checkpoint resharded, and diloco's across layouts is refused in one line."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import clean_env, run_distributed, write_script
+from distributed import clean_env, run_distributed
 from trainer_helpers import tiny_args, tiny_data, tiny_model, train_losses
-from validation_helpers import NO_WORKER_LAUNCHER
 
 from acco.config import InputError, compose
 from acco.data.loader import eval_batch_count
@@ -66,14 +65,22 @@ def _train(root: Path, name: str, sharded: bool, resume=None, **more) -> dict:
     return {"summary": summary, "printed": printed.getvalue(), "rows": rows}
 
 
-def _refused(root: Path, resume) -> str:
-    """An unsharded run given the sharded checkpoint: the line it is refused with."""
-    from acco.engine import CheckpointError
+def _unsharded_resume(root: Path, folder: Path) -> dict:
+    """An unsharded 2 x 2 run resumed from the sharded checkpoint (resharded): what rank 0 printed,
+    its summary, and the parameters it started from."""
+    from acco.trainer import DecoupledTrainer
 
-    trainer = _trainer(root, "refused", False)
-    with pytest.raises(CheckpointError) as refused:
-        trainer.train(resume_from_checkpoint=resume)
-    return str(refused.value)
+    started = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        torch.manual_seed(1)  # other initial weights: the checkpoint alone must bring them back
+        args = tiny_args("acco", root / "unsharded", nb_steps_tot=BUDGET, n_grad_accumulation=1,
+                         shard_inside_node=False, timeout_s=TIMEOUT_S)  # fmt: skip
+        trainer = DecoupledTrainer(model=tiny_model(), train_dataset=tiny_data(), args=args,
+                                   on_train_start=lambda: started.update(
+                                       {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
+        summary = trainer.train(resume_from_checkpoint=str(folder))
+    return {"summary": summary, "printed": printed.getvalue(), "started": started}
 
 
 def _compiled(root: Path) -> dict:
@@ -100,15 +107,12 @@ def _compiled(root: Path) -> dict:
 
 
 def _runs(rank: int, world_size: int, root: str) -> dict:
-    from acco.resume import ResumePoint, load_meta
 
     root = Path(root)
     runs = {"sharded": _train(root, "sharded", True), "flat": _train(root, "flat", False)}
     folder = root / "sharded" / "checkpoint-2"
     runs["resumed"] = _train(root, "resumed", True, resume=str(folder))
-    # refused by the resume's checks (every rank follows rank 0's), and by the engine itself
-    runs["refused_by_resume"] = _refused(root, str(folder))
-    runs["refused_by_engine"] = _refused(root, ResumePoint(folder, load_meta(folder)))
+    runs["unsharded"] = _unsharded_resume(root, folder)
     runs["compiled"] = _compiled(root)
     return runs
 
@@ -190,37 +194,44 @@ def test_compiled_blocks_train_sharded_as_eager_ones(runs):
         assert evals[step] == pytest.approx(eager_evals[step], rel=1e-6), (evals, eager_evals)
 
 
-def test_a_sharded_checkpoint_is_not_resumed_unsharded(runs):
+def test_a_sharded_checkpoint_resumes_unsharded_resharded(runs):
+    """The unsharded rounds resume the sharded checkpoint: its master and moments resharded from the
+    local vectors' shards (acco/engine/shard_map.py), the model the checkpoint's committed one."""
+    from safetensors.torch import load_file
+
     root, per_rank = runs
-    folder = root / "sharded" / "checkpoint-2"
-    for run in per_rank:
-        assert run["refused_by_resume"] == (
-            f"{folder} was written by 4 workers, sharded inside the node, this run has 4: a checkpoint "
-            "sharded inside the node resumes with train.shard_inside_node=true on its own layout only")
-        assert run["refused_by_engine"] == (
-            "checkpoint was written by 4 workers (2 per node), sharded inside the node, this run has 4 "
-            "workers (2 per node): a checkpoint sharded inside the node resumes on its own layout with "
-            "train.shard_inside_node=true only")
-    assert not (root / "refused" / "metrics.jsonl").exists()
+    run = per_rank[0]["unsharded"]
+    assert "resharded" in run["printed"] and "sharded inside the node" not in run["printed"].split(
+        "layout:")[-1].splitlines()[0], run["printed"]
+    saved = load_file(str(root / "sharded" / "checkpoint-2" / "model" / "model.safetensors"))
+    shared = [n for n in run["started"] if n in saved]
+    assert len(shared) >= len(run["started"]) - 1
+    for name in shared:
+        assert torch.equal(run["started"][name], saved[name]), name
+    train, _ = _metrics(root / "unsharded")
+    assert sorted(train) == list(range(3, BUDGET // 8 + 1))  # on from the checkpoint's update 2
 
 
-def test_the_command_line_refuses_the_resume_in_one_line_before_any_worker(runs, tmp_path):
-    root, _ = runs
-    folder = root / "sharded" / "checkpoint-2"
-    before = sorted((p.name, p.stat().st_size) for p in folder.rglob("*"))
-    script = write_script(tmp_path, "launcher.py", NO_WORKER_LAUNCHER)
-    cmd = [sys.executable, script, "launch.nproc=4", "launch.workers_per_node=2",
-           f"train.resume_from_checkpoint={folder}", f"train.output_dir={tmp_path / 'out'}",
-           f"train.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and "warning" not in line]
-    assert proc.returncode == 1 and lines == [
-        f"acco: error: train.resume_from_checkpoint={folder}: {folder} was written by 4 workers, sharded "
-        "inside the node, this run has 4: a checkpoint sharded inside the node resumes with "
-        "train.shard_inside_node=true on its own layout only"
-    ], proc.stderr[-2000:]
-    assert not (tmp_path / "out").exists()
-    assert sorted((p.name, p.stat().st_size) for p in folder.rglob("*")) == before  # nothing lost
+def test_diloco_s_sharded_checkpoints_resume_on_their_own_layout_only(tmp_path):
+    """8 workers: 2 nodes x 4 and 4 nodes x 2 are both layouts of a sharded run; the validation
+    pass refuses diloco's checkpoint of one for the other (meta.json's workers_per_node), in one line;
+    acco's reshards."""
+    folder = tmp_path / "checkpoint-2"
+    meta = {"world_size": 8, "workers_per_node": 4}
+    for method in ("diloco", "acco"):
+        cfg = compose([f"train={method}", f"train.output_dir={tmp_path}", "train.shard_inside_node=true",
+                       "launch.workers_per_node=2", f"train.resume_from_checkpoint={folder}"])  # fmt: skip
+        job = job_of(cfg, 8)
+        if method == "acco":
+            check_sharded_resume(job, folder, meta)
+            continue
+        with pytest.raises(InputError) as refused:
+            check_sharded_resume(job, folder, meta)
+        assert str(refused.value) == (
+            f"train.resume_from_checkpoint={folder}: {folder} was written by 2 nodes x 4 workers, sharded "
+            "inside the node, this run is 4 nodes x 2 workers: a checkpoint sharded inside the node resumes "
+            "with train.shard_inside_node=true on its own layout only")
+        check_sharded_resume(job, folder, {"world_size": 8, "workers_per_node": 2})
 
 
 @pytest.mark.parametrize("overrides, said", [
@@ -237,22 +248,6 @@ def test_sharding_needs_several_nodes_of_several_workers(tmp_path, overrides, sa
                                          "one worker; " + said), str(refused.value)  # fmt: skip
     check_node_layout(job_of(compose([f"train.output_dir={tmp_path}", "train.shard_inside_node=true",
                                       "launch.workers_per_node=2"]), 4))  # fmt: skip
-
-
-def test_a_sharded_checkpoint_resumes_on_its_own_layout_only(tmp_path):
-    """8 workers: 2 nodes x 4 and 4 nodes x 2 are both layouts of a sharded run; the validation
-    pass refuses a checkpoint of one for the other (meta.json's workers_per_node), in one line."""
-    folder = tmp_path / "checkpoint-2"
-    cfg = compose([f"train.output_dir={tmp_path}", "train.shard_inside_node=true",
-                   "launch.workers_per_node=2", f"train.resume_from_checkpoint={folder}"])  # fmt: skip
-    job = job_of(cfg, 8)
-    with pytest.raises(InputError) as refused:
-        check_sharded_resume(job, folder, {"world_size": 8, "workers_per_node": 4})
-    assert str(refused.value) == (
-        f"train.resume_from_checkpoint={folder}: {folder} was written by 2 nodes x 4 workers, sharded inside "
-        "the node, this run is 4 nodes x 2 workers: a checkpoint sharded inside the node resumes with "
-        "train.shard_inside_node=true on its own layout only")
-    check_sharded_resume(job, folder, {"world_size": 8, "workers_per_node": 2})
 
 
 @pytest.mark.slow  # a whole command-line job on 4 local workers
