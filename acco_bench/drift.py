@@ -12,8 +12,9 @@ a run off the reference of the runs before it by more than :data:`DRIFT` either 
 whole run's reference is flagged **drifted** in bench.json and in race.md or bench.md.
 
 torch-ddp is left out: its bucketed all-reduce runs inside backward, so its compute holds its comm
-(1.1-1.9x ddp's measured). Rank 0 is used throughout, so ``--slow-worker 1:F`` changes nothing here
-and ``--slow-worker 0:F`` slows every method alike."""
+(1.1-1.9x ddp's measured); so are torch-hsdp and the methods sharded inside the node (FSDP2's
+collectives inside forward and backward). Rank 0 is used throughout, so ``--slow-worker 1:F``
+changes nothing here and ``--slow-worker 0:F`` slows every method alike."""
 
 from __future__ import annotations
 
@@ -43,7 +44,12 @@ def compute_per_micro_batch(run_dir: Path, rank: int = 0, skip: int = 1) -> floa
 
 
 def checked(method: str) -> bool:
-    return method not in COMPUTE_HOLDS_COMM
+    """Whether a method computes the same forward and backward as ddp: not those whose compute holds
+    comm, nor one sharded inside the node (its forward and backward all-gather and reduce-scatter
+    each block inside the node: `-sharded`, with or without `-nodes`)."""
+    from acco_bench.settings import split_nodes
+
+    return method not in COMPUTE_HOLDS_COMM and not split_nodes(method)[0].endswith("-sharded")
 
 
 def reference(values: list[float | None]) -> float | None:

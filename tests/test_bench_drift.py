@@ -51,6 +51,8 @@ def test_a_run_is_disturbed_by_load_or_by_drift():
     assert drift.disturbance("acco", {**quiet, "compute_s_per_micro_batch": 0.3}, [0.2, 0.21]) is not None
     assert drift.disturbance("acco", {**quiet, "compute_s_per_micro_batch": 0.22}, [0.2, 0.21]) is None
     assert drift.disturbance("torch-ddp", {**quiet, "compute_s_per_micro_batch": 0.4}, [0.2]) is None
+    # sharded inside the node: FSDP2's collectives run inside its forward and backward
+    assert drift.disturbance("acco-sharded-nodes", {**quiet, "compute_s_per_micro_batch": 0.4}, [0.2]) is None
     assert drift.disturbance("ddp", {**quiet, "compute_s_per_micro_batch": 0.4}, []) is None  # nothing before
     busy = {"load": {"other_cpu_cores": 0.6}, "compute_s_per_micro_batch": 0.2}
     assert "0.60 CPU cores" in drift.disturbance("acco", busy, [0.2])

@@ -282,3 +282,27 @@ def test_on_two_nodes_each_group_sees_the_same_collectives_in_the_same_order_on_
             members = range(4) if group == "world" else group
             seen = [[(t, name) for t, name, g in calls[rank] if g == group] for rank in members]
             assert seen[0] and all(s == seen[0] for s in seen), (method, group)
+
+
+def test_sharded_inside_the_node_the_two_threads_share_no_group(tmp_path):
+    """train.shard_inside_node on 2 x 2: FSDP2's all-gathers and reduce-scatters run on the main
+    thread over the node's group, every micro-batch, while a round runs; the round's collectives
+    (the comm thread) use the outer group and the whole job's only. So no group has two threads
+    issuing on it, and each group's members issue the same sequence."""
+    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), ("acco", "wp"),
+                               dict(shard_inside_node=True), 2)
+    for _, violations in per_rank:
+        assert violations == []
+    for method in ("acco", "wp"):
+        calls = [results[method][1] for results, _ in per_rank]
+        assert all(results[method][0] == 4 for results, _ in per_rank), method
+        for rank, mine in enumerate(calls):
+            comm = {g for t, _, g in mine if t == "comm"}
+            main = {g for t, _, g in mine if t == "main"}
+            assert comm == {"world", OUTER[rank % 2]}, (method, rank, comm)
+            assert INNER[rank // 2] in main and not comm & {INNER[rank // 2]}, (method, rank, main)
+            assert per_rank[rank][0][method][2] > 0  # FSDP2's collectives ran beside a round in flight
+        for group in ("world", *INNER, *OUTER):
+            members = range(4) if group == "world" else group
+            seen = [[(t, name) for t, name, g in calls[rank] if g == group] for rank in members]
+            assert seen[0] and all(s == seen[0] for s in seen), (method, group)

@@ -132,8 +132,11 @@ class NodeShards:
         self.params = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         self.grads = torch.zeros_like(self.params)
         mesh = DeviceMesh.from_group(rounds.inner_group, mesh_device_type(device))
-        for unit in [*[b for b in blocks(module) if b is not module], module]:
-            fully_shard(unit, mesh=mesh)
+        units = [b for b in blocks(module) if b is not module]
+        for unit in [*units, module]:
+            # the last block keeps its parameters from its forward to its backward, which comes next
+            # (one all-gather fewer per micro-batch, for one block's memory: torchtitan's choice)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=unit is not units[-1] if units else True)
             # a plain sum inside the node, as the rounds' reduce-scatter (no divide, no PREMUL_SUM)
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
