@@ -22,7 +22,7 @@ from engine_helpers import (
     stream,
 )
 from int8_helpers import BLOCK, reference_int8
-from node_shards_helpers import full_params
+from node_shards_helpers import Counted, full_params, interrupted, refusals
 
 from acco.engine import ConfigError, build_engine
 from acco.engine import decoupled as decoupled_module
@@ -175,55 +175,15 @@ def _train_bf16(rank, world, kind, cfgs):
     return out
 
 
-def _resume(rank, world, kind, cfg, stop_after):
-    """Every rank: the final parameters of an uninterrupted run, and of one whose state was taken
-    after `stop_after` updates and loaded into a fresh engine and model, the stream going back by
-    the micro-batches the saved engine had taken ahead (as checkpoint.save_run rewinds it)."""
-    model = make_model(kind)
-    engine = build_engine(model, cfg)
-    list(engine.run(stream(kind, rank, world), loss_fn))
-    engine.close()
-    straight = full_params(model)
-
-    taken = 0
-
-    def counted():
-        nonlocal taken
-        for batch in stream(kind, rank, world):
-            taken += 1
-            yield batch
-
-    model = make_model(kind)
-    engine = build_engine(model, cfg)
-    for record in engine.run(counted(), loss_fn):
-        if record.step == stop_after:
-            saved = engine.state_dict().items()
-            state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved}
-            break
-    engine.finish()
-    engine.close()
-    back = state["fetched_ahead"] + state["dropped_micro_batches"]
-    model = make_model(kind)
-    torch.manual_seed(99)  # other initial weights: the state alone must bring the run back
-    for p in model.parameters():
-        p.data.normal_()
-    engine = build_engine(model, cfg)
-    exact = engine.load_state_dict(state)
-    rest = itertools.islice(stream(kind, rank, world), taken - back, None)
-    list(engine.run(rest, loss_fn))
-    engine.close()
-    return straight, full_params(model), exact, state["fetched_ahead"]
-
-
 @pytest.mark.parametrize("method", ["acco", "wp"])
 def test_a_sharded_engine_resumes_exactly(method):
     world, updates = 4, 5
     k = 1 if method == "acco" else 2
     cfg = config(method=method, n_grad_accumulation=k, nb_steps_tot=2 * world * updates, **SHARDED)
-    results = run_distributed(_resume, world, "stack", cfg, 2)
-    for straight, resumed, exact, ahead in results:
+    results = run_distributed(interrupted, world, "stack", cfg, 2)
+    for whole, resumed, exact, ahead, _ in results:
         assert exact and ahead > 0
-        assert torch.equal(straight, resumed)
+        assert torch.equal(whole, resumed)
 
 
 def test_a_layout_change_without_every_file_is_refused_in_one_line():
@@ -231,7 +191,7 @@ def test_a_layout_change_without_every_file_is_refused_in_one_line():
     cfg = config(method="acco", n_grad_accumulation=1, nb_steps_tot=4 * world, **SHARDED)
     plain = config(method="acco", n_grad_accumulation=1, nb_steps_tot=4 * world, rounds="nodes",
                    workers_per_node=2, accumulate_while_waiting=False)
-    lines = run_distributed(_refusals, world, cfg, plain)[0]
+    lines = run_distributed(refusals, world, cfg, plain)[0]
     assert lines == [
         "checkpoint was written by 4 workers (2 per node, sharded inside the node), this run has 4 "
         "workers (2 per node): resharding needs every worker's file",
@@ -239,39 +199,15 @@ def test_a_layout_change_without_every_file_is_refused_in_one_line():
         "inside the node): resharding needs every worker's file"]
 
 
-def _refusals(rank, world, sharded_cfg, plain_cfg):
-    from acco.engine import CheckpointError
-
-    out = []
-    for saved, resumed in ((sharded_cfg, plain_cfg), (plain_cfg, sharded_cfg)):
-        engine = build_engine(make_model("stack"), saved)
-        state = engine.state_dict()
-        engine.close()
-        engine = build_engine(make_model("stack"), resumed)
-        try:
-            engine.load_state_dict(state)
-        except CheckpointError as e:
-            out.append(str(e))
-        engine.close()
-    return out
-
-
 def _across(rank, world, kind, first, then, folder, stop_after):
     """Every rank: ddp trained `stop_after` updates on `first`'s layout, its files saved, then
     resumed on `then`'s from every file (resharded), and trained to the end; the final parameters."""
     import os
 
-    taken = 0
-
-    def counted():
-        nonlocal taken
-        for batch in stream(kind, rank, world):
-            taken += 1
-            yield batch
-
+    counted = Counted(kind, rank, world)
     model = make_model(kind)
     engine = build_engine(model, first)
-    for record in engine.run(counted(), loss_fn):
+    for record in engine.run(counted, loss_fn):
         if record.step == stop_after:
             torch.save(engine.state_dict(), os.path.join(folder, f"{rank}.pt"))
             break
@@ -286,7 +222,7 @@ def _across(rank, world, kind, first, then, folder, stop_after):
         return torch.load(os.path.join(folder, f"{r}.pt"), mmap=True, weights_only=False)
 
     exact = engine.load_state_dict(old_state(rank), old_state)
-    list(engine.run(itertools.islice(stream(kind, rank, world), taken - back, None), loss_fn))
+    list(engine.run(itertools.islice(stream(kind, rank, world), counted.taken - back, None), loss_fn))
     engine.close()
     params = full_params(model) if then.shard_inside_node else torch.cat(
         [p.detach().float().flatten() for p in model.parameters()])

@@ -14,10 +14,10 @@ import pytest
 import torch
 from distributed import run_distributed
 from engine_helpers import assert_close, config, loss_fn, make_model, micro_batch, reference_diloco, stream
-from node_shards_helpers import full_params
+from node_shards_helpers import full_params, interrupted, refusals
 from torch.nn.utils import parameters_to_vector
 
-from acco.engine import CheckpointError, build_engine
+from acco.engine import build_engine
 
 NODES = dict(rounds="nodes", workers_per_node=2)
 SHARDED = dict(NODES, shard_inside_node=True)
@@ -153,78 +153,27 @@ def test_an_evaluation_between_steps_leaves_training_as_it_was():
         assert torch.equal(a[0][0], b[0][0])
 
 
-def _resume(rank, world, kind, cfg, stop_after):
-    """Every rank: the final parameters of an uninterrupted run, and of one whose state was taken
-    after `stop_after` inner steps and loaded into a fresh engine and model, the stream going back
-    by the micro-batches the saved engine had taken ahead and computed ahead (as
-    checkpoint.save_run rewinds it); whether a fragment's round was in flight at the save."""
-    model = make_model(kind)
-    engine = build_engine(model, cfg)
-    list(engine.run(stream(kind, rank, world), loss_fn))
-    engine.close()
-    straight = full_params(model)
-
-    taken = 0
-
-    def counted():
-        nonlocal taken
-        for batch in stream(kind, rank, world):
-            taken += 1
-            yield batch
-
-    model = make_model(kind)
-    engine = build_engine(model, cfg)
-    for record in engine.run(counted(), loss_fn):
-        if record.step == stop_after:
-            in_flight = engine.pending is not None
-            saved = engine.state_dict().items()
-            state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved}
-            break
-    engine.finish()
-    engine.close()
-    back = state["fetched_ahead"] + state["dropped_micro_batches"]
-    model = make_model(kind)
-    torch.manual_seed(99)  # other initial weights: the state alone must bring the run back
-    for p in model.parameters():
-        p.data.normal_()
-    engine = build_engine(model, cfg)
-    exact = engine.load_state_dict(state)
-    rest = itertools.islice(stream(kind, rank, world), taken - back, None)
-    list(engine.run(rest, loss_fn))
-    engine.close()
-    return straight, full_params(model), exact and in_flight, state["fetched_ahead"]
-
-
 def test_a_sharded_diloco_resumes_exactly():
     """streaming-diloco, fragment 0 prepared at step 2 and applied at 3: the state taken after step
     2 holds its landed average (saved by node 0's workers, broadcast on each outer group at load)."""
     world = 4
     cfg = config(**{**STREAMING, "fragment_update_alpha": 0.25}, n_grad_accumulation=1,
                  nb_steps_tot=world * 10, **SHARDED)  # fmt: skip
-    results = run_distributed(_resume, world, "stack", cfg, 2)
-    for straight, resumed, exact_in_flight, ahead in results:
-        assert exact_in_flight and ahead > 0
-        assert torch.equal(straight, resumed)
+    results = run_distributed(interrupted, world, "stack", cfg, 2, _in_flight)
+    for whole, resumed, exact, ahead, in_flight in results:
+        assert exact and in_flight and ahead > 0
+        assert torch.equal(whole, resumed)
 
 
-def _refusals(rank, world, sharded_cfg, plain_cfg):
-    out = []
-    for saved, resumed in ((sharded_cfg, plain_cfg), (plain_cfg, sharded_cfg)):
-        engine = build_engine(make_model("stack"), saved)
-        state = engine.state_dict()
-        engine.close()
-        engine = build_engine(make_model("stack"), resumed)
-        with pytest.raises(CheckpointError) as refused:
-            engine.load_state_dict(state)
-        out.append(str(refused.value))
-        engine.close()
-    return out
+def _in_flight(engine) -> bool:
+    """Whether a fragment's round is in flight."""
+    return engine.pending is not None
 
 
 def test_a_sharded_diloco_checkpoint_is_refused_unsharded_and_the_reverse():
     world = 4
     common = dict(method="diloco", n_grad_accumulation=1, nb_steps_tot=4 * world, sync_every=2)
-    lines = run_distributed(_refusals, world, config(**common, **SHARDED), config(**common, **NODES))[0]
+    lines = run_distributed(refusals, world, config(**common, **SHARDED), config(**common, **NODES))[0]
     assert lines == [
         "checkpoint was written by 4 workers (2 per node), sharded inside the node, this run has 4 "
         "workers (2 per node): a checkpoint sharded inside the node resumes on its own layout with "
