@@ -172,3 +172,35 @@ def reference_diloco(
 
     ref = reference.Reference(make_model(kind), cfg, replicas, [S * n] * replicas, read=read, loss_fn=loss_fn)
     return ref.diloco(), ref.losses
+
+
+def five_methods(n: int, **common) -> list[EngineConfig]:
+    """ddp, acco (paper and lean), dpu and wp at one batch: n micro-batches per worker per update
+    (acco n / 2 per round), each with `common`; what `check_five_methods` checks."""
+    return [
+        config(method="ddp", n_grad_accumulation=n, **common),
+        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="paper", **common),
+        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="lean", **common),
+        config(method="dpu", n_grad_accumulation=n, **common),
+        config(method="wp", n_grad_accumulation=n, **common),
+    ]
+
+
+def check_five_methods(kind: str, cfgs, world: int, n: int, updates: int, results: list, where: str) -> None:
+    """`results` (per rank: each of `five_methods`' runs, (parameters, records, ...)): the same on
+    every rank, and each method's equal to its plain reference; `where` names the layout."""
+    for rank_result in results[1:]:
+        for (theta, *_), (theta0, *_) in zip(rank_result, results[0]):
+            assert torch.equal(theta, theta0)
+    (ddp, ddp_rec, *_), (acco, *_), (lean, *_), (dpu, *_), (wp, *_) = results[0]
+    ref = Reference(kind, cfgs[0], world, [n] * world)
+    assert_close(ddp, ref.ddp(updates), f"ddp {where} vs AdamW on the global batches")
+    assert_close(torch.tensor([r.loss for r in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
+    assert_close(torch.tensor([r.grad_norm for r in ddp_rec]), torch.tensor(ref.grad_norms), "ddp norms")
+    ref = Reference(kind, cfgs[1], world, [n // 2] * world)
+    assert_close(acco, reference_acco(ref, updates), f"acco {where} vs the estimate/update reference")
+    ref = Reference(kind, cfgs[2], world, [n // 2] * world)
+    assert_close(lean, reference_acco(ref, updates, lean=True), f"acco lean {where} vs its reference")
+    for name, got, predict in (("dpu", dpu, False), ("wp", wp, True)):
+        ref = Reference(kind, cfgs[0], world, [n] * world)
+        assert_close(got, reference_delayed(ref, updates, predict), f"{name} {where} vs its recurrence")

@@ -262,13 +262,30 @@ GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gat
 INNER, OUTER = ((0, 1), (2, 3)), ((0, 2), (1, 3))  # 2 x 2: the nodes' groups, the local indices'
 
 
-def test_on_two_nodes_each_group_sees_the_same_collectives_in_the_same_order_on_every_member(tmp_path):
-    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), ("acco", "wp"), None, 2)
+def _on_two_nodes(tmp_path, overrides=None) -> dict:
+    """acco and wp through the trainer on 2 x 2 (the launcher's ACCO_WORKERS_PER_NODE), each stopped
+    at its first evaluation with no violation: each method's recorded calls, per rank."""
+    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), ("acco", "wp"), overrides, 2)
     for _, violations in per_rank:
         assert violations == []
+    runs = {}
     for method in ("acco", "wp"):
-        calls = [results[method][1] for results, _ in per_rank]
         assert all(results[method][0] == 4 for results, _ in per_rank), method
+        runs[method] = [results[method] for results, _ in per_rank]
+    return runs
+
+
+def _each_group_in_one_order(calls: list, method: str) -> None:
+    """On each group, every member issued the same sequence (both threads'): NCCL's matching order."""
+    for group in ("world", *INNER, *OUTER):
+        members = range(4) if group == "world" else group
+        seen = [[(t, name) for t, name, g in calls[rank] if g == group] for rank in members]
+        assert seen[0] and all(s == seen[0] for s in seen), (method, group)
+
+
+def test_on_two_nodes_each_group_sees_the_same_collectives_in_the_same_order_on_every_member(tmp_path):
+    for method, results in _on_two_nodes(tmp_path).items():
+        calls = [r[1] for r in results]
         for rank, mine in enumerate(calls):
             groups = {group for _, _, group in mine}
             assert groups == {"world", INNER[rank // 2], OUTER[rank % 2]}, (method, rank, groups)
@@ -278,31 +295,20 @@ def test_on_two_nodes_each_group_sees_the_same_collectives_in_the_same_order_on_
                 assert any(t == "comm" and g == group for t, _, g in mine), (method, rank, group)
                 on_main = any(t == "main" and g == group for t, _, g in mine)
                 assert on_main == (method == "wp"), (method, rank, group)
-        for group in ("world", *INNER, *OUTER):
-            members = range(4) if group == "world" else group
-            seen = [[(t, name) for t, name, g in calls[rank] if g == group] for rank in members]
-            assert seen[0] and all(s == seen[0] for s in seen), (method, group)
+        _each_group_in_one_order(calls, method)
 
 
 def test_sharded_inside_the_node_the_two_threads_share_no_group(tmp_path):
     """train.shard_inside_node on 2 x 2: FSDP2's all-gathers and reduce-scatters run on the main
     thread over the node's group, every micro-batch, while a round runs; the round's collectives
-    (the comm thread) use the outer group and the whole job's only. So no group has two threads
-    issuing on it, and each group's members issue the same sequence."""
-    per_rank = run_distributed(_train_every_method, 4, str(tmp_path), ("acco", "wp"),
-                               dict(shard_inside_node=True), 2)
-    for _, violations in per_rank:
-        assert violations == []
-    for method in ("acco", "wp"):
-        calls = [results[method][1] for results, _ in per_rank]
-        assert all(results[method][0] == 4 for results, _ in per_rank), method
+    (the comm thread) use the outer group and the whole job's only, which the main thread uses only
+    while no round is in flight (the recorder's violations). Each group's members issue one sequence."""
+    for method, results in _on_two_nodes(tmp_path, dict(shard_inside_node=True)).items():
+        calls = [r[1] for r in results]
         for rank, mine in enumerate(calls):
             comm = {g for t, _, g in mine if t == "comm"}
             main = {g for t, _, g in mine if t == "main"}
             assert comm == {"world", OUTER[rank % 2]}, (method, rank, comm)
-            assert INNER[rank // 2] in main and not comm & {INNER[rank // 2]}, (method, rank, main)
-            assert per_rank[rank][0][method][2] > 0  # FSDP2's collectives ran beside a round in flight
-        for group in ("world", *INNER, *OUTER):
-            members = range(4) if group == "world" else group
-            seen = [[(t, name) for t, name, g in calls[rank] if g == group] for rank in members]
-            assert seen[0] and all(s == seen[0] for s in seen), (method, group)
+            assert INNER[rank // 2] in main, (method, rank, main)  # FSDP2's, the main thread's alone
+            assert results[rank][2] > 0  # FSDP2's collectives ran beside a round in flight
+        _each_group_in_one_order(calls, method)

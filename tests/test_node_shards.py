@@ -14,11 +14,12 @@ from distributed import run_distributed
 from engine_helpers import (
     Reference,
     assert_close,
+    check_five_methods,
     config,
+    five_methods,
     loss_fn,
     make_model,
     reference_acco,
-    reference_delayed,
     stream,
 )
 from int8_helpers import BLOCK, reference_int8
@@ -26,7 +27,7 @@ from node_shards_helpers import Counted, full_params, interrupted, refusals
 
 from acco.engine import ConfigError, build_engine
 from acco.engine import decoupled as decoupled_module
-from acco.engine.node_shards import local_rows
+from acco.engine.shard_map import local_rows
 
 SHARDED = dict(rounds="nodes", workers_per_node=2, shard_inside_node=True, accumulate_while_waiting=False)
 
@@ -81,32 +82,12 @@ def test_local_rows_are_torch_chunk_s():
 def test_methods_sharded_inside_the_node_equal_their_references(kind, device):
     n, world, updates, clip = 2, 4, 4, 0.45
     common = dict(nb_steps_tot=n * world * updates, max_grad_norm=clip, **SHARDED)
-    cfgs = [
-        config(method="ddp", n_grad_accumulation=n, **common),
-        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="paper", **common),
-        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="lean", **common),
-        config(method="dpu", n_grad_accumulation=n, **common),
-        config(method="wp", n_grad_accumulation=n, **common),
-    ]
+    cfgs = five_methods(n, **common)
     results = run_distributed(_train, world, kind, cfgs, False, device)
-    (ddp, ddp_rec, local), (acco, _, _), (lean, _, _), (dpu, _, _), (wp, _, _) = results[0]
+    local = results[0][0][2]
     numel = sum(p.numel() for p in make_model(kind).parameters())
     assert local < 0.75 * numel  # half the model's rows (and padding) per worker
-    for rank_result in results[1:]:
-        for (theta, *_), (theta0, *_) in zip(rank_result, results[0]):
-            assert torch.equal(theta, theta0)
-
-    ref = Reference(kind, cfgs[0], world, [n] * world)
-    assert_close(ddp, ref.ddp(updates), "ddp sharded in the node vs AdamW on the global batches")
-    assert_close(torch.tensor([r.loss for r in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
-    assert_close(torch.tensor([r.grad_norm for r in ddp_rec]), torch.tensor(ref.grad_norms), "ddp norms")
-    ref = Reference(kind, cfgs[1], world, [n // 2] * world)
-    assert_close(acco, reference_acco(ref, updates), "acco sharded vs the estimate/update reference")
-    ref = Reference(kind, cfgs[2], world, [n // 2] * world)
-    assert_close(lean, reference_acco(ref, updates, lean=True), "acco lean sharded vs its reference")
-    for name, got, predict in (("dpu", dpu, False), ("wp", wp, True)):
-        ref = Reference(kind, cfgs[0], world, [n] * world)
-        assert_close(got, reference_delayed(ref, updates, predict), f"{name} sharded vs its recurrence")
+    check_five_methods(kind, cfgs, world, n, updates, results, "sharded in the node")
 
 
 def test_a_swap_after_the_next_all_gather_is_wrong():
@@ -136,7 +117,8 @@ def test_a_short_worker_stops_every_worker_together(method):
     reference's. ddp takes 2 micro-batches per update, two updates ahead: 7 micro-batches commit 2."""
     world, k = 4, (2 if method == "ddp" else 1)
     cfg = config(method=method, n_grad_accumulation=k, nb_steps_tot=100 * world, **SHARDED)
-    results = run_distributed(_train, world, "stack", [cfg], False, "host", [40, 7, 40, 40])
+    # a broken agreement leaves peers waiting in a forward: the collectives' timeout ends the test
+    results = run_distributed(_train, world, "stack", [cfg], False, "host", [40, 7, 40, 40], timeout_s=30)
     params, records, _ = results[0][0]
     assert len(records) == 2 and all(r[0][1][-1].step == 2 for r in results)
     for r in results[1:]:

@@ -10,14 +10,13 @@ import pytest
 import torch
 from distributed import run_distributed
 from engine_helpers import (
-    Reference,
     assert_close,
+    check_five_methods,
     config,
+    five_methods,
     loss_fn,
     make_model,
     micro_batch,
-    reference_acco,
-    reference_delayed,
     reference_diloco,
     run_engine,
     stream,
@@ -67,31 +66,10 @@ def test_methods_equal_their_references_on_two_nodes(device):
     n, world, updates, clip = 2, 4, 4, 0.45
     budget = n * world * updates
     common = dict(nb_steps_tot=budget, max_grad_norm=clip, **NODES)
-    cfgs = [
-        config(method="ddp", n_grad_accumulation=n, **common),
-        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="paper", **common),
-        config(method="acco", n_grad_accumulation=n // 2, acco_estimate="lean", **common),
-        config(method="dpu", n_grad_accumulation=n, **common),
-        config(method="wp", n_grad_accumulation=n, **common),
-    ]
+    cfgs = five_methods(n, **common)
     results = run_distributed(run_engine, world, "mlp", cfgs, 0.0, shard_rank, device)
-    (ddp, ddp_rec, order), (acco, acco_rec, _), (lean, _, _), (dpu, _, _), (wp, _, _) = results[0]
-    assert order == 0 and [r[0][2] for r in results] == [0, 2, 1, 3]  # the two-level order, not flat
-    for rank_result in results[1:]:
-        for (theta, *_), (theta0, *_) in zip(rank_result, results[0]):
-            assert torch.equal(theta, theta0)
-
-    ref = Reference("mlp", cfgs[0], world, [n] * world)
-    assert_close(ddp, ref.ddp(updates), "ddp on 2 x 2 vs AdamW on the global batches")
-    assert_close(torch.tensor([r.loss for r in ddp_rec]), torch.tensor(ref.losses), "ddp losses")
-    assert_close(torch.tensor([r.grad_norm for r in ddp_rec]), torch.tensor(ref.grad_norms), "ddp norms")
-    ref = Reference("mlp", cfgs[1], world, [n // 2] * world)
-    assert_close(acco, reference_acco(ref, updates), "acco on 2 x 2 vs the estimate/update reference")
-    ref = Reference("mlp", cfgs[2], world, [n // 2] * world)
-    assert_close(lean, reference_acco(ref, updates, lean=True), "acco lean on 2 x 2 vs its reference")
-    for name, got, predict in (("dpu", dpu, False), ("wp", wp, True)):
-        ref = Reference("mlp", cfgs[0], world, [n] * world)
-        assert_close(got, reference_delayed(ref, updates, predict), f"{name} on 2 x 2 vs its recurrence")
+    assert results[0][0][2] == 0 and [r[0][2] for r in results] == [0, 2, 1, 3]  # the two-level order
+    check_five_methods("mlp", cfgs, world, n, updates, results, "on 2 x 2")
 
 
 def test_int8_estimate_quantizes_the_node_sums_on_two_nodes():

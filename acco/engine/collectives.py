@@ -200,3 +200,14 @@ def all_gather_small(output: torch.Tensor, input: torch.Tensor, group=None) -> N
     if not dist.is_initialized():
         return _copy(output, input)
     _native("all_gather_single", "all_gather_into_tensor")(output, input, group=group)
+
+
+def any_worker(flag: bool, device: torch.device, group=None, label: str = "the start of training") -> bool:
+    """Whether any worker of `group` raised `flag`: one all-reduce, read on the host (progress marks
+    `label` first, so that a rank that never joins it is named). Before training starts, once."""
+    from acco.engine import progress
+
+    raised = torch.tensor([float(flag)], device=device)
+    progress.mark(label)
+    dist.all_reduce(raised, group=group)
+    return raised.item() > 0

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from acco.engine import collectives, progress, quantize
 from acco.engine.config import EngineConfig
-from acco.engine.flat import FlatParams
+from acco.engine.flat import FlatParams, world_of
 from acco.engine.optim import ShardedAdamW, learning_rate
 
 # Layout of the per-worker statistics vector that the compute side fills for each payload
@@ -103,7 +103,7 @@ class CommRound:
         self.layout = flat.layout
         # the statistics come from every worker of the job (with sharding inside the node the
         # layout's ring is only the outer group's R workers)
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.world_size = world_of(group)[0]
         device = flat.params.device
         self.master = flat.master_shard  # fp32, from the weights before any cast
         # weight decay applies to the first `decayed` elements of this shard (FlatParams' order)

@@ -37,17 +37,18 @@ import collections
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from acco.engine import collectives
 from acco.engine.compiling import blocks
 from acco.engine.config import CheckpointError, ConfigError
 from acco.engine.device import mesh_device_type
 from acco.engine.flat import ShardLayout, same_layout
 from acco.engine.layout import NodeLayout, layout_words, rounds_workers_per_node
 from acco.engine.nodes import FlatRounds, NodeRounds, make_rounds
+from acco.engine.shard_map import local_rows
 
 
 class ShardedRounds(FlatRounds):
@@ -76,13 +77,6 @@ def sharded_rounds(cfg, group, world_size: int, rank: int) -> ShardedRounds:
         )
     nodes = make_rounds("nodes", group, world_size, rank, S)
     return ShardedRounds(nodes)
-
-
-def local_rows(rows: int, workers: int, local: int) -> tuple[int, int]:
-    """FSDP2's dim-0 shard of a parameter of `rows` rows (torch.chunk's): (first row, padded rows);
-    the rows this worker holds are [first, min(first + padded, rows))."""
-    padded = -(-rows // workers)
-    return min(local * padded, rows), padded
 
 
 class NodeShards:
@@ -207,8 +201,9 @@ class NodeShards:
 
 
 def check_sharding(state: dict, engine) -> None:
-    """A checkpoint sharded inside the node holds shards of each node's local vector: it resumes
-    on its own layout, sharded, only (resharding it is not written yet); one line otherwise."""
+    """diloco's and streaming-diloco's checkpoint sharded inside the node (each node's local vector,
+    with state every worker of an outer group shares) resumes on its own layout, sharded, only; one
+    line otherwise. (ddp, dpu, wp and acco reshard between any layouts: shard_map.py.)"""
     saved = bool(state.get("shard_inside_node", False))
     if saved == engine.sharded and (not saved or same_layout(state, engine)):
         return
@@ -257,6 +252,4 @@ class AgreedBatches(Iterator):
 def agree_first(engine, batches: AgreedBatches) -> bool:
     """Before the first micro-batch: whether some worker is short of the first two rounds' (one
     all-reduce, as the torch engines' first update)."""
-    short = torch.tensor([float(batches.top_up())], device=engine.device)
-    dist.all_reduce(short, group=engine.group)
-    return short.item() > 0
+    return collectives.any_worker(batches.top_up(), engine.device, engine.group)

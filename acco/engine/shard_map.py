@@ -46,7 +46,7 @@ class Layout:
         return _numel(shape[1:])
 
     def _rows_per_chunk(self, i: int) -> int:  # sharded: the padded rows local index s holds
-        return -(-self.shapes[i][0] // self.per_node)
+        return local_rows(self.shapes[i][0], self.per_node, 0)[1]
 
     def _offsets(self) -> list[int]:
         """Each parameter's start in the flat vector, or (sharded) in every local vector."""
@@ -102,6 +102,13 @@ class Layout:
             j0, j1 = first + a - offsets[i], first + min(b - offsets[i], max(real, 0))
             if j0 < j1:
                 yield i, j0, j1, a - lo
+
+
+def local_rows(rows: int, workers: int, local: int) -> tuple[int, int]:
+    """FSDP2's dim-0 shard of a parameter of `rows` rows over `workers` (torch.chunk's): (first
+    row, padded rows) of local index `local`; it holds rows [first, min(first + padded, rows))."""
+    padded = -(-rows // workers)
+    return min(local * padded, rows), padded
 
 
 def _numel(shape) -> int:

@@ -101,10 +101,7 @@ def take_ahead(engine, batches: Iterator, n: int) -> list:
 def first_batches(engine, batches: Iterator, n: int) -> tuple[list, bool]:
     """The first update's micro-batches, and whether some worker has fewer than `n` (one all-reduce)."""
     upcoming = take_ahead(engine, batches, n)
-    ready = torch.tensor([float(len(upcoming) < n)], device=engine.device)
-    progress.mark("the start of training")
-    dist.all_reduce(ready, group=engine.group)
-    return upcoming, ready.item() > 0
+    return upcoming, collectives.any_worker(len(upcoming) < n, engine.device, engine.group)
 
 
 def gathered_statistics(engine) -> tuple[list[list[float]], float, list[int]]:
