@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from acco_bench import BenchError
+from acco_bench.settings import model_settings as conf_model
 
 # acco.models.model_config's keys. Llama-2 7B and 13B (Touvron et al. 2023, untied embeddings, the
 # 32000-token vocabulary); GPT-Neo as acco/conf/model/gptneo-*.yaml say (read there: one owner).
@@ -106,11 +107,7 @@ def model_settings(preset: str) -> dict:
     spec = PRESETS[preset]
     if isinstance(spec, dict):
         return dict(spec)
-    import yaml
-
-    import acco
-
-    conf = yaml.safe_load((Path(acco.__file__).parent / "conf" / "model" / f"{spec}.yaml").read_text())
+    conf = conf_model(spec)  # acco/conf/model/<spec>.yaml
     return {k: v for k, v in conf.items() if k in _MODEL_KEYS and v is not None}
 
 
