@@ -72,6 +72,13 @@ def _shares(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"--comm-shares takes numbers (0.3,0.45), got {text!r}") from None
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes integers (0,1,2), got {text!r}") from None
+
+
 def _add_link(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     """The link: a rate (--bandwidth) or the comm share to set it by (--comm-share), and a latency."""
     share = ("ddp's comm over its step, S: measure ddp's compute here (short ddp runs), set the link's "
@@ -141,7 +148,7 @@ def _add_common(p: argparse.ArgumentParser, out: str, nb_steps: int, methods=DEF
                         "per round, two rounds per update (same effective batch); must be even")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
     p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per sequence")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", action=_Given, type=int, default=d.seed)
     p.add_argument(
         "--slow-worker",
         type=_slow,
@@ -324,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="LR schedule after a warm-up of a tenth of the budget (a decaying one ends at each run's "
         "own budget: ddp's, or the cap; see acco_bench/race.py)",
     )
+    p.add_argument("--seeds", type=_seeds, default=None, metavar="0,1,2,3,4",
+                   help="one race per seed in OUT/seed-N (a finished one of the same settings is kept), "
+                   "then each method's median and range over them: OUT/seeds.md (acco_bench/race_seeds.py)")
 
     p = sub.add_parser("report", help="re-render the tables and plots of a finished run (cluster runs: "
                                       "the figures are recomputed from the run folders)")
@@ -470,6 +480,8 @@ def _race(args) -> int:
         raise BenchError("--eval-step and --eval-batches must be >= 1")
     s = _settings(args, bandwidth=args.bandwidth, latency=args.latency, eval_step=args.eval_step,
                   comm_share=args.comm_share)
+    if args.seeds is not None:
+        return _race_seeds(args, s)
     race = run_race(s, Path(args.out), scheduler=args.scheduler, eval_batches=args.eval_batches)
     print(f"[acco-bench] wrote {args.out}/bench.json, race.md and race.png")
     print((Path(args.out) / "race.md").read_text())
@@ -478,6 +490,17 @@ def _race(args) -> int:
         if race["target_eval_loss"] is None or any("error" in r for r in race["methods"].values())
         else 0
     )
+
+
+def _race_seeds(args, s) -> int:
+    from acco_bench.race_seeds import run_seeds
+
+    if "seed" in getattr(args, "given", ()):
+        raise BenchError("--seed and --seeds exclude each other: give the seeds in --seeds")
+    summary = run_seeds(s, args.seeds, Path(args.out), args.scheduler, args.eval_batches)
+    print(f"[acco-bench] wrote {args.out}/seeds.json and seeds.md")
+    print((Path(args.out) / "seeds.md").read_text())
+    return 1 if any(m["failed"] for m in summary["methods"].values()) else 0
 
 
 def _report(args) -> int:

@@ -12,7 +12,8 @@ from acco_bench.report import load_json, write_sweep_report
 
 def rerender_dir(d: Path) -> str:
     """``acco-bench report DIR``: re-render a finished run's tables and plots, whatever wrote it
-    (cluster, race, faults, sweep, lr-sweep, small batches, convergence); returns its Markdown."""
+    (cluster, race, a race's seeds, faults, sweep, lr-sweep, small batches, convergence); returns its
+    Markdown."""
     try:
         return _rerender(d)
     except (ValueError, KeyError, TypeError) as e:  # a JSON file that is not such a result
@@ -58,4 +59,9 @@ def _rerender(d: Path) -> str:
 
         write_convergence_report(load_json(d / "convergence.json"), d)
         return (d / "convergence.md").read_text()
+    if any(d.glob("seed-*/bench.json")):
+        from acco_bench.race_seeds import write_summary
+
+        write_summary(d)  # the seeds' races summarized again, whichever were added since
+        return (d / "seeds.md").read_text()
     raise BenchError(f"{d}: no bench.json, sweep.json or convergence.json")
