@@ -236,6 +236,10 @@ def _method_result(run_dir: Path, s: BenchSettings, wall: float, load: dict, sen
         "eval_curve": curve,
         "harness_wall_s": wall,
         "load": load,
+        # every worker's CPU seconds by thread role (the training thread's includes its set-up and
+        # evaluations) over the micro-batches all workers computed: what a round costs beside them
+        "cpu_s_per_micro_batch": {role: cpu / max(1, train[-1]["samples"])
+                                  for role, cpu in load.get("worker_cpu_s", {}).items()},
         "run_dir": str(run_dir),
     }
 

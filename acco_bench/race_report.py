@@ -30,7 +30,10 @@ def race_markdown(race: dict, plots: list[str]) -> str:
         md_table(*_evaluations(race)),
         "",
         "*Compute per micro-batch*: rank 0's median; *vs reference*: over the median of every method's and "
-        "of the calibration's probes (torch-ddp left out: its compute holds its all-reduce). Beyond "
+        "of the calibration's probes (torch-ddp left out: its compute holds its all-reduce). *CPU ms per "
+        "micro-batch*: every worker's CPU seconds by thread (the training thread with its set-up and "
+        "evaluations; acco's comm thread; gloo's TCP loop; the other threads: gloo's own) and the emulated "
+        "network's (the delay line), over the micro-batches all workers computed. Beyond "
         f"{DRIFT:g}x either way the machine's speed moved during that run (acco_bench/drift.py); *runs*: "
         "the run kept is the last, after re-runs of disturbed ones (--retry-disturbed).",
         "",
@@ -102,7 +105,8 @@ def _evaluations(race: dict) -> tuple[list[str], list[list]]:
 
     return (
         ["method", "eval every s (median)", "eval every samples", "one eval s", "evaluations",
-         "compute per micro-batch s", "vs reference", "runs"],  # fmt: skip
+         "compute per micro-batch s", "vs reference", "runs",
+         "CPU ms per micro-batch: training / comm thread / transport / other threads / network"],  # fmt: skip
         [
             [
                 n,
@@ -113,11 +117,20 @@ def _evaluations(race: dict) -> tuple[list[str], list[list]]:
                 fmt(r.get("compute_s_per_micro_batch"), 3),
                 fmt(r.get("compute_vs_reference"), 2, "x") + (" **drifted**" if r.get("drifted") else ""),
                 1 + (r.get("disturbed_attempts") or 0),
+                cpu_split(r.get("cpu_s_per_micro_batch")),
             ]
             for n, r in race["methods"].items()
             if "error" not in r
         ],
     )
+
+
+def cpu_split(per_micro_batch: dict | None) -> str:
+    """The CPU milliseconds per micro-batch of each thread role, in one cell."""
+    if not per_micro_batch:
+        return "-"
+    roles = ("training", "comm", "transport", "other", "network")
+    return " / ".join(f"{1000 * per_micro_batch.get(role, 0.0):.1f}" for role in roles)
 
 
 def plot_race(race: dict, out: Path) -> list[str]:

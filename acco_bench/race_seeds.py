@@ -86,7 +86,11 @@ def summarize(races: dict[int, dict]) -> dict:
         runs = [race["methods"].get(name, {"error": "not run"}) for race in races.values()]
         time = [_ratio(r, "time_to_target_vs_ddp") for r in runs]
         samples = [_ratio(r, "samples_to_target_vs_ddp") for r in runs]
+        compute = [c for c in (_compute_vs_ddp(race, name) for race in races.values()) if c is not None]
         methods[name] = {
+            "compute_vs_ddp": compute,  # compute per micro-batch over ddp's in the same seed's race
+            "compute_vs_ddp_median": statistics.median(compute) if compute else None,
+            "compute_vs_ddp_range": [min(compute), max(compute)] if compute else None,
             "time_vs_ddp": time,
             "time_vs_ddp_median": statistics.median(time),
             "time_vs_ddp_range": [min(time), max(time)],
@@ -106,6 +110,12 @@ def summarize(races: dict[int, dict]) -> dict:
         "verdicts": _verdicts({REFERENCE: [1.0] * len(races),
                                **{n: m["time_vs_ddp"] for n, m in methods.items()}}),
     }
+
+
+def _compute_vs_ddp(race: dict, name: str) -> float | None:
+    mine = race["methods"].get(name, {}).get("compute_s_per_micro_batch")
+    ddp = race["methods"].get(REFERENCE, {}).get("compute_s_per_micro_batch")
+    return mine / ddp if mine and ddp else None
 
 
 def _ratio(run: dict, key: str) -> float:
@@ -149,6 +159,13 @@ def _one(ratio: float) -> str:
     return "not reached" if math.isinf(ratio) else fmt(ratio, 2, "x")
 
 
+def _compute(m: dict) -> str:
+    if m.get("compute_vs_ddp_median") is None:
+        return "-"
+    low, high = m["compute_vs_ddp_range"]
+    return f"{fmt(m['compute_vs_ddp_median'], 2, 'x')} ({fmt(low, 2, 'x')} to {fmt(high, 2, 'x')})"
+
+
 def _times(m: dict) -> str:
     low, high = m["time_vs_ddp_range"]
     return f"{_one(m['time_vs_ddp_median'])} ({_one(low)} to {_one(high)})"
@@ -157,7 +174,8 @@ def _times(m: dict) -> str:
 def seeds_markdown(summary: dict, out: Path) -> str:
     n = len(summary["seeds"])
     rows = [[name, _times(m), ", ".join(_one(t) for t in m["time_vs_ddp"]),
-             fmt(m["samples_vs_ddp_median"], 2, "x"), m["not_reached"], m["failed"], m["drifted"]]
+             fmt(m["samples_vs_ddp_median"], 2, "x"), _compute(m), m["not_reached"], m["failed"],
+             m["drifted"]]
             for name, m in summary["methods"].items()]  # fmt: skip
     lines = [
         f"# acco-bench race over {n} seeds ({', '.join(map(str, summary['seeds']))})",
@@ -167,7 +185,8 @@ def seeds_markdown(summary: dict, out: Path) -> str:
         f"ddp's final eval loss (the target) {_span(summary['target_eval_loss'], 4)}.",
         "",
         md_table(["method", "time to ddp's loss over ddp's: median (range)", "by seed",
-                  "samples over ddp's (median)", "not reached", "failed", "drifted"], rows),
+                  "samples over ddp's (median)", "compute per micro-batch over ddp's: median (range)",
+                  "not reached", "failed", "drifted"], rows),
         "",
         "A method is *ahead* of another only where its range lies below the other's; overlapping ranges "
         "are *a tie*. A seed where a method did not reach ddp's loss within twice ddp's samples (or "

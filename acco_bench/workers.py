@@ -102,6 +102,32 @@ def _proc_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _HZ
 
 
+# A worker thread's role from its OS name (acco/engine/background.py names the comm thread; gloo
+# names its transport's event loop); the main thread trains.
+THREAD_ROLES = {"acco-comm": "comm", "gloo_tcp_loop": "transport"}
+THREADS_EVERY_S = 1.0  # per-thread CPU is read this often (a file per thread), process CPU every poll
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of process ``pid``: its role (``training``: the main thread, ``comm``,
+    ``transport``, ``other``) and its user + system CPU seconds so far (Linux; {} elsewhere)."""
+    threads = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        role = "training" if int(tid) == pid else THREAD_ROLES.get(name, "other")
+        threads[int(tid)] = (role, (int(fields[11]) + int(fields[12])) / _HZ)
+    return threads
+
+
 class LoadMeter:
     """How much CPU something other than the benchmark's workers used while they ran.
 
@@ -115,6 +141,8 @@ class LoadMeter:
         self.self0 = sum(os.times()[:2])
         self.workers: dict[int, float] = {}
         self.network: dict[int, tuple[float, float]] = {}  # pid -> (first, last) CPU seconds seen
+        self.threads: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> role, CPU seconds
+        self._threads_at = self.t0
 
     def sample(self, procs: Sequence[subprocess.Popen], network: Sequence[subprocess.Popen] = ()) -> None:
         """``network``: long-lived processes of the emulated network (the delay line), counted
@@ -123,6 +151,10 @@ class LoadMeter:
             cpu = _proc_cpu_s(p.pid)
             if cpu is not None:
                 self.workers[p.pid] = max(cpu, self.workers.get(p.pid, 0.0))
+        if time.monotonic() >= self._threads_at:
+            self._threads_at = time.monotonic() + THREADS_EVERY_S
+            for p in procs:
+                self.threads.update({(p.pid, tid): v for tid, v in thread_cpu_s(p.pid).items()})
         for p in network:
             cpu = _proc_cpu_s(p.pid)
             if cpu is not None:
@@ -139,6 +171,11 @@ class LoadMeter:
         out = {"workers_cpu_cores": mine / wall, "other_cpu_cores": foreign / wall, "cpus": os.cpu_count()}
         if self.network:
             out["network_cpu_cores"] = network / wall
+        if self.threads:  # the workers' CPU seconds by thread role, summed over the workers
+            roles: dict[str, float] = {}
+            for role, cpu in self.threads.values():
+                roles[role] = roles.get(role, 0.0) + cpu
+            out["worker_cpu_s"] = {**roles, "network": network}
         return out
 
 

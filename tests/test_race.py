@@ -189,6 +189,10 @@ def test_race_on_loopback(tmp_path):
     assert main(["race", "--loopback", "--methods", "acco,ddp", "--out", str(out), *TINY]) == 0
     bench = _check_race(out, ["ddp", "acco"], "loopback")  # ddp runs first: it sets the target
     assert bench["methods"]["acco"]["bytes_sent_per_worker"] is None  # no per-worker link on loopback
+    # every worker's CPU by thread: acco's comm thread is seen and told apart, ddp has none
+    assert "comm" in bench["methods"]["acco"]["cpu_s_per_micro_batch"]
+    assert "comm" not in bench["methods"]["ddp"]["cpu_s_per_micro_batch"]
+    assert bench["methods"]["ddp"]["cpu_s_per_micro_batch"]["training"] > 0
     if bench["methods"]["acco"]["time_to_target_s"] is not None:
         assert bench["methods"]["acco"]["stopped_at_target"] is True
     assert main(["report", str(out)]) == 0  # re-rendered as a race
