@@ -88,6 +88,7 @@ def summarize(races: dict[int, dict]) -> dict:
         samples = [_ratio(r, "samples_to_target_vs_ddp") for r in runs]
         compute = [c for c in (_compute_vs_ddp(race, name) for race in races.values()) if c is not None]
         methods[name] = {
+            "cpu_ms_per_micro_batch": _cpu_medians(runs),
             "compute_vs_ddp": compute,  # compute per micro-batch over ddp's in the same seed's race
             "compute_vs_ddp_median": statistics.median(compute) if compute else None,
             "compute_vs_ddp_range": [min(compute), max(compute)] if compute else None,
@@ -101,8 +102,10 @@ def summarize(races: dict[int, dict]) -> dict:
         }
     shares = [r.get("comm_share_measured") for r in races.values()]
     rates = [r.get("rate_mbit_s") for r in races.values()]
+    ddp_runs = [race["methods"].get(REFERENCE, {}) for race in races.values()]
     return {
         "seeds": list(races),
+        "ddp_cpu_ms_per_micro_batch": _cpu_medians(ddp_runs),
         "comm_share_measured": shares,
         "rate_mbit_s": rates,
         "target_eval_loss": [r.get("target_eval_loss") for r in races.values()],
@@ -110,6 +113,16 @@ def summarize(races: dict[int, dict]) -> dict:
         "verdicts": _verdicts({REFERENCE: [1.0] * len(races),
                                **{n: m["time_vs_ddp"] for n, m in methods.items()}}),
     }
+
+
+def _cpu_medians(runs: list[dict]) -> dict[str, float]:
+    """Each thread role's CPU milliseconds per micro-batch (race.py), the median over the seeds
+    that measured it."""
+    roles: dict[str, list[float]] = {}
+    for r in runs:
+        for role, seconds in (r.get("cpu_s_per_micro_batch") or {}).items():
+            roles.setdefault(role, []).append(1000 * seconds)
+    return {role: statistics.median(ms) for role, ms in roles.items()}
 
 
 def _compute_vs_ddp(race: dict, name: str) -> float | None:
@@ -196,4 +209,12 @@ def seeds_markdown(summary: dict, out: Path) -> str:
         md_table(["method", "against", "verdict"],
                  [[v["method"], v["other"], _bold(v["verdict"])] for v in summary["verdicts"]]),
     ]  # fmt: skip
+    cpu = {REFERENCE: summary.get("ddp_cpu_ms_per_micro_batch")} | {
+        n: m.get("cpu_ms_per_micro_batch") for n, m in summary["methods"].items()}
+    if any(cpu.values()):
+        roles = ("training", "comm", "transport", "other", "network")
+        lines += ["", "CPU milliseconds per micro-batch by thread, the median over the seeds (race.md): what "
+                  "a round costs beside the compute on shared cores.", "",
+                  md_table(["method", *roles], [[n, *(fmt((c or {}).get(r), 1) for r in roles)]
+                                                for n, c in cpu.items()])]  # fmt: skip
     return "\n".join(lines) + "\n"

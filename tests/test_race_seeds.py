@@ -17,10 +17,11 @@ from acco_bench.settings import BenchSettings
 def _race(seed: int, times: dict[str, float | None], **config) -> dict:
     """A finished race's bench.json as run_race writes it, with the fields the summary reads."""
     methods = {"ddp": {"time_to_target_vs_ddp": 1.0, "samples_to_target_vs_ddp": 1.0,
-                       "compute_s_per_micro_batch": 0.2}}
+                       "compute_s_per_micro_batch": 0.2, "cpu_s_per_micro_batch": {"training": 0.15}}}
     for name, t in times.items():
         methods[name] = ({"time_to_target_vs_ddp": t, "samples_to_target_vs_ddp": 1.1, "drifted": False,
-                          "compute_s_per_micro_batch": 0.2 * (1 + seed / 10)}
+                          "compute_s_per_micro_batch": 0.2 * (1 + seed / 10),
+                          "cpu_s_per_micro_batch": {"training": 0.1, "comm": 0.001 * (1 + seed)}}
                          if t is not None else {"time_to_target_vs_ddp": None, "reached_target": False})
     cfg = {"seed": seed, "hosts": 2, "methods": ["ddp", *times], "budget_micro_batches": 480,
            "accumulate_while_waiting": False, "bandwidth": f"{50 + seed}mbit", **config}
@@ -44,7 +45,8 @@ def test_median_range_and_verdicts_over_the_seeds(tmp_path):
     assert acco["time_vs_ddp_median"] == pytest.approx(0.71)
     assert acco["time_vs_ddp_range"] == pytest.approx([0.68, 0.86])
     assert summary["methods"]["streaming-diloco"]["time_vs_ddp_median"] == pytest.approx(0.80)
-    assert acco["compute_vs_ddp_median"] == pytest.approx(1.2) and acco["compute_vs_ddp_range"] == pytest.approx([1.0, 1.4])
+    assert acco["compute_vs_ddp_median"] == pytest.approx(1.2)
+    assert acco["compute_vs_ddp_range"] == pytest.approx([1.0, 1.4])
     verdicts = {(v["method"], v["other"]): v["verdict"] for v in summary["verdicts"]}
     # ranges 0.68-0.86 and 0.75-1.23 overlap: a tie, although acco's median is lower
     assert verdicts["acco-int8-auto", "streaming-diloco"] == "a tie"
@@ -54,6 +56,9 @@ def test_median_range_and_verdicts_over_the_seeds(tmp_path):
     md = (tmp_path / "seeds.md").read_text()
     assert "0.71x (0.68x to 0.86x)" in md and "0.29-0.33" in md and "**ahead**" in md
     assert "1.20x (1.00x to 1.40x)" in md
+    # the comm thread's CPU per micro-batch, the median over seeds (1-5 ms); ddp has none
+    assert acco["cpu_ms_per_micro_batch"] == pytest.approx({"training": 100.0, "comm": 3.0})
+    assert "| acco-int8-auto | 100.0 | 3.0 | - | - | - |" in md and "| ddp | 150.0 | - |" in md
 
 
 def test_a_seed_that_does_not_reach_the_loss_counts_as_slower_than_any(tmp_path):
