@@ -37,6 +37,11 @@ def run_seeds(settings, seeds: list[int], out: Path, scheduler: str, eval_batche
 
     if not seeds or len(set(seeds)) != len(seeds):
         raise BenchError(f"--seeds needs distinct seeds, got {seeds}")
+    planned = planned_race(settings, scheduler)
+    for d in sorted(out.glob("seed-*")):  # before any race: a sweep refused at its end wastes hours
+        if (d / "bench.json").exists() and (differ := _differs(load_json(d / "bench.json"), planned)):
+            raise BenchError(f"{d} holds a race that differs from these settings in {', '.join(differ)}: "
+                             "give another --out")
     out.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
         d = out / f"seed-{seed}"
@@ -59,11 +64,21 @@ def load_races(out: Path) -> dict[int, dict]:
         raise BenchError(f"{out}: no seed-*/bench.json (acco-bench race --seeds writes them)")
     first_seed, first = next(iter(races.items()))
     for seed, race in races.items():
-        differ = [k for k in SAME_ROW if _row_key(race, k) != _row_key(first, k)]
-        if differ:
+        if differ := _differs(race, first):
             raise BenchError(f"{out}: seed {seed}'s race differs from seed {first_seed}'s in "
                              f"{', '.join(differ)}: not seeds of one row (give another --out)")
     return dict(sorted(races.items()))
+
+
+def planned_race(settings, scheduler: str) -> dict:
+    """The row's keys of the race ``settings`` will run, as its bench.json will hold them."""
+    config = {**settings.describe(), "methods": list(settings.methods),
+              "budget_micro_batches": settings.nb_steps_tot, "scheduler": scheduler}
+    return json.loads(json.dumps({"config": config, "comm_share_asked": settings.comm_share}, default=str))
+
+
+def _differs(race: dict, other: dict) -> list[str]:
+    return [k for k in SAME_ROW if _row_key(race, k) != _row_key(other, k)]
 
 
 def _row_key(race: dict, key: str):

@@ -92,14 +92,18 @@ def busy_cpu_s() -> float | None:
     return (user + nice + system) / _HZ
 
 
+def _stat_cpu_s(text: str) -> float:
+    """User + system CPU seconds from a /proc ``stat`` line (a process's or one thread's)."""
+    fields = text[text.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _HZ
+
+
 def _proc_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of one process, all its threads (Linux)."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        return _stat_cpu_s(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _HZ
 
 
 # A worker thread's role from its OS name (acco/engine/background.py names the comm thread; gloo
@@ -122,9 +126,8 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
         except OSError:
             continue
         name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text[text.rindex(")") + 2 :].split()
         role = "training" if int(tid) == pid else THREAD_ROLES.get(name, "other")
-        threads[int(tid)] = (role, (int(fields[11]) + int(fields[12])) / _HZ)
+        threads[int(tid)] = (role, _stat_cpu_s(text))
     return threads
 
 

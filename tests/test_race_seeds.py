@@ -78,20 +78,36 @@ def test_races_of_other_settings_are_not_seeds_of_one_row(tmp_path):
         race_seeds.load_races(tmp_path)
 
 
+def _planned(settings: BenchSettings, seed: int, acco: float) -> dict:
+    """A finished race of ``settings`` (its row's keys as run_race writes them) and acco's time."""
+    race = _race(seed, {"acco": acco})
+    race["config"] = {**race_seeds.planned_race(settings, "constant")["config"], "seed": seed}
+    race["comm_share_asked"] = settings.comm_share
+    return race
+
+
 def test_a_finished_seed_is_kept_and_the_others_are_raced(tmp_path, monkeypatch):
-    _write(tmp_path, _race(0, {"acco": 0.8}))
+    settings = BenchSettings(methods=("ddp", "acco"))
+    _write(tmp_path, _planned(settings, 0, 0.8))
     raced = []
 
     def fake_race(settings, out, scheduler, eval_batches, log):
         raced.append(settings.seed)
-        _write(tmp_path, _race(settings.seed, {"acco": 0.7}))
+        _write(tmp_path, _planned(settings, settings.seed, 0.7))
         return {}
 
     monkeypatch.setattr("acco_bench.race.run_race", fake_race)
-    summary = race_seeds.run_seeds(BenchSettings(methods=("ddp", "acco")), [0, 2], tmp_path, "constant", 8,
-                                   log=lambda *_: None)
+    summary = race_seeds.run_seeds(settings, [0, 2], tmp_path, "constant", 8, log=lambda *_: None)
     assert raced == [2] and summary["seeds"] == [0, 2]
     assert summary["methods"]["acco"]["time_vs_ddp"] == pytest.approx([0.8, 0.7])
+
+
+def test_a_seed_folder_of_other_settings_is_refused_before_any_race(tmp_path, monkeypatch):
+    _write(tmp_path, _planned(BenchSettings(methods=("ddp", "acco")), 0, 0.8))
+    monkeypatch.setattr("acco_bench.race.run_race", lambda *a, **k: pytest.fail("raced"))
+    other = BenchSettings(methods=("ddp", "acco", "diloco"))
+    with pytest.raises(BenchError, match="seed-0 holds a race that differs from these settings in methods"):
+        race_seeds.run_seeds(other, [0, 1], tmp_path, "constant", 8, log=lambda *_: None)
 
 
 def test_report_summarizes_a_folder_of_seeds_again(tmp_path, capsys):
