@@ -6,8 +6,8 @@ target). A method is **ahead** of another only where its range over the seeds li
 other's, **behind** where it lies above, and **a tie** otherwise: one more seed moves a median, a
 range that does not overlap survives it. A seed whose folder already holds a finished race of the
 same settings is kept, so a sweep that was stopped goes on where it was; one of other settings is
-refused before any race runs. ``acco-bench report OUT`` summarizes whatever ``seed-*`` folders ``OUT`` holds (links to
-races run apart included).
+refused before any race runs. ``acco-bench report OUT`` summarizes whatever ``seed-*`` folders
+``OUT`` holds (links to races run apart included).
 """
 
 from __future__ import annotations
