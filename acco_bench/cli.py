@@ -65,18 +65,18 @@ class _Given(argparse.Action):
         ns.given = {*getattr(ns, "given", ()), self.dest}
 
 
-def _shares(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--comm-shares takes numbers (0.3,0.45), got {text!r}") from None
+def _numbers(kind: type, flag: str, example: str):
+    """An argparse type: comma-separated ``kind``s (int or float; '' gives none), or one line naming
+    ``flag``. Every list flag of acco-bench parses through it."""
+    words = "integers" if kind is int else "numbers"
 
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes {words} ({example}), got {text!r}") from None
 
-def _seeds(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seeds takes integers (0,1,2), got {text!r}") from None
+    return parse
 
 
 def _add_link(p: argparse.ArgumentParser, sweep: bool = False) -> None:
@@ -87,7 +87,8 @@ def _add_link(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     if sweep:
         p.add_argument("--bandwidths", action=_Given, default="50mbit,200mbit,1000mbit,unshaped",
                        help="comma-separated tc rates; 'unshaped' for unshaped links")
-        p.add_argument("--comm-shares", action=_Given, type=_shares, default=None, metavar="0.3,0.45,0.6",
+        p.add_argument("--comm-shares", action=_Given, type=_numbers(float, "--comm-shares", "0.3,0.45"),
+                       default=None, metavar="0.3,0.45,0.6",
                        help=share.replace("S:", "one point per S:").replace("--bandwidth", "--bandwidths"))
     else:
         p.add_argument("--bandwidth", action=_Given, type=_none, default=DEFAULTS.bandwidth,
@@ -264,17 +265,20 @@ def build_parser() -> argparse.ArgumentParser:
         max_length=64,
         loopback=True,
     )
-    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    p.add_argument("--seeds", type=_numbers(int, "--seeds", "0,1"), default="0,1",
+                   help="comma-separated seeds (default 0,1)")
     p.add_argument("--netns", dest="loopback", action="store_false",
                    help="run on emulated hosts instead of loopback (unshaped by default)")
     p.add_argument("--bandwidth", type=_none, default=None, help="with --netns: per-host link rate")
     p.add_argument("--eval-step", type=int, default=10, help="evaluate every that many updates")
     p.add_argument("--closeness-only", action="store_true", help="only the update-closeness measurement")
     p.add_argument("--no-closeness", action="store_true", help="skip the update-closeness measurement")
-    p.add_argument("--closeness-steps", default="1,10,50,100,200",
+    p.add_argument("--closeness-steps", type=_numbers(int, "--closeness-steps", "1,10"),
+                   default="1,10,50,100,200",
                    help="Adam steps before each closeness measurement")
     p.add_argument(
         "--batch-sizes",
+        type=_numbers(int, "--batch-sizes", "1,2,4,8"),
         default=None,
         metavar="1,2,4,8",
         help="small per-worker batches: the methods at each of these sequences per micro-batch, with "
@@ -288,10 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p, "outputs/bench/lr-sweep", 800, methods=("ddp", "acco", "dpu"))
     p.set_defaults(loopback=True)
-    p.add_argument("--learning-rates", default="5e-4,1e-3,1.5e-3,2e-3,3e-3",
+    p.add_argument("--learning-rates", type=_numbers(float, "--learning-rates", "1e-3,3e-3"),
+                   default="5e-4,1e-3,1.5e-3,2e-3,3e-3",
                    help="comma-separated learning rates (train.learning_rate), two or more")
-    p.add_argument("--seeds", default="0", help="seeds run at every learning rate (default 0)")
-    p.add_argument("--extra-seeds", default="1,2",
+    p.add_argument("--seeds", type=_numbers(int, "--seeds", "0,1"), default="0",
+                   help="seeds run at every learning rate (default 0)")
+    p.add_argument("--extra-seeds", type=_numbers(int, "--extra-seeds", "1,2"), default="1,2",
                    help="more seeds at ddp's best learning rate and the one nearest half of it ('' for none)")
     p.add_argument(
         "--eval-step", type=int, default=0, help="also evaluate every that many updates (0: at the end)"
@@ -331,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="LR schedule after a warm-up of a tenth of the budget (a decaying one ends at each run's "
         "own budget: ddp's, or the cap; see acco_bench/race.py)",
     )
-    p.add_argument("--seeds", type=_seeds, default=None, metavar="0,1,2,3,4",
+    p.add_argument("--seeds", type=_numbers(int, "--seeds", "0,1,2"), default=None,
+                   metavar="0,1,2,3,4",
                    help="one race per seed in OUT/seed-N (a finished one of the same settings is kept), "
                    "then each method's median and range over them: OUT/seeds.md (acco_bench/race_seeds.py)")
 
@@ -415,7 +422,7 @@ def _convergence(args) -> int:
     """Loss against samples over seeds, or over batch sizes (convergence.md, batch_sizes.md)."""
     from acco_bench.convergence import run_convergence
 
-    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    seeds = args.seeds
     if args.data == "synthetic":
         print(
             "[acco-bench] the TinyStories slice (../shared/data) is not here: running on the "
@@ -428,13 +435,7 @@ def _convergence(args) -> int:
 
         if args.closeness_only:
             raise BenchError("--batch-sizes and --closeness-only exclude each other")
-        try:
-            sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-        except ValueError:
-            raise BenchError(
-                f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}"
-            ) from None
-        table = run_batch_sizes(s, seeds, sizes, Path(args.out))
+        table = run_batch_sizes(s, seeds, args.batch_sizes, Path(args.out))
         print(f"[acco-bench] wrote {args.out}/batch_sizes.json and batch_sizes.md")
         print((Path(args.out) / "batch_sizes.md").read_text())
         return 1 if table["failed"] else 0
@@ -444,7 +445,7 @@ def _convergence(args) -> int:
         Path(args.out),
         closeness=not args.no_closeness,
         closeness_only=args.closeness_only,
-        closeness_steps=[int(x) for x in args.closeness_steps.split(",") if x.strip()],
+        closeness_steps=args.closeness_steps,
     )
     print(f"[acco-bench] wrote {args.out}/convergence.json and convergence.md")
     print((Path(args.out) / "convergence.md").read_text())
@@ -455,15 +456,9 @@ def _lr_sweep(args) -> int:
     """Eval loss over learning rates and seeds (lr_sweep.json, lr_sweep.md)."""
     from acco_bench.lr_sweep import run_lr_sweep
 
-    def numbers(text, kind):
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise BenchError(f"expected comma-separated numbers, got {text!r}") from None
-
     s = _settings(args, bandwidth=None, latency=None, eval_step=args.eval_step or None)
-    sweep = run_lr_sweep(s, numbers(args.learning_rates, float), numbers(args.seeds, int),
-                         numbers(args.extra_seeds, int), Path(args.out), args.reference_updates)
+    sweep = run_lr_sweep(s, args.learning_rates, args.seeds, args.extra_seeds, Path(args.out),
+                         args.reference_updates)
     print(f"[acco-bench] wrote {args.out}/lr_sweep.json and lr_sweep.md")
     print((Path(args.out) / "lr_sweep.md").read_text())
     return 1 if sweep.get("failed") else 0

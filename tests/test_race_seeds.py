@@ -120,3 +120,20 @@ def test_seed_and_seeds_exclude_each_other(tmp_path, capsys):
     assert main(["race", "--seed", "1", "--seeds", "0,1", "--loopback", "--out", str(tmp_path)]) == 2
     assert "--seed and --seeds exclude each other" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["race", "--seeds", "0,one"], "--seeds takes integers (0,1,2), got '0,one'"),
+    (["convergence", "--seeds", "0,1.5"], "--seeds takes integers (0,1), got '0,1.5'"),
+    (["convergence", "--batch-sizes", "1,two"], "--batch-sizes takes integers"),
+    (["lr-sweep", "--learning-rates", "1e-3,fast"], "--learning-rates takes numbers"),
+    (["lr-sweep", "--extra-seeds", "x"], "--extra-seeds takes integers"),
+])
+def test_every_list_flag_fails_with_one_line(argv, said, tmp_path, capsys):
+    """acco-bench's comma-separated flags parse through one type: a bad item is one line, exit 2,
+    before anything runs (convergence's --seeds was a traceback)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and said in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
