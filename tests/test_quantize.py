@@ -72,3 +72,32 @@ def test_config():
     from acco.config import TrainArgs
 
     assert TrainArgs().estimate_comm == "full"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_is_the_written_out_formula_bit_for_bit(dtype):
+    """quantize_ against the formula written out block by block, element for element: q =
+    round(x / s) (ties to even), s = amax|x| / 127, on a zero block, a NaN block, an inf block, exact
+    ties and a short last block. A faster kernel must not move one rounding: the int8 references of
+    tests/test_estimate_int8.py call the engine's own quantizer."""
+    gen = torch.Generator().manual_seed(3)
+    n, block = 5 * 2048 + 300, 2048
+    x = (torch.randn(n, generator=gen) * torch.logspace(-4, 2, n)).to(dtype)
+    x[2048:4096] = 0.0
+    x[4096 + 7] = float("nan")
+    x[6144 + 9] = float("-inf")
+    x[8192:10240].clamp_(-1.0, 1.0)
+    x[8192:8195] = torch.tensor([-127.0, 2.5, -3.5])  # s = 1 exactly: 2.5 -> 2, -3.5 -> -4
+    x[10240 + 5] = -1000.0  # the short block's largest magnitude is negative
+    q, scales = torch.empty(n, dtype=torch.int8), torch.empty(qz.n_blocks(n, block))
+    qz.quantize_(x, q, scales, torch.empty(n), block)
+    for b, start in enumerate(range(0, n, block)):
+        xb = x[start : start + block].float()
+        s = xb.abs().max() / 127
+        assert torch.equal(scales[b], s) or (s.isnan() and scales[b].isnan()), b
+        if not torch.isfinite(s):  # the block reads back as NaN whatever q holds
+            continue
+        expected = torch.zeros_like(xb) if s == 0 else torch.round(xb / s)
+        assert torch.equal(q[start : start + block].float(), expected), b
+    assert q[8192:8195].tolist() == [-127, 2, -4]
+    assert q[10240 + 5] == -127

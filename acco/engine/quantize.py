@@ -65,7 +65,9 @@ def quantize_(
     overwritten)."""
     for xs, bs, shape in _parts(x.numel(), block):
         xb, s = x[xs].view(shape), scales[bs]
-        lo, hi = torch.aminmax(xb, dim=1)
+        # amax and amin, two passes: torch.aminmax over the rows took 20x as long on a CPU (1.0
+        # against 0.05 ms on 465k elements), the most of the whole quantization
+        hi, lo = torch.amax(xb, dim=1), torch.amin(xb, dim=1)
         torch.maximum(hi.float(), lo.float().neg_(), out=s)
         s.div_(QMAX)
         safe = torch.where(s == 0, 1.0, s)  # a zero block: q = 0 (NaN stays NaN)
