@@ -49,14 +49,17 @@ def test_the_window_tells_a_host_that_works_from_one_that_waits():
     for kind in ("works", "waits"):
         window = Window(torch.device("cpu"))
         window.start()
-        end = time.perf_counter() + 0.2
-        while kind == "works" and time.perf_counter() < end:
+        # works: until this thread has used 0.2 s of CPU (not of wall time: on a loaded machine
+        # the wall second holds less of it); waits: 0.2 s asleep
+        end = time.thread_time() + 0.2
+        while kind == "works" and time.thread_time() < end:
             sum(range(1000))
         if kind == "waits":
             time.sleep(0.2)
         shares[kind] = window.stop(micro_batches=1)
-    # (loose: a loaded 2-core machine gives the busy thread half a core or less)
-    assert shares["works"]["host"] > max(0.25, 2 * shares["waits"]["host"]) and shares["waits"]["host"] < 0.15
+    # loose: two suites side by side on 2 cores left the busy thread 0.23 of a core
+    works, waits = shares["works"]["host"], shares["waits"]["host"]
+    assert works > max(0.05, 10 * waits) and waits < 0.15
     assert shares["works"]["process_cpu"] >= shares["works"]["host"] * 0.9
     assert "the training thread on the CPU" in " ".join(markdown(shares["works"] | {"variant": "v"}))
 
